@@ -1,0 +1,37 @@
+# One set of commands for people, CI and docs. Every target installs what it
+# needs on first use into .venv (the on-disk CPU torch wheel, never a CUDA one).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check -q
+STAMP  := $(VENV)/.installed
+TORCH  := torch==2.13.0
+
+.PHONY: install test lint demo bench clean
+
+$(STAMP): agent/pyproject.toml requirements-dev.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install $(TORCH)
+	$(PIP) install -e agent -r requirements-dev.txt
+	touch $@
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check agent tests bench examples
+	$(VENV)/bin/ruff format --check agent tests bench examples
+	$(VENV)/bin/mypy agent/src
+
+demo: $(STAMP)
+	$(PY) examples/run_demo.py
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,58 @@
+"""breakpod: ``breakpoint()`` for pods.
+
+The stable API is ``__all__``. Importing ``breakpod`` is cheap: it loads
+neither torch nor debugpy, and each name below is imported on first use.
+
+    PYTHONBREAKPOINT=breakpod.set_trace    # breakpoint() parks on a socket when headless
+    breakpod.init_remote_debugger()        # a pdb or debugpy listener, when enabled
+    breakpod.install_excepthook()          # post-mortem on crashes (BREAKPOD_POST_MORTEM=1)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "set_trace": "breakpod.shim",
+    "post_mortem": "breakpod.shim",
+    "install_excepthook": "breakpod.shim",
+    "init_remote_debugger": "breakpod.debugger",
+    "Endpoint": "breakpod.debugger",
+    "Settings": "breakpod.config",
+    "BreakpodError": "breakpod.errors",
+    "ConfigError": "breakpod.errors",
+    "InsecureBindError": "breakpod.errors",
+    "ListenerError": "breakpod.errors",
+    "AttachError": "breakpod.errors",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:
+    from breakpod.config import Settings as Settings
+    from breakpod.debugger import Endpoint as Endpoint
+    from breakpod.debugger import init_remote_debugger as init_remote_debugger
+    from breakpod.errors import AttachError as AttachError
+    from breakpod.errors import BreakpodError as BreakpodError
+    from breakpod.errors import ConfigError as ConfigError
+    from breakpod.errors import InsecureBindError as InsecureBindError
+    from breakpod.errors import ListenerError as ListenerError
+    from breakpod.shim import install_excepthook as install_excepthook
+    from breakpod.shim import post_mortem as post_mortem
+    from breakpod.shim import set_trace as set_trace
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'breakpod' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,144 @@
+"""The engineer's side of a remote pdb: a socket client with line editing.
+
+Everything the server sends is printed; when it ends with a prompt, the
+client reads a line locally (readline: editing and history) and sends it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from typing import TextIO
+
+from breakpod.errors import AttachError
+from breakpod.listener import TOKEN_PROMPT
+
+PROMPTS = ("(Pdb) ", ">>> ", "... ")
+HISTORY = os.path.expanduser("~/.breakpod_history")
+CONNECT_TIMEOUT = 5.0
+
+
+def attach(
+    host: str,
+    port: int,
+    *,
+    token: str | None = None,
+    out: TextIO = sys.stdout,
+    read_line: Callable[[str], str] = input,
+) -> None:
+    """Run an interactive session until the remote side closes or EOF is typed."""
+    sock = connect(host, port)
+    with sock, _history():
+        _session(sock, token, out, read_line)
+
+
+def connect(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+    except OSError as e:
+        raise AttachError(
+            f"nothing accepts connections on {host}:{port} ({e.strerror or e}). "
+            "Is the process parked? Check the 'waiting for a debugger' line in its log, "
+            "and for a pod run kubectl port-forward first"
+        ) from e
+
+
+def _session(
+    sock: socket.socket, token: str | None, out: TextIO, read_line: Callable[[str], str]
+) -> None:
+    sock.settimeout(None)
+    pending = ""
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            out.write(pending)
+            out.write("\nbreakpod: the remote side closed the session\n")
+            return
+        pending += data.decode(errors="replace")
+        if pending.endswith(TOKEN_PROMPT):
+            sock.sendall((_token(token) + "\n").encode())
+            pending = pending[: -len(TOKEN_PROMPT)]
+            continue
+        prompt = next((p for p in PROMPTS if pending.endswith(p)), None)
+        if prompt is None:
+            keep = _partial_prompt_length(pending)
+            out.write(pending[: len(pending) - keep])
+            out.flush()
+            pending = pending[len(pending) - keep :]
+            continue
+        out.write(pending[: -len(prompt)])
+        out.flush()
+        pending = ""
+        line = _read(prompt, read_line, out)
+        if line is None:
+            return
+        sock.sendall((line + "\n").encode())
+
+
+def _read(prompt: str, read_line: Callable[[str], str], out: TextIO) -> str | None:
+    """One line typed by the engineer; None on EOF (Ctrl-D) = detach."""
+    while True:
+        try:
+            return read_line(prompt)
+        except KeyboardInterrupt:
+            out.write("\n")
+        except EOFError:
+            out.write("\nbreakpod: detached; the program continues\n")
+            return None
+
+
+def _partial_prompt_length(text: str) -> int:
+    for n in range(max(map(len, PROMPTS)) - 1, 0, -1):
+        if any(p.startswith(text[-n:]) for p in PROMPTS):
+            return n
+    return 0
+
+
+def _token(token: str | None) -> str:
+    token = token or os.environ.get("BREAKPOD_TOKEN")
+    if token:
+        return token
+    if sys.stdin.isatty():
+        import getpass
+
+        return getpass.getpass("breakpod token: ")
+    raise AttachError("the listener requires a token: set BREAKPOD_TOKEN or pass --token")
+
+
+@contextlib.contextmanager
+def _history() -> Iterator[None]:
+    try:
+        import readline
+    except ImportError:
+        yield
+        return
+    with contextlib.suppress(OSError):
+        readline.read_history_file(HISTORY)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            readline.set_history_length(1000)
+            readline.write_history_file(HISTORY)
+
+
+def vscode_launch(host: str, port: int, remote_root: str, local_root: str) -> str:
+    """A VS Code ``launch.json`` that attaches to a debugpy listener."""
+    config = {
+        "version": "0.2.0",
+        "configurations": [
+            {
+                "name": f"breakpod: attach {host}:{port}",
+                "type": "debugpy",
+                "request": "attach",
+                "connect": {"host": host, "port": port},
+                "pathMappings": [{"localRoot": local_root, "remoteRoot": remote_root}],
+                "justMyCode": False,
+            }
+        ],
+    }
+    return json.dumps(config, indent=2)

@@ -1,0 +1,194 @@
+"""The process's listeners: a remote pdb socket and/or a debugpy (DAP) listener.
+
+State is process-wide and created on first use, so calling
+:func:`init_remote_debugger` twice, or ``breakpoint()`` after it, reuses the
+same port. Nothing here runs, imports debugpy or binds anything until asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import logging
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any
+
+from breakpod import events, net
+from breakpod.announce import announce
+from breakpod.config import Settings
+from breakpod.errors import BreakpodError, ConfigError
+from breakpod.listener import Listener
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """Where a listener accepts clients."""
+
+    backend: str
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class _State:
+    lock = threading.RLock()
+    pdb: Listener | None = None
+    debugpy: Endpoint | None = None
+
+
+def pdb_listener(settings: Settings) -> Listener:
+    """The process's remote pdb listener, bound on first use."""
+    with _State.lock:
+        if _State.pdb is None:
+            net.check_bind(
+                settings.host,
+                backend="pdb",
+                token=settings.token,
+                allow_insecure=settings.allow_insecure,
+            )
+            _State.pdb = Listener(settings.host, settings.listen_port, token=settings.token)
+        return _State.pdb
+
+
+def debugpy_endpoint() -> Endpoint | None:
+    """The active debugpy listener, if :func:`init_remote_debugger` started one."""
+    return _State.debugpy
+
+
+def init_remote_debugger(
+    port: int | None = None,
+    host: str | None = None,
+    backend: str | None = None,
+    wait: bool = False,
+    *,
+    enable: bool | None = None,
+) -> Endpoint | None:
+    """Get a debugger listener ready in this process, or do nothing when disabled.
+
+    Disabled (the default) unless ``ENABLE_REMOTE_DEBUG`` is true or
+    ``enable=True``. ``backend`` is ``"auto"`` (debugpy when importable, else
+    pdb; also read from ``BREAKPOD_BACKEND``), ``"pdb"`` or ``"debugpy"``.
+    The port is ``port`` (or ``BREAKPOD_PORT``, default 5678) plus
+    ``LOCAL_RANK``. ``wait=True`` blocks until a client attaches, at most
+    ``BREAKPOD_WAIT_TIMEOUT`` seconds. Returns where the listener is, or
+    ``None`` when disabled or when the listener could not start (logged).
+    """
+    settings = Settings.from_env(port=port, host=host, backend=backend, enabled=enable)
+    if not settings.enabled:
+        return None
+    chosen = _choose_backend(settings.backend)
+    net.check_bind(
+        settings.host, backend=chosen, token=settings.token, allow_insecure=settings.allow_insecure
+    )
+    try:
+        endpoint = _start_debugpy(settings) if chosen == "debugpy" else _start_pdb(settings)
+    except (BreakpodError, OSError, RuntimeError) as e:
+        announce(f"could not start the {chosen} listener: {e}")
+        return None
+    if wait:
+        _wait_for_client(endpoint, settings, sys._getframe(1))
+    return endpoint
+
+
+def _choose_backend(requested: str) -> str:
+    if requested not in {"auto", "pdb", "debugpy"}:
+        raise ConfigError(f"backend={requested!r} is not one of: auto, pdb, debugpy")
+    if requested != "auto":
+        return requested
+    chosen = "debugpy" if importlib.util.find_spec("debugpy") else "pdb"
+    log.info("backend auto: using %s", chosen)
+    return chosen
+
+
+def _start_pdb(settings: Settings) -> Endpoint:
+    listener = pdb_listener(settings)
+    endpoint = Endpoint("pdb", listener.host, listener.port)
+    announce(
+        f"remote pdb ready on {endpoint.address}: breakpoint() and crashes park here; "
+        f"attach with: breakpod attach {endpoint.address}"
+    )
+    return endpoint
+
+
+def _start_debugpy(settings: Settings) -> Endpoint:
+    with _State.lock:
+        if _State.debugpy is not None:
+            return _State.debugpy
+        import debugpy
+
+        if not net.is_loopback(settings.host):
+            announce(
+                f"WARNING: debugpy listens on {settings.host} with no authentication: "
+                "anyone who reaches this port can run code in this process"
+            )
+        host, port = debugpy.listen((settings.host, settings.listen_port))
+        _State.debugpy = Endpoint("debugpy", host, port)
+    announce(
+        f"debugpy listening on {host}:{port}: attach VS Code or any DAP client "
+        f"(breakpod attach --vscode {host}:{port} prints a launch.json)"
+    )
+    events.emit("listening", backend="debugpy", address=f"{host}:{port}")
+    return _State.debugpy
+
+
+def _wait_for_client(endpoint: Endpoint, settings: Settings, frame: FrameType) -> None:
+    if endpoint.backend == "debugpy":
+        attached = wait_for_debugpy_client(settings.wait_timeout)
+    else:
+        from breakpod import shim
+
+        attached = shim.park(
+            frame, settings, "init_remote_debugger(wait=True)", hold_seconds=settings.wait_timeout
+        )
+    if not attached:
+        announce(f"nobody attached within {settings.wait_timeout:g}s; continuing")
+
+
+def wait_for_debugpy_client(timeout: float) -> bool:
+    """Block until a DAP client attaches or ``timeout`` seconds pass."""
+    import debugpy
+
+    if debugpy.is_client_connected():
+        return True
+    timer = threading.Timer(timeout, _cancel_debugpy_wait) if timeout != float("inf") else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        debugpy.wait_for_client()
+    finally:
+        if timer is not None:
+            timer.cancel()
+    time.sleep(0)  # let pydevd settle its attach state
+    return bool(debugpy.is_client_connected())
+
+
+def _cancel_debugpy_wait() -> None:
+    import debugpy
+
+    with contextlib.suppress(RuntimeError):  # not waiting (any more)
+        debugpy.wait_for_client.cancel()
+
+
+def debugpy_stop_at(frame: FrameType) -> None:
+    """Suspend this thread in ``frame`` for the attached DAP client."""
+    import debugpy.server.api  # noqa: F401  (puts the vendored pydevd on sys.path)
+    import pydevd
+
+    kwargs: dict[str, Any] = {
+        "suspend": True,
+        "trace_only_current_thread": True,
+        "patch_multiprocessing": False,
+        "stop_at_frame": frame,
+        "notify_stdin": False,
+    }
+    pydevd.settrace(**kwargs)

@@ -1,0 +1,34 @@
+"""Errors raised by breakpod.
+
+    BreakpodError
+    ├── ConfigError          a setting or argument has a value breakpod cannot use
+    │   └── InsecureBindError  a non-loopback bind without the required opt-in
+    └── ListenerError        a listener could not be started or reached
+        └── AttachError      the CLI could not attach to a listener
+
+Inside the training process breakpod never lets these escape from a
+``breakpoint()`` or a hook; they reach callers only from explicit API calls
+(``init_remote_debugger(...)``) and from the CLI.
+"""
+
+from __future__ import annotations
+
+
+class BreakpodError(Exception):
+    """Base class of every error breakpod raises."""
+
+
+class ConfigError(BreakpodError, ValueError):
+    """A setting or argument has a value breakpod cannot use."""
+
+
+class InsecureBindError(ConfigError):
+    """A listener was asked to bind a non-loopback address without the opt-in."""
+
+
+class ListenerError(BreakpodError, OSError):
+    """A listener could not be started."""
+
+
+class AttachError(ListenerError):
+    """The CLI could not attach to a listener."""

@@ -1,0 +1,51 @@
+"""In-process event hub: the debugger, shim and monitors publish; sinks consume.
+
+A sink is any callable taking an :class:`Event` (the broker emitter is one).
+Publishing with no sinks costs one empty-list check. A sink that raises is
+logged once and never affects the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    kind: str
+    fields: dict[str, Any]
+    time: float = dataclasses.field(default_factory=time.time)
+
+
+Sink = Callable[[Event], None]
+_sinks: list[Sink] = []
+_failed: set[int] = set()
+
+
+def add_sink(sink: Sink) -> None:
+    if sink not in _sinks:
+        _sinks.append(sink)
+
+
+def remove_sink(sink: Sink) -> None:
+    if sink in _sinks:
+        _sinks.remove(sink)
+
+
+def emit(kind: str, **fields: Any) -> None:
+    if not _sinks:
+        return
+    event = Event(kind, fields)
+    for sink in list(_sinks):
+        try:
+            sink(event)
+        except Exception:
+            if id(sink) not in _failed:
+                _failed.add(id(sink))
+                log.exception("breakpod event sink %r failed; further failures are silent", sink)

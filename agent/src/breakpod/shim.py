@@ -1,0 +1,177 @@
+"""``breakpoint()`` that parks instead of dying, and post-mortem on crashes.
+
+Routing of :func:`set_trace` (``PYTHONBREAKPOINT=breakpod.set_trace``):
+
+1. a debugpy listener is active -> the attached IDE stops in the caller;
+2. stdin is a usable TTY        -> plain local pdb, as ``breakpoint()`` would;
+3. otherwise (container, CI)    -> park on the remote pdb socket and wait.
+
+Nothing here may raise into the training code: a failure is announced and
+the program continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from collections.abc import Callable
+from types import FrameType, TracebackType
+
+from breakpod import debugger, events
+from breakpod.announce import announce
+from breakpod.config import Settings
+from breakpod.pdb_commands import CommandsMixin, load_builtin_commands
+from breakpod.remote_pdb import SKIP, RemoteSession, post_mortem_remote, set_trace_remote
+
+log = logging.getLogger(__name__)
+
+Start = Callable[[], None]
+
+
+class LocalPdb(CommandsMixin):
+    """Terminal pdb with breakpod's extra commands."""
+
+    def __init__(self) -> None:
+        super().__init__(skip=SKIP)
+        load_builtin_commands()
+
+
+def stdin_is_tty() -> bool:
+    stdin = sys.stdin
+    try:
+        return stdin is not None and not stdin.closed and stdin.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def set_trace(
+    *_args: object, header: str | None = None, frame: FrameType | None = None, **_kwargs: object
+) -> None:
+    """Break into a debugger in the caller's frame; never raises into it."""
+    frame = frame if frame is not None else sys._getframe(1)
+    try:
+        start = _prepare(frame, header)
+    except Exception as e:  # the training job outlives any breakpod failure
+        announce(f"breakpoint() could not start a debugger ({type(e).__name__}: {e}); continuing")
+        return
+    if start is not None:
+        start()  # last: pdb traces from the next line of the caller on
+
+
+def _prepare(frame: FrameType, header: str | None) -> Start | None:
+    reason = header or f"breakpoint() at {where(frame)}"
+    if debugger.debugpy_endpoint() is not None:
+        return _prepare_debugpy(frame, reason)
+    if stdin_is_tty():
+        return lambda: LocalPdb().set_trace(frame)
+    settings = _settings()
+    session = _open_session(settings, reason, settings.hold_seconds)
+    if session is None:
+        return None
+    return lambda: set_trace_remote(session, frame, quit_mode=settings.quit_mode)
+
+
+def park(frame: FrameType, settings: Settings, reason: str, *, hold_seconds: float) -> bool:
+    """Park in a remote pdb at ``frame`` now; False when nobody attached in time."""
+    session = _open_session(settings, reason, hold_seconds)
+    if session is None:
+        return False
+    set_trace_remote(session, frame, quit_mode=settings.quit_mode)
+    return True
+
+
+def _prepare_debugpy(frame: FrameType, reason: str) -> Start | None:
+    endpoint = debugger.debugpy_endpoint()
+    assert endpoint is not None
+    hold = _settings().hold_seconds
+    announce(f"{reason}: waiting up to {_seconds(hold)} for a DAP client on {endpoint.address}")
+    events.emit("parked", backend="debugpy", address=endpoint.address, reason=reason)
+    if not debugger.wait_for_debugpy_client(hold):
+        announce(f"nobody attached within {_seconds(hold)}; continuing")
+        return None
+    return lambda: debugger.debugpy_stop_at(frame)
+
+
+def _open_session(settings: Settings, reason: str, hold_seconds: float) -> RemoteSession | None:
+    """Announce the park and wait for a client; None when the hold time passed."""
+    listener = debugger.pdb_listener(settings)
+    session = RemoteSession(
+        listener, reason=reason, hold_seconds=hold_seconds, on_detach=settings.on_detach
+    )
+    address = listener.address
+    announce(
+        f"{reason}: waiting up to {_seconds(hold_seconds)} for a debugger on {address}; "
+        f"attach with: breakpod attach {address}  (or: nc {listener.host} {listener.port})"
+    )
+    events.emit("parked", backend="pdb", address=address, reason=reason)
+    if session.wait():
+        return session
+    announce(f"nobody attached within {_seconds(hold_seconds)}; continuing")
+    events.emit("resumed", address=address, why="hold time passed")
+    return None
+
+
+def post_mortem(
+    tb: TracebackType | None = None, *, reason: str | None = None, hold_seconds: float | None = None
+) -> None:
+    """Inspect a traceback: local pdb on a TTY, else a remote session held open."""
+    tb = tb if tb is not None else sys.exc_info()[2]
+    if tb is None:
+        raise ValueError("post_mortem() needs a traceback, or must run inside an except block")
+    if stdin_is_tty():
+        local = LocalPdb()
+        local.reset()
+        local.interaction(None, tb)
+        return
+    settings = _settings()
+    hold = settings.hold_seconds if hold_seconds is None else hold_seconds
+    session = _open_session(settings, reason or f"post-mortem at {where(_last_frame(tb))}", hold)
+    if session is not None:
+        post_mortem_remote(session, tb, quit_mode=settings.quit_mode)
+
+
+def install_excepthook() -> None:
+    """On an uncaught exception, open a post-mortem session before exiting.
+
+    The traceback is printed as usual first; afterwards the process exits
+    with the status it would have had. Idempotent.
+    """
+    if getattr(sys.excepthook, "__breakpod__", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        previous(exc_type, exc, tb)
+        if tb is None or issubclass(exc_type, KeyboardInterrupt):
+            return
+        try:
+            post_mortem(tb, reason=f"uncaught {exc_type.__name__} at {where(_last_frame(tb))}")
+        except Exception as e:
+            announce(f"post-mortem failed ({type(e).__name__}: {e})")
+
+    hook.__breakpod__ = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def where(frame: FrameType) -> str:
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}()"
+
+
+def _last_frame(tb: TracebackType) -> FrameType:
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_frame
+
+
+def _seconds(seconds: float) -> str:
+    return "forever" if math.isinf(seconds) else f"{seconds:g}s"
+
+
+def _settings() -> Settings:
+    """Environment settings; a bad value is reported and the defaults used."""
+    try:
+        return Settings.from_env()
+    except ValueError as e:
+        announce(f"{e}; using defaults")
+        return Settings()

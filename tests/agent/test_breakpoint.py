@@ -1,0 +1,150 @@
+"""breakpoint() in a headless child parks on a socket instead of dying."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+SCRIPT = """
+    x = 41
+    breakpoint()
+    x += 1
+    print("finished", x)
+"""
+
+
+@pytest.mark.parametrize("stdin", ["devnull", "closed"])
+def test_headless_breakpoint_parks_and_continues(spawn, pdb_client, stdin):
+    child = spawn(SCRIPT, stdin=stdin)
+    client = pdb_client(child.park_port())
+    banner = client.read_until()
+    assert "breakpod: attached to pid" in banner
+    assert "-> x += 1" in banner  # the caller's frame, next line
+    assert client.command("p x").strip() == "41"
+    client.send("c")
+    assert "continuing" in client.read_all()
+    assert child.wait() == 0
+    assert "finished 42" in child.stdout()
+
+
+@pytest.mark.parametrize("stdin", ["devnull", "closed"])
+def test_without_breakpod_the_same_script_dies(spawn, stdin):
+    child = spawn(SCRIPT, stdin=stdin, breakpod=False)
+    assert child.wait() != 0
+    assert "finished" not in child.stdout()
+    assert "BdbQuit" in child.stderr or "lost sys.stdin" in child.stderr
+
+
+def test_client_disconnect_continues_the_program(spawn, pdb_client):
+    child = spawn(SCRIPT)
+    client = pdb_client(child.park_port())
+    client.read_until()
+    client.close()
+    assert child.wait() == 0
+    assert "finished 42" in child.stdout()
+
+
+def test_on_detach_wait_hands_the_session_to_the_next_client(spawn, pdb_client):
+    child = spawn(SCRIPT, env={"BREAKPOD_ON_DETACH": "wait"})
+    port = child.park_port()
+    first = pdb_client(port)
+    first.read_until()
+    first.command("x = 100")
+    first.close()
+    second = pdb_client(port)
+    assert "-> x += 1" in second.read_until()
+    assert second.command("p x").strip() == "100"
+    second.send("c")
+    assert child.wait() == 0
+    assert "finished 101" in child.stdout()
+
+
+def test_quit_detaches_and_continues(spawn, pdb_client):
+    child = spawn(SCRIPT)
+    client = pdb_client(child.park_port())
+    client.read_until()
+    client.send("q")
+    assert "program continues" in client.read_all()
+    assert child.wait() == 0
+    assert "finished 42" in child.stdout()
+
+
+def test_quit_exit_mode_stops_the_program(spawn, pdb_client):
+    child = spawn(SCRIPT, env={"BREAKPOD_QUIT": "exit"})
+    client = pdb_client(child.park_port())
+    client.read_until()
+    client.send("q")
+    client.read_all()
+    assert child.wait() != 0
+    assert "BdbQuit" in child.stderr
+
+
+def test_second_client_is_refused_with_one_line(spawn, pdb_client):
+    child = spawn(SCRIPT)
+    port = child.park_port()
+    first = pdb_client(port)
+    first.read_until()
+    second = pdb_client(port)
+    refusal = second.read_all()
+    assert refusal.count("\n") == 1 and "already attached" in refusal
+    assert first.command("p x").strip() == "41"  # the first session is unaffected
+    first.send("c")
+    assert child.wait() == 0
+
+
+def _first_non_loopback_ipv4() -> str | None:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # no packet is sent for UDP connect
+            address = s.getsockname()[0]
+    except OSError:
+        return None
+    return None if address.startswith("127.") else address
+
+
+def test_non_loopback_bind_without_token_is_refused(spawn):
+    child = spawn(SCRIPT, env={"BREAKPOD_HOST": "0.0.0.0"})
+    child.wait_for("refusing to bind .* without a token")
+    assert child.wait() == 0  # the program was not killed; it continued
+    assert "finished 42" in child.stdout()
+
+
+@pytest.fixture
+def tokened_child(spawn):
+    host = _first_non_loopback_ipv4()
+    if host is None:
+        pytest.skip("no non-loopback IPv4 address on this machine")
+    child = spawn(SCRIPT, env={"BREAKPOD_HOST": host, "BREAKPOD_TOKEN": "s3cret"})
+    return child, host, child.park_port()
+
+
+def test_token_required_on_non_loopback_bind(tokened_child, pdb_client):
+    child, host, port = tokened_child
+    client = pdb_client(port, host)
+    assert "token required" in client.read_until("\n")
+    client.send("s3cret")
+    assert "attached" in client.read_until()
+    client.send("c")
+    assert child.wait() == 0
+
+
+def test_wrong_token_is_refused(tokened_child, pdb_client):
+    child, host, port = tokened_child
+    client = pdb_client(port, host)
+    client.read_until("\n")
+    client.send("guess")
+    assert "wrong or missing token" in client.read_all()
+    good = pdb_client(port, host)  # the process still waits for the right client
+    good.read_until("\n")
+    good.send("s3cret")
+    good.read_until()
+    good.send("c")
+    assert child.wait() == 0
+
+
+def test_nobody_attaching_continues_after_the_hold_time(spawn):
+    child = spawn(SCRIPT, env={"BREAKPOD_HOLD_SECONDS": "0.5"})
+    assert child.wait() == 0
+    assert "nobody attached within 0.5s" in child.stderr
+    assert "finished 42" in child.stdout()
