@@ -41,13 +41,15 @@ def main() -> int:
             host, port = match.group(1), int(match.group(2))
             threading.Thread(target=scripted_client, args=(host, port), daemon=True).start()
         elif match:
-            print(f"[demo] attach from another terminal:  .venv/bin/breakpod attach {host_port(match)}")
+            print(
+                f"[demo] attach from another terminal:  .venv/bin/breakpod attach {host_port(match)}"
+            )
     status = job.wait()
     print(f"[demo] training job exited with status {status}")
     return status
 
 
-def host_port(match: re.Match[str]) -> str:
+def address(match: re.Match[str]) -> str:
     return f"{match.group(1)}:{match.group(2)}"
 
 

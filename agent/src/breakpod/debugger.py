@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import logging
+import os
 import sys
 import threading
 import time
@@ -123,6 +124,7 @@ def _start_debugpy(settings: Settings) -> Endpoint:
     with _State.lock:
         if _State.debugpy is not None:
             return _State.debugpy
+        os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # frozen-modules noise
         import debugpy
 
         if not net.is_loopback(settings.host):
@@ -132,6 +134,11 @@ def _start_debugpy(settings: Settings) -> Endpoint:
             )
         host, port = debugpy.listen((settings.host, settings.listen_port))
         _State.debugpy = Endpoint("debugpy", host, port)
+        # debugpy installs a breakpointhook that ignores breakpoint() until an IDE is
+        # attached; ours waits for one (up to the hold time), like the pdb path.
+        from breakpod.shim import set_trace
+
+        sys.breakpointhook = set_trace
     announce(
         f"debugpy listening on {host}:{port}: attach VS Code or any DAP client "
         f"(breakpod attach --vscode {host}:{port} prints a launch.json)"

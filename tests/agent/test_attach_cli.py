@@ -1,0 +1,81 @@
+"""`breakpod attach`: the engineer's client, run as a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.agent.test_breakpoint import SCRIPT, _first_non_loopback_ipv4
+
+BREAKPOD = shutil.which("breakpod", path=str(Path(sys.executable).parent)) or "breakpod"
+
+
+def run_cli(*args: str, stdin: str = "", env: dict[str, str] | None = None, timeout: float = 30):
+    return subprocess.run(
+        [BREAKPOD, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "HOME": os.environ.get("TMPDIR", "/tmp"), **(env or {})},
+    )
+
+
+def test_attach_runs_commands_and_exits_when_the_session_ends(spawn):
+    child = spawn(SCRIPT)
+    result = run_cli("attach", f"127.0.0.1:{child.park_port()}", stdin="p x\nc\n")
+    assert result.returncode == 0, result.stderr
+    assert "41" in result.stdout
+    assert "the remote side closed the session" in result.stdout
+    assert child.wait() == 0
+
+
+def test_eof_on_the_terminal_detaches_and_the_program_continues(spawn):
+    child = spawn(SCRIPT)
+    result = run_cli("attach", f"127.0.0.1:{child.park_port()}", stdin="p x\n")
+    assert result.returncode == 0
+    assert "detached; the program continues" in result.stdout
+    assert child.wait() == 0
+    assert "finished 42" in child.stdout()
+
+
+def test_attach_sends_the_token_when_the_listener_asks(spawn):
+    host = _first_non_loopback_ipv4()
+    if host is None:
+        pytest.skip("no non-loopback IPv4 address on this machine")
+    child = spawn(SCRIPT, env={"BREAKPOD_HOST": host, "BREAKPOD_TOKEN": "s3cret"})
+    result = run_cli(
+        "attach", f"{host}:{child.park_port()}", stdin="p x\nc\n", env={"BREAKPOD_TOKEN": "s3cret"}
+    )
+    assert "41" in result.stdout and "token required" not in result.stdout
+    assert child.wait() == 0
+
+
+def test_nothing_listening_is_a_clear_error_not_a_traceback():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # bound but not listening: connection refused
+        result = run_cli("attach", f"127.0.0.1:{port}")
+    assert result.returncode == 2
+    assert "nothing accepts connections on 127.0.0.1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_address_is_a_clear_error():
+    result = run_cli("attach", "localhost:notaport")
+    assert result.returncode == 2 and "is not HOST:PORT" in result.stderr
+
+
+def test_vscode_prints_a_launch_json_for_debugpy():
+    result = run_cli("attach", "--vscode", "127.0.0.1:5678", "--remote-root", "/workspace")
+    config = json.loads(result.stdout)["configurations"][0]
+    assert config["type"] == "debugpy" and config["request"] == "attach"
+    assert config["connect"] == {"host": "127.0.0.1", "port": 5678}
+    assert config["pathMappings"][0]["remoteRoot"] == "/workspace"

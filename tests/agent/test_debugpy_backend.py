@@ -1,0 +1,57 @@
+"""The debugpy backend, driven by a real DAP client over the socket."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.dap import DapClient
+
+pytest.importorskip("debugpy")
+
+SCRIPT = """
+    import breakpod
+    endpoint = breakpod.init_remote_debugger(port=0, backend="debugpy", enable=True)
+    breakpod.init_remote_debugger(port=0, backend="debugpy", enable=True)  # harmless twice
+    x = 41
+    breakpoint()
+    x += 1
+    print("finished", x, flush=True)
+"""
+
+
+def attach(port: int) -> DapClient:
+    client = DapClient(port)
+    assert client.call("initialize", adapterID="debugpy", clientID="breakpod-test")["success"]
+    client.request("attach", justMyCode=False)
+    client.wait_event("initialized")
+    assert client.call("configurationDone")["success"]
+    return client
+
+
+def test_dap_client_sees_main_thread_and_breakpoint_stops_in_caller(spawn):
+    child = spawn(SCRIPT)
+    port = int(child.wait_for(r"debugpy listening on 127\.0\.0\.1:(\d+)").group(1))
+    client = attach(port)
+    try:
+        threads = client.call("threads")["body"]["threads"]
+        assert any(t["name"] == "MainThread" for t in threads)
+        stopped = client.wait_event("stopped")
+        frames = client.call("stackTrace", threadId=stopped["body"]["threadId"])["body"]
+        top = frames["stackFrames"][0]
+        assert top["source"]["path"].endswith(".py") and top["line"] == 7  # `x += 1`
+        scopes = client.call("scopes", frameId=top["id"])["body"]["scopes"]
+        variables = client.call("variables", variablesReference=scopes[0]["variablesReference"])
+        assert {"name": "x", "value": "41"}.items() <= next(
+            v for v in variables["body"]["variables"] if v["name"] == "x"
+        ).items()
+        client.call("continue", threadId=stopped["body"]["threadId"])
+    finally:
+        client.close()
+    assert child.wait() == 0
+    assert "finished 42" in child.stdout()
+
+
+def test_breakpoint_with_debugpy_and_no_client_continues_after_hold(spawn):
+    child = spawn(SCRIPT, env={"BREAKPOD_HOLD_SECONDS": "1"})
+    assert child.wait(timeout=30) == 0
+    assert "nobody attached within 1s" in child.stderr
