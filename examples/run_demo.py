@@ -42,7 +42,7 @@ def main() -> int:
             threading.Thread(target=scripted_client, args=(host, port), daemon=True).start()
         elif match:
             print(
-                f"[demo] attach from another terminal:  .venv/bin/breakpod attach {host_port(match)}"
+                f"[demo] attach from another terminal: .venv/bin/breakpod attach {address(match)}"
             )
     status = job.wait()
     print(f"[demo] training job exited with status {status}")
