@@ -148,3 +148,29 @@ def test_nobody_attaching_continues_after_the_hold_time(spawn):
     assert child.wait() == 0
     assert "nobody attached within 0.5s" in child.stderr
     assert "finished 42" in child.stdout()
+
+
+FORK = """
+    import os, breakpod
+    breakpod.init_remote_debugger(port=0, backend="pdb", enable=True)
+    pid = os.fork()
+    if pid == 0:  # a DataLoader-style forked worker
+        worker = "child"
+        breakpoint()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("worker exited", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_forked_worker_parks_on_its_own_listener(spawn, pdb_client):
+    child = spawn(FORK)
+    parent_port = int(child.wait_for(r"remote pdb ready on 127\.0\.0\.1:(\d+)").group(1))
+    worker_port = child.park_port()
+    assert worker_port != parent_port
+    client = pdb_client(worker_port)
+    client.read_until()
+    assert client.command("p worker").strip() == "'child'"
+    client.send("c")
+    assert child.wait() == 0
+    assert "worker exited 0" in child.stdout()

@@ -45,6 +45,17 @@ class _State:
     pdb: Listener | None = None
     debugpy: Endpoint | None = None
 
+    @classmethod
+    def forget_parent_listener(cls) -> None:
+        """In a forked child (a DataLoader worker) the acceptor thread is gone."""
+        if cls.pdb is not None:
+            cls.pdb.close()
+        cls.pdb = None
+        cls.lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_State.forget_parent_listener)
+
 
 def pdb_listener(settings: Settings) -> Listener:
     """The process's remote pdb listener, bound on first use."""
