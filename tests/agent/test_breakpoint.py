@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import pty
+import select
 import socket
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -174,3 +180,44 @@ def test_forked_worker_parks_on_its_own_listener(spawn, pdb_client):
     client.send("c")
     assert child.wait() == 0
     assert "worker exited 0" in child.stdout()
+
+
+def test_with_a_tty_breakpoint_is_plain_local_pdb(tmp_path):
+    script = tmp_path / "tty.py"
+    script.write_text("x = 41\nbreakpoint()\nprint('finished', x + 1)\n")
+    env = {**os.environ, "PYTHONBREAKPOINT": "breakpod.set_trace", "TERM": "dumb"}
+    main, secondary = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        env=env,
+        close_fds=True,
+    )
+    os.close(secondary)
+    try:
+        transcript = _pty_session(main, ["p x", "c"])
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()
+        os.close(main)
+    assert "(Pdb) " in transcript and "41" in transcript and "finished 42" in transcript
+    assert "waiting" not in transcript  # no socket, no park
+
+
+def _pty_session(fd: int, commands: list[str]) -> str:
+    """Answer each (Pdb) prompt on the terminal with the next command."""
+    out, pending = "", list(commands)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if not select.select([fd], [], [], 0.2)[0]:
+            continue
+        try:
+            chunk = os.read(fd, 4096).decode(errors="replace")
+        except OSError:  # the child closed the terminal
+            break
+        out += chunk
+        if out.rstrip().endswith("(Pdb)") and pending:
+            os.write(fd, (pending.pop(0) + "\n").encode())
+    return out
