@@ -20,6 +20,8 @@ EXPECTED = {
     "install_excepthook",
     "post_mortem",
     "set_trace",
+    "heartbeat",
+    "watch_stalls",
 }
 
 

@@ -20,6 +20,8 @@ _EXPORTS = {
     "post_mortem": "breakpod.shim",
     "install_excepthook": "breakpod.shim",
     "init_remote_debugger": "breakpod.debugger",
+    "watch_stalls": "breakpod.watchdog",
+    "heartbeat": "breakpod.watchdog",
     "Endpoint": "breakpod.debugger",
     "Settings": "breakpod.config",
     "BreakpodError": "breakpod.errors",
@@ -43,6 +45,8 @@ if TYPE_CHECKING:
     from breakpod.shim import install_excepthook as install_excepthook
     from breakpod.shim import post_mortem as post_mortem
     from breakpod.shim import set_trace as set_trace
+    from breakpod.watchdog import heartbeat as heartbeat
+    from breakpod.watchdog import watch_stalls as watch_stalls
 
 
 def __getattr__(name: str) -> Any:

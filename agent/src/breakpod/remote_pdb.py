@@ -139,9 +139,24 @@ def set_trace_remote(session: RemoteSession, frame: FrameType, *, quit_mode: str
 
 def post_mortem_remote(session: RemoteSession, tb: TracebackType, *, quit_mode: str) -> None:
     """Inspect ``tb`` over the session's client until it continues or detaches."""
+    _interact(session, None, tb, quit_mode, "post-mortem session over; the program exits")
+
+
+def inspect_remote(session: RemoteSession, frame: FrameType, *, quit_mode: str) -> None:
+    """Inspect ``frame`` (possibly another thread's) without stopping anything."""
+    _interact(session, frame, None, quit_mode, "inspection over")
+
+
+def _interact(
+    session: RemoteSession,
+    frame: FrameType | None,
+    tb: TracebackType | None,
+    quit_mode: str,
+    farewell: str,
+) -> None:
     debugger = RemotePdb(session, quit_mode=quit_mode)
     debugger.reset()
     try:
-        debugger.interaction(None, tb)
+        debugger.interaction(frame, tb)
     finally:
-        session.end("post-mortem session over; the program exits")
+        session.end(farewell)

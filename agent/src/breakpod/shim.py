@@ -65,8 +65,8 @@ def _prepare(frame: FrameType, header: str | None) -> Start | None:
         return _prepare_debugpy(frame, reason)
     if stdin_is_tty():
         return lambda: LocalPdb().set_trace(frame)
-    settings = _settings()
-    session = _open_session(settings, reason, settings.hold_seconds)
+    settings = env_settings()
+    session = open_session(settings, reason, settings.hold_seconds)
     if session is None:
         return None
     return lambda: set_trace_remote(session, frame, quit_mode=settings.quit_mode)
@@ -74,7 +74,7 @@ def _prepare(frame: FrameType, header: str | None) -> Start | None:
 
 def park(frame: FrameType, settings: Settings, reason: str, *, hold_seconds: float) -> bool:
     """Park in a remote pdb at ``frame`` now; False when nobody attached in time."""
-    session = _open_session(settings, reason, hold_seconds)
+    session = open_session(settings, reason, hold_seconds)
     if session is None:
         return False
     set_trace_remote(session, frame, quit_mode=settings.quit_mode)
@@ -84,7 +84,7 @@ def park(frame: FrameType, settings: Settings, reason: str, *, hold_seconds: flo
 def _prepare_debugpy(frame: FrameType, reason: str) -> Start | None:
     endpoint = debugger.debugpy_endpoint()
     assert endpoint is not None
-    hold = _settings().hold_seconds
+    hold = env_settings().hold_seconds
     announce(f"{reason}: waiting up to {_seconds(hold)} for a DAP client on {endpoint.address}")
     events.emit("parked", backend="debugpy", address=endpoint.address, reason=reason)
     if not debugger.wait_for_debugpy_client(hold):
@@ -93,7 +93,7 @@ def _prepare_debugpy(frame: FrameType, reason: str) -> Start | None:
     return lambda: debugger.debugpy_stop_at(frame)
 
 
-def _open_session(settings: Settings, reason: str, hold_seconds: float) -> RemoteSession | None:
+def open_session(settings: Settings, reason: str, hold_seconds: float) -> RemoteSession | None:
     """Announce the park and wait for a client; None when the hold time passed."""
     listener = debugger.pdb_listener(settings)
     session = RemoteSession(
@@ -124,9 +124,9 @@ def post_mortem(
         local.reset()
         local.interaction(None, tb)
         return
-    settings = _settings()
+    settings = env_settings()
     hold = settings.hold_seconds if hold_seconds is None else hold_seconds
-    session = _open_session(settings, reason or f"post-mortem at {where(_last_frame(tb))}", hold)
+    session = open_session(settings, reason or f"post-mortem at {where(_last_frame(tb))}", hold)
     if session is not None:
         post_mortem_remote(session, tb, quit_mode=settings.quit_mode)
 
@@ -168,7 +168,7 @@ def _seconds(seconds: float) -> str:
     return "forever" if math.isinf(seconds) else f"{seconds:g}s"
 
 
-def _settings() -> Settings:
+def env_settings() -> Settings:
     """Environment settings; a bad value is reported and the defaults used."""
     try:
         return Settings.from_env()

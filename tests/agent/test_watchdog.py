@@ -1,0 +1,72 @@
+"""The stall watchdog: stacks, an event, and a remote look at the stuck frame."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from breakpod import events, watchdog
+
+STUCK = """
+    import time, breakpod
+    breakpod.watch_stalls(0.5, action="inspect")
+    for step in range(3):
+        breakpod.heartbeat(step)
+        time.sleep(0.05)
+
+    def all_reduce(bucket):
+        time.sleep(60)  # stands in for a collective that never completes
+
+    all_reduce(bucket=[1.0, 2.0])
+"""
+
+
+def test_stall_prints_stacks_and_opens_an_inspection(spawn, pdb_client):
+    child = spawn(STUCK)
+    child.wait_for(r"stall: no heartbeat for \d+s \(last step 2\)")
+    child.wait_for(r"in all_reduce")
+    client = pdb_client(child.park_port())
+    banner = client.read_until()
+    assert "stall at step 2: main thread in all_reduce()" in banner
+    assert client.command("p bucket").strip() == "[1.0, 2.0]"
+    client.send("c")
+    assert "detached" in client.read_all()
+    assert child.proc.poll() is None  # inspection never ends the job
+
+
+@pytest.fixture
+def collected():
+    seen: list[events.Event] = []
+    events.add_sink(seen.append)
+    yield seen
+    events.remove_sink(seen.append)
+    if watchdog._active is not None:
+        watchdog._active.stop()
+        watchdog._active = None
+
+
+def test_stall_then_recovery_emit_events(collected):
+    dog = watchdog.watch_stalls(0.2)
+    watchdog.heartbeat(7)
+    deadline = time.monotonic() + 5
+    while not any(e.kind == "stall" for e in collected) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    stall = next(e for e in collected if e.kind == "stall")
+    assert stall.fields["step"] == 7 and 'Thread "MainThread"' in stall.fields["stacks"]
+    watchdog.heartbeat(8)
+    assert collected[-1].kind == "recovered" and dog.stalls == 1
+
+
+def test_no_watchdog_means_no_thread_and_a_free_heartbeat():
+    assert watchdog._active is None
+    before = threading.active_count()
+    watchdog.heartbeat(1)
+    assert threading.active_count() == before
+
+
+@pytest.mark.parametrize(("timeout", "action"), [(0, "dump"), (1, "reboot")])
+def test_bad_arguments_are_clear(timeout, action):
+    with pytest.raises(ValueError, match="stall"):
+        watchdog.Watchdog(timeout, action)
