@@ -54,7 +54,8 @@ spec:
     metadata:
       labels: {breakpod.dev/inject: "true"}
     spec:
-      {{- include "breakpod.debugPod" (dict "root" . "spec" .Values.podSpec "container" .Values.container) | nindent 6 }}
+      {{- $args := dict "root" . "spec" .Values.podSpec "container" .Values.container }}
+      {{- include "breakpod.debugPod" $args | nindent 6 }}
 """
 
 TRAINER_FRAGMENTS = """\
@@ -81,7 +82,9 @@ def trainer_chart(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         "apiVersion: v2\nname: trainer\nversion: 0.1.0\n"
         "dependencies:\n  - name: breakpod\n    version: 0.1.0\n"
     )
-    (root / "values.yaml").write_text("podSpec: {containers: [{name: a, image: a}]}\ncontainer: ''\n")
+    (root / "values.yaml").write_text(
+        "podSpec: {containers: [{name: a, image: a}]}\ncontainer: ''\n"
+    )
     (root / "templates" / "job.yaml").write_text(TRAINER_JOB)
     (root / "templates" / "fragments.yaml").write_text(TRAINER_FRAGMENTS)
     shutil.copytree(CHART, root / "charts" / "breakpod")

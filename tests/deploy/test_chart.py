@@ -123,7 +123,9 @@ def test_broker_pod_is_hardened_and_probed() -> None:
 
 def test_rbac_is_read_only_pods() -> None:
     role = find(documents(render()), "Role")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
 
 
 @pytest.mark.parametrize(
@@ -137,10 +139,18 @@ def test_rbac_is_read_only_pods() -> None:
             "webhook.tls.secretName",
         ),
         (
-            {"webhook": {"enabled": True, "tls": {"certManager": {"enabled": False}, "secretName": "s"}}},
+            {
+                "webhook": {
+                    "enabled": True,
+                    "tls": {"certManager": {"enabled": False}, "secretName": "s"},
+                }
+            },
             "webhook.tls.caBundle",
         ),
-        ({"overlay": {"listenHost": "0.0.0.0", "tokenSecret": {"name": ""}}}, "overlay.tokenSecret.name"),
+        (
+            {"overlay": {"listenHost": "0.0.0.0", "tokenSecret": {"name": ""}}},
+            "overlay.tokenSecret.name",
+        ),
         ({"overlay": {"port": 8765}}, "overlay.port"),
         ({"broker": {"replicaCount": -1}}, "/broker/replicaCount"),
         ({"overlay": {"livenessProbe": "sometimes"}}, "/overlay/livenessProbe"),
