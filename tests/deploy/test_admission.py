@@ -19,6 +19,7 @@ from tests.deploy.conftest import documents, find, render
 
 jsonpatch = pytest.importorskip("jsonpatch")
 testclient = pytest.importorskip("fastapi.testclient")
+kv = pytest.importorskip("kubernetes_validate.utils")
 
 from breakpod_broker import admission, overlay  # noqa: E402
 
@@ -120,6 +121,16 @@ def test_webhook_and_named_template_agree(trainer_chart: Path, pod_id: str, valu
     assert pod["spec"] == expected
     again = review_request(pod["spec"], container=container)
     assert patch_of(admission.review(again, rendered)) == []  # idempotent
+    already = review_request(copy.deepcopy(expected), container=container)
+    assert patch_of(admission.review(already, rendered)) == []  # overlay from the template
+
+
+@pytest.mark.parametrize("pod_id", PODS)
+def test_debugged_pod_is_a_valid_pod_spec(trainer_chart: Path, pod_id: str) -> None:
+    spec, container = PODS[pod_id]
+    rendered = render({"podSpec": spec, "container": container, "breakpod": {}}, trainer_chart)
+    job = find(documents(rendered), "Job")
+    kv.validate(job, kv.latest_version(), strict=True)
 
 
 def test_helm_template_is_idempotent(trainer_chart: Path) -> None:
@@ -200,8 +211,10 @@ def test_missing_overlay_never_blocks(monkeypatch: pytest.MonkeyPatch, tmp_path:
 
 
 def test_json_patch_escapes_and_removes() -> None:
-    before = {"a/b": 1, "c~d": 2, "gone": 3, "keep": [1]}
-    after = {"a/b": 2, "c~d": 2, "keep": [1, 2], "new": {"x": 1}}
+    before = {"a/b": 1, "c~d": 2, "gone": 3, "keep": [1], "same": [{"x": 1}, {"y": 1}]}
+    after = {"a/b": 2, "c~d": 2, "keep": [1, 2], "new": {"x": 1}, "same": [{"x": 1}, {"y": 2}]}
     patch = overlay.json_patch(before, after)
     assert jsonpatch.apply_patch(before, patch) == after
     assert {"op": "replace", "path": "/a~1b", "value": 2} in patch
+    assert {"op": "replace", "path": "/same/1/y", "value": 2} in patch
+    assert {"op": "replace", "path": "/keep", "value": [1, 2]} in patch

@@ -99,9 +99,19 @@ def apply(
 
 
 def json_patch(before: Any, after: Any, path: str = "") -> list[Json]:
-    """RFC 6902 operations that turn ``before`` into ``after`` (lists are replaced whole)."""
+    """RFC 6902 operations that turn ``before`` into ``after``.
+
+    Objects and same-length lists (the containers) are patched item by item;
+    a list that changes length (env, ports) is replaced whole.
+    """
     if isinstance(before, dict) and isinstance(after, dict):
         return _dict_patch(before, after, path)
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [
+            op
+            for i, (b, a) in enumerate(zip(before, after, strict=True))
+            for op in json_patch(b, a, f"{path}/{i}")
+        ]
     return [] if before == after else [{"op": "replace", "path": path, "value": after}]
 
 
