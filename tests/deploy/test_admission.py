@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+pytest.importorskip("helm_python", reason="pip install -r requirements-dev.txt")
+
 from tests.deploy.conftest import documents, find, render
 
 jsonpatch = pytest.importorskip("jsonpatch")

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
+pytest.importorskip("helm_python", reason="pip install -r requirements-dev.txt")
+
 from tests.deploy.conftest import CHART, documents, find, helm, render
 
 kv = pytest.importorskip("kubernetes_validate.utils", reason="pip install kubernetes-validate")
