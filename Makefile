@@ -9,6 +9,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
 .PHONY: install test lint demo bench clean
+.PHONY: deploy-test helm-lint e2e-kind
 
 $(STAMP): agent/pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,3 +36,14 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# Deployment: chart (Helm Go SDK), webhook, compose, Dockerfiles; part of `make test`.
+deploy-test: $(STAMP)
+	$(PY) -m pytest tests/deploy
+
+helm-lint: $(STAMP)
+	$(PY) -m pytest tests/deploy/test_chart.py
+
+# Needs docker, kind, kubectl, openssl and image downloads: not run in CI.
+e2e-kind: $(STAMP)
+	PY=$(PY) scripts/e2e-kind.sh

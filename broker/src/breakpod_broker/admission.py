@@ -1,0 +1,127 @@
+"""The mutating admission webhook: AdmissionReview v1 in, JSONPatch out.
+
+It applies the chart-rendered debug overlay (:mod:`breakpod_broker.overlay`)
+to pods labelled ``breakpod.dev/inject: "true"``; the namespace opt-in is the
+MutatingWebhookConfiguration's namespaceSelector. It never denies a pod: any
+problem gives ``allowed: true``, no patch and a warning, since a debugging
+aid must not stop a training job from starting.
+
+The endpoint carries no bearer token: the API server calls it over TLS, and
+it returns only a patch that references the token Secret by name. Serve it
+with the broker (``app.include_router(router)``) or alone over TLS::
+
+    uvicorn --factory breakpod_broker.admission:create_app --port 8443 \\
+        --ssl-certfile tls.crt --ssl-keyfile tls.key
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+from collections.abc import Mapping
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from breakpod_broker import overlay
+from fastapi import APIRouter, FastAPI, HTTPException, Request
+
+log = logging.getLogger(__name__)
+
+OVERLAY_ENV = "BREAKPOD_OVERLAY_FILE"
+DEFAULT_OVERLAY_FILE = "/etc/breakpod/overlay/overlay.json"
+API_VERSION = "admission.k8s.io/v1"
+
+Json = dict[str, Any]
+
+router = APIRouter(tags=["admission"])
+
+
+class ReviewError(ValueError):
+    """The request is not an AdmissionReview v1; the message says what is wrong."""
+
+
+def review(body: Mapping[str, Any], rendered: Mapping[str, Any] | None) -> Json:
+    """The AdmissionReview response for ``body`` (``rendered`` None: no overlay)."""
+    request = _request(body)
+    response: Json = {"uid": request["uid"], "allowed": True}
+    try:
+        patch = _patch(request, rendered)
+    except overlay.OverlayError as e:
+        response["warnings"] = [f"breakpod: {e}; the pod is left unchanged"]
+        patch = []
+    if patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+    return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
+
+
+def _request(body: Mapping[str, Any]) -> Json:
+    if body.get("apiVersion") != API_VERSION or body.get("kind") != "AdmissionReview":
+        raise ReviewError(f"expected an AdmissionReview with apiVersion {API_VERSION}")
+    request = body.get("request")
+    if not isinstance(request, dict) or not request.get("uid"):
+        raise ReviewError("the AdmissionReview has no request.uid")
+    return request
+
+
+def _patch(request: Json, rendered: Mapping[str, Any] | None) -> list[Json]:
+    pod = request.get("object")
+    if request.get("kind", {}).get("kind") != "Pod" or not isinstance(pod, dict):
+        return []
+    meta = pod.get("metadata") or {}
+    if (meta.get("labels") or {}).get(overlay.INJECT_LABEL) != "true":
+        return []
+    if rendered is None:
+        raise overlay.OverlayError(f"no overlay file (set {OVERLAY_ENV})")
+    target = (meta.get("annotations") or {}).get(overlay.CONTAINER_ANNOTATION)
+    spec = pod.get("spec") or {}
+    return overlay.json_patch(spec, overlay.apply(spec, rendered, target), "/spec")
+
+
+def current_overlay() -> Json | None:
+    """The overlay at $BREAKPOD_OVERLAY_FILE, re-read when the ConfigMap changes."""
+    path = Path(os.environ.get(OVERLAY_ENV) or DEFAULT_OVERLAY_FILE)
+    try:
+        stamp = path.stat().st_mtime_ns
+    except OSError:
+        return None
+    return _load(path, stamp)
+
+
+@lru_cache(maxsize=4)
+def _load(path: Path, stamp: int) -> Json | None:
+    try:
+        return overlay.load(path)
+    except overlay.OverlayError as e:
+        log.error("%s", e)
+        return None
+
+
+@router.post("/admission/mutate")
+async def mutate(request: Request) -> Json:
+    """Mutate a pod: AdmissionReview v1 in, AdmissionReview with a JSONPatch out."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise HTTPException(400, "the body is not JSON: send an AdmissionReview v1") from None
+    if not isinstance(body, dict):
+        raise HTTPException(400, "the body is not a JSON object: send an AdmissionReview v1")
+    try:
+        return review(body, current_overlay())
+    except ReviewError as e:
+        raise HTTPException(400, str(e)) from None
+
+
+def create_app() -> FastAPI:
+    """The webhook alone, for a TLS-serving container next to the broker."""
+    app = FastAPI(title="breakpod admission webhook", docs_url=None, redoc_url=None)
+    app.include_router(router)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    return app

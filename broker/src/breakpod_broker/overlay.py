@@ -1,0 +1,132 @@
+"""The debug overlay for training pods, applied the way the Helm chart applies it.
+
+The overlay itself is data, rendered once by the chart's ``breakpod.overlay``
+template (helm/breakpod/templates/_overlay.tpl) into a ConfigMap that the
+webhook mounts; this module only applies it. The merge rules are the chart's
+``breakpod.merge`` rules, so the named template and the webhook give the
+same pod spec (tests/deploy proves it)::
+
+    {"pod": {...}, "container": {...}}   merged into the pod spec / the target container:
+      key: null          -> the key is removed        (e.g. livenessProbe under policy remove)
+      key: [{name: ..}]  -> merged by item name: same name replaced in place, new ones appended
+      key: anything else -> set
+
+The target container is the one named by the pod annotation
+``breakpod.dev/container``, else the first one. Applying twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+CONTAINER_ANNOTATION = "breakpod.dev/container"
+INJECT_LABEL = "breakpod.dev/inject"
+
+Json = dict[str, Any]
+
+
+class OverlayError(ValueError):
+    """The overlay file or the pod cannot be used; the message says why."""
+
+
+def load(path: str | Path) -> Json:
+    """Read a rendered overlay (JSON) and check its shape."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise OverlayError(f"cannot read the overlay {path}: {e}") from e
+    if not isinstance(data, dict) or not all(
+        isinstance(data.get(k, {}), dict) for k in ("pod", "container")
+    ):
+        raise OverlayError(f"{path}: an overlay is an object with 'pod' and 'container' objects")
+    return data
+
+
+def merge(target: Mapping[str, Any], patch: Mapping[str, Any]) -> Json:
+    """``target`` with ``patch`` merged in by the three rules above (a new dict)."""
+    out = copy.deepcopy(dict(target))
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, list) and _named(value):
+            out[key] = _merge_named(out.get(key) or [], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _named(items: list[Any]) -> bool:
+    return all(isinstance(i, dict) and "name" in i for i in items)
+
+
+def _merge_named(current: list[Any], items: list[Json]) -> list[Any]:
+    new = {i["name"]: i for i in items}
+    merged = [copy.deepcopy(new.get(c.get("name"), c)) for c in current]
+    seen = {c.get("name") for c in current}
+    return merged + [copy.deepcopy(i) for i in items if i["name"] not in seen]
+
+
+def target_index(spec: Mapping[str, Any], container: str | None) -> int:
+    """Index of the container to debug: the named one, else the first."""
+    containers = spec.get("containers") or []
+    if not containers:
+        raise OverlayError("the pod has no containers")
+    if not container:
+        return 0
+    for i, c in enumerate(containers):
+        if c.get("name") == container:
+            return i
+    names = ", ".join(str(c.get("name")) for c in containers)
+    raise OverlayError(
+        f"{CONTAINER_ANNOTATION}={container!r} names no container of this pod (it has: {names})"
+    )
+
+
+def apply(
+    spec: Mapping[str, Any], overlay: Mapping[str, Any], container: str | None = None
+) -> Json:
+    """The pod spec with the overlay applied to the pod and its target container."""
+    index = target_index(spec, container)
+    out = merge(spec, overlay.get("pod") or {})
+    containers = list(out["containers"])
+    containers[index] = merge(containers[index], overlay.get("container") or {})
+    out["containers"] = containers
+    return out
+
+
+def json_patch(before: Any, after: Any, path: str = "") -> list[Json]:
+    """RFC 6902 operations that turn ``before`` into ``after``.
+
+    Objects and same-length lists (the containers) are patched item by item;
+    a list that changes length (env, ports) is replaced whole.
+    """
+    if isinstance(before, dict) and isinstance(after, dict):
+        return _dict_patch(before, after, path)
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [
+            op
+            for i, (b, a) in enumerate(zip(before, after, strict=True))
+            for op in json_patch(b, a, f"{path}/{i}")
+        ]
+    return [] if before == after else [{"op": "replace", "path": path, "value": after}]
+
+
+def _dict_patch(before: Json, after: Json, path: str) -> list[Json]:
+    ops: list[Json] = []
+    for key in sorted(before.keys() - after.keys()):
+        ops.append({"op": "remove", "path": f"{path}/{_escape(key)}"})
+    for key, value in after.items():
+        sub = f"{path}/{_escape(key)}"
+        if key not in before:
+            ops.append({"op": "add", "path": sub, "value": value})
+        else:
+            ops.extend(json_patch(before[key], value, sub))
+    return ops
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")

@@ -1,0 +1,95 @@
+{{/* Names and labels, as in the `helm create` scaffold. */}}
+{{- define "breakpod.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The release's resource name prefix; works from a parent chart too (see breakpod.values). */}}
+{{- define "breakpod.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "breakpod.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "breakpod.labels" -}}
+helm.sh/chart: {{ include "breakpod.chart" . }}
+{{ include "breakpod.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "breakpod.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "breakpod.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "breakpod.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "breakpod.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "breakpod.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{- define "breakpod.tokenSecretName" -}}
+{{- .Values.auth.existingSecret | default (include "breakpod.fullname" .) }}
+{{- end }}
+
+{{- define "breakpod.redisUrl" -}}
+{{- if .Values.redis.enabled }}
+{{- printf "redis://%s-redis:6379/0" (include "breakpod.fullname" .) }}
+{{- else }}
+{{- .Values.redis.url }}
+{{- end }}
+{{- end }}
+
+{{- define "breakpod.webhookTlsSecret" -}}
+{{- if .Values.webhook.tls.certManager.enabled }}
+{{- printf "%s-webhook-tls" (include "breakpod.fullname" .) }}
+{{- else }}
+{{- .Values.webhook.tls.secretName }}
+{{- end }}
+{{- end }}
+
+{{/*
+Values that make no sense fail the render with the value to fix.
+(Types, ranges and enums are in values.schema.json.)
+*/}}
+{{- define "breakpod.validate" -}}
+{{- $v := .Values }}
+{{- if and $v.webhook.enabled (lt (int $v.broker.replicaCount) 1) }}
+{{- fail "broker.replicaCount is 0 while webhook.enabled is true: the API server would find no webhook pod and debugged pods would start without the overlay. Set broker.replicaCount to 1 or more, or webhook.enabled=false." }}
+{{- end }}
+{{- if and (not $v.redis.enabled) (not $v.redis.url) }}
+{{- fail "redis.enabled is false and redis.url is empty: the broker replicas need one shared Redis. Set redis.url=redis://HOST:6379/0 or redis.enabled=true." }}
+{{- end }}
+{{- if and $v.redis.enabled $v.redis.url }}
+{{- fail "redis.url is set while redis.enabled is true: pick one. Set redis.enabled=false to use the external Redis, or redis.url=\"\"." }}
+{{- end }}
+{{- if and $v.webhook.enabled (not $v.webhook.tls.certManager.enabled) (not $v.webhook.tls.secretName) }}
+{{- fail "webhook.tls.secretName is empty while webhook.tls.certManager.enabled is false: the webhook needs a serving certificate. Set webhook.tls.secretName (a kubernetes.io/tls Secret) or webhook.tls.certManager.enabled=true." }}
+{{- end }}
+{{- if and $v.webhook.enabled (not $v.webhook.tls.certManager.enabled) (not $v.webhook.tls.caBundle) }}
+{{- fail "webhook.tls.caBundle is empty while webhook.tls.certManager.enabled is false: the API server must trust the webhook certificate. Set webhook.tls.caBundle to the base64 PEM of its CA." }}
+{{- end }}
+{{- if and (not (has $v.overlay.listenHost (list "127.0.0.1" "localhost" "::1"))) (not $v.overlay.tokenSecret.name) }}
+{{- fail (printf "overlay.listenHost is %s but overlay.tokenSecret.name is empty: breakpod refuses a non-loopback pdb listener without a token. Set overlay.tokenSecret.name, or overlay.listenHost=127.0.0.1 (kubectl port-forward reaches it)." $v.overlay.listenHost) }}
+{{- end }}
+{{- if eq (int $v.overlay.port) (int $v.broker.port) }}
+{{- fail "overlay.port equals broker.port: pick a different debug port for training pods (overlay.port, default 5678)." }}
+{{- end }}
+{{- end }}

