@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from tests.conftest import PARK_LINE
+
 SCRIPT = """
     x = 41
     breakpoint()
@@ -183,9 +185,38 @@ def test_forked_worker_parks_on_its_own_listener(spawn, pdb_client):
 
 
 def test_with_a_tty_breakpoint_is_plain_local_pdb(tmp_path):
+    proc, main = _spawn_on_a_tty(tmp_path, {})
+    try:
+        transcript = _pty_session(main, ["p x", "c"])
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()
+        os.close(main)
+    assert "(Pdb) " in transcript and "41" in transcript and "finished 42" in transcript
+    assert "waiting" not in transcript  # no socket, no park
+
+
+def test_with_a_tty_and_remote_debug_enabled_breakpoint_still_parks(tmp_path, pdb_client):
+    proc, main = _spawn_on_a_tty(tmp_path, {"ENABLE_REMOTE_DEBUG": "1", "BREAKPOD_PORT": "0"})
+    try:
+        text = ""
+        while not PARK_LINE.search(text):
+            assert select.select([main], [], [], 10)[0], text
+            text += os.read(main, 4096).decode(errors="replace")
+        client = pdb_client(int(PARK_LINE.search(text).group(2)))
+        client.read_until()
+        assert client.command("p x").strip() == "41"
+        client.send("c")
+        assert proc.wait(timeout=20) == 0
+    finally:
+        proc.kill()
+        os.close(main)
+
+
+def _spawn_on_a_tty(tmp_path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], int]:
     script = tmp_path / "tty.py"
     script.write_text("x = 41\nbreakpoint()\nprint('finished', x + 1)\n")
-    env = {**os.environ, "PYTHONBREAKPOINT": "breakpod.set_trace", "TERM": "dumb"}
+    env = {**os.environ, "PYTHONBREAKPOINT": "breakpod.set_trace", "TERM": "dumb", **env}
     main, secondary = pty.openpty()
     proc = subprocess.Popen(
         [sys.executable, str(script)],
@@ -196,14 +227,7 @@ def test_with_a_tty_breakpoint_is_plain_local_pdb(tmp_path):
         close_fds=True,
     )
     os.close(secondary)
-    try:
-        transcript = _pty_session(main, ["p x", "c"])
-        assert proc.wait(timeout=20) == 0
-    finally:
-        proc.kill()
-        os.close(main)
-    assert "(Pdb) " in transcript and "41" in transcript and "finished 42" in transcript
-    assert "waiting" not in transcript  # no socket, no park
+    return proc, main
 
 
 def _pty_session(fd: int, commands: list[str]) -> str:

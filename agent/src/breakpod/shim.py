@@ -3,7 +3,8 @@
 Routing of :func:`set_trace` (``PYTHONBREAKPOINT=breakpod.set_trace``):
 
 1. a debugpy listener is active -> the attached IDE stops in the caller;
-2. stdin is a usable TTY        -> plain local pdb, as ``breakpoint()`` would;
+2. stdin is a usable TTY        -> plain local pdb, as ``breakpoint()`` would
+                                   (unless ENABLE_REMOTE_DEBUG=1);
 3. otherwise (container, CI)    -> park on the remote pdb socket and wait.
 
 Nothing here may raise into the training code: a failure is announced and
@@ -45,6 +46,16 @@ def stdin_is_tty() -> bool:
         return False
 
 
+def use_local_pdb(settings: Settings) -> bool:
+    """A TTY gets plain pdb, unless remote debugging was asked for explicitly.
+
+    Debug overlays give containers a TTY (``tty: true``) for ``docker attach``
+    and also set ``ENABLE_REMOTE_DEBUG=1``: there nobody watches the TTY, so
+    breakpoints must still park on the socket.
+    """
+    return stdin_is_tty() and not settings.enabled
+
+
 def set_trace(
     *_args: object, header: str | None = None, frame: FrameType | None = None, **_kwargs: object
 ) -> None:
@@ -63,9 +74,9 @@ def _prepare(frame: FrameType, header: str | None) -> Start | None:
     reason = header or f"breakpoint() at {where(frame)}"
     if debugger.debugpy_endpoint() is not None:
         return _prepare_debugpy(frame, reason)
-    if stdin_is_tty():
-        return lambda: LocalPdb().set_trace(frame)
     settings = env_settings()
+    if use_local_pdb(settings):
+        return lambda: LocalPdb().set_trace(frame)
     session = open_session(settings, reason, settings.hold_seconds)
     if session is None:
         return None
@@ -119,12 +130,12 @@ def post_mortem(
     tb = tb if tb is not None else sys.exc_info()[2]
     if tb is None:
         raise ValueError("post_mortem() needs a traceback, or must run inside an except block")
-    if stdin_is_tty():
+    settings = env_settings()
+    if use_local_pdb(settings):
         local = LocalPdb()
         local.reset()
         local.interaction(None, tb)
         return
-    settings = env_settings()
     hold = settings.hold_seconds if hold_seconds is None else hold_seconds
     session = open_session(settings, reason or f"post-mortem at {where(_last_frame(tb))}", hold)
     if session is not None:
