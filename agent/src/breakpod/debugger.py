@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import time
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any
 
 from breakpod import events, net
@@ -195,6 +195,18 @@ def _cancel_debugpy_wait() -> None:
 
     with contextlib.suppress(RuntimeError):  # not waiting (any more)
         debugpy.wait_for_client.cancel()
+
+
+def debugpy_post_mortem(exc: BaseException | None, tb: TracebackType) -> None:
+    """Stop the attached DAP client at the innermost frame of ``tb`` until it continues."""
+    import debugpy
+
+    trigger = getattr(debugpy, "trigger_exception_handler", None)
+    if trigger is None:  # debugpy < 1.8.21 has no post-mortem entry point
+        announce(f"debugpy {debugpy.__version__} cannot show a post-mortem; use the pdb backend")
+        return
+    exc = exc if exc is not None else RuntimeError("post-mortem")  # a bare traceback
+    trigger((type(exc), exc, tb), as_uncaught=False)
 
 
 def debugpy_stop_at(frame: FrameType) -> None:

@@ -124,22 +124,58 @@ def open_session(settings: Settings, reason: str, hold_seconds: float) -> Remote
 
 
 def post_mortem(
-    tb: TracebackType | None = None, *, reason: str | None = None, hold_seconds: float | None = None
+    tb: TracebackType | BaseException | None = None,
+    *,
+    reason: str | None = None,
+    hold_seconds: float | None = None,
 ) -> None:
-    """Inspect a traceback: local pdb on a TTY, else a remote session held open."""
-    tb = tb if tb is not None else sys.exc_info()[2]
+    """Inspect a traceback (or an exception's): the DAP client when a debugpy listener
+    runs, local pdb on a TTY (see :func:`use_local_pdb`), else a remote pdb session
+    held open up to ``hold_seconds``."""
+    exc, tb = _exc_and_tb(tb)
     if tb is None:
         raise ValueError("post_mortem() needs a traceback, or must run inside an except block")
     settings = env_settings()
-    if use_local_pdb(settings):
+    hold = settings.hold_seconds if hold_seconds is None else hold_seconds
+    reason = reason or f"post-mortem at {where(_last_frame(tb))}"
+    if debugger.debugpy_endpoint() is not None:
+        _post_mortem_debugpy(exc, tb, reason, hold)
+    elif use_local_pdb(settings):
         local = LocalPdb()
         local.reset()
         local.interaction(None, tb)
+    else:
+        session = open_session(settings, reason, hold)
+        if session is not None:
+            post_mortem_remote(session, tb, quit_mode=settings.quit_mode)
+
+
+def _exc_and_tb(
+    given: TracebackType | BaseException | None,
+) -> tuple[BaseException | None, TracebackType | None]:
+    if isinstance(given, BaseException):
+        return given, given.__traceback__
+    current = sys.exc_info()[1]
+    if current is not None and given in (None, current.__traceback__):
+        return current, current.__traceback__
+    return None, given
+
+
+def _post_mortem_debugpy(
+    exc: BaseException | None, tb: TracebackType, reason: str, hold: float
+) -> None:
+    """Show ``tb`` to a DAP client (as an unhandled exception), waiting up to ``hold``."""
+    endpoint = debugger.debugpy_endpoint()
+    assert endpoint is not None
+    announce(f"{reason}: waiting up to {_seconds(hold)} for a DAP client on {endpoint.address}")
+    events.emit("parked", backend="debugpy", address=endpoint.address, reason=reason)
+    if not debugger.wait_for_debugpy_client(hold):
+        announce(f"nobody attached within {_seconds(hold)}; continuing")
+        events.emit("resumed", address=endpoint.address, why="hold time passed")
         return
-    hold = settings.hold_seconds if hold_seconds is None else hold_seconds
-    session = open_session(settings, reason or f"post-mortem at {where(_last_frame(tb))}", hold)
-    if session is not None:
-        post_mortem_remote(session, tb, quit_mode=settings.quit_mode)
+    events.emit("attached", address=endpoint.address, reason=reason)
+    debugger.debugpy_post_mortem(exc, tb)
+    events.emit("detached", address=endpoint.address, why="post-mortem session over")
 
 
 def install_excepthook() -> None:
@@ -157,7 +193,8 @@ def install_excepthook() -> None:
         if tb is None or issubclass(exc_type, KeyboardInterrupt):
             return
         try:
-            post_mortem(tb, reason=f"uncaught {exc_type.__name__} at {where(_last_frame(tb))}")
+            reason = f"uncaught {exc_type.__name__} at {where(_last_frame(tb))}"
+            post_mortem(exc if exc.__traceback__ is tb else tb, reason=reason)
         except Exception as e:
             announce(f"post-mortem failed ({type(e).__name__}: {e})")
 
