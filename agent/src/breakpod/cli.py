@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"breakpod {__version__}")
     commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
     add_attach(commands)
+    add_run(commands)
+    add_doctor(commands)
     return parser
 
 
@@ -67,6 +69,63 @@ def run_attach(args: argparse.Namespace) -> int:
         return 0
     attach.attach(host, port, token=args.token)
     return 0
+
+
+def add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser(
+        "run",
+        help="run a program with breakpoint(), post-mortem and debug switches on",
+        description="Run a program (e.g. python train.py) with breakpod's debug environment: "
+        "breakpoint() parks on a socket when headless, an uncaught exception opens a "
+        "post-mortem, torch.compile is off. Signals are forwarded; the exit status is the "
+        "program's (128+N when killed by signal N).",
+    )
+    p.add_argument("--hold", metavar="SECONDS", help="how long a park waits for a debugger")
+    p.add_argument("--port", metavar="PORT", help="listener port (+ LOCAL_RANK; 0 = any free)")
+    p.add_argument("--host", help="listener address (default 127.0.0.1)")
+    p.add_argument("--broker", metavar="URL", help="broker to register sessions with")
+    p.add_argument("--backend", choices=("auto", "pdb", "debugpy"), help="debugger backend")
+    p.add_argument("--keep-compile", action="store_true", help="leave torch.compile enabled")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
+    p.set_defaults(func=run_run)
+
+
+def run_run(args: argparse.Namespace) -> int:
+    import os
+
+    from breakpod import runner
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    env = runner.debug_env(
+        os.environ,
+        hold=args.hold,
+        port=args.port,
+        host=args.host,
+        broker=args.broker,
+        backend=args.backend,
+        keep_compile=args.keep_compile,
+    )
+    return runner.run(command, env)
+
+
+def add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser(
+        "doctor",
+        help="check that a debugger can reach this environment",
+        description="Check this environment, one line per check with a fix: TTY and what "
+        "breakpoint() will do, PYTHONBREAKPOINT, debugpy, bind address and port, broker, "
+        "torch/CUDA/torch.compile, Kubernetes/Docker/CI. Exits 1 when attaching is blocked.",
+    )
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.set_defaults(func=run_doctor)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from breakpod import doctor
+
+    checks = doctor.diagnose()
+    print(doctor.to_json(checks) if args.json else doctor.render(checks))
+    return doctor.exit_status(checks)
 
 
 if __name__ == "__main__":
