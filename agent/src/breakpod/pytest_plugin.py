@@ -20,14 +20,17 @@ import re
 import threading
 from collections.abc import Iterator
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from breakpod import debugger, events, hosting, notice, shim
+from breakpod import hosting, notice
 from breakpod.announce import announce
 from breakpod.config import DEFAULT_PORT, ENV, Settings, parse_bool, parse_port, parse_seconds
 from breakpod.errors import BreakpodError, ListenerError
+
+if TYPE_CHECKING:  # the debugger modules load only when a failure is held
+    from breakpod import debugger, events
 
 HOLD_IN_CI = 600.0
 BACKENDS = ("pdb", "debugpy")
@@ -126,6 +129,8 @@ class FailureHold:
         self.done = self.first or not attached
 
     def _hold(self, test: str, exc: BaseException) -> bool:
+        from breakpod import shim
+
         tb = _failing_traceback(exc.__traceback__)
         endpoint = self._listen()
         failure = self._failure(test, exc, tb, endpoint)
@@ -152,6 +157,8 @@ class FailureHold:
         )
 
     def _listen(self) -> debugger.Endpoint:
+        from breakpod import debugger
+
         if self.backend == "debugpy":
             endpoint = debugger.init_remote_debugger(
                 port=self.settings.port, backend="debugpy", enable=True
@@ -163,6 +170,8 @@ class FailureHold:
         return debugger.Endpoint("pdb", listener.host, listener.port)
 
     def _emit(self, failure: notice.Failure) -> None:
+        from breakpod import events
+
         events.emit(
             "ci_failure",
             test=failure.test,
@@ -254,6 +263,8 @@ def _traceback_swapped(exc: BaseException, tb: TracebackType | None) -> Iterator
 @contextlib.contextmanager
 def _watch_attach() -> Iterator[threading.Event]:
     """An event set when a debugger client attaches while the block runs."""
+    from breakpod import events
+
     attached = threading.Event()
 
     def sink(event: events.Event) -> None:
