@@ -147,6 +147,13 @@ def test_gitlab_gets_a_collapsible_section(run_pytest):
     assert "section_end:" in child.stderr
 
 
+def test_collection_error_is_held_at_the_failing_import(run_pytest):
+    child = run_pytest("import no_such_module_xyz\n", "--breakpod", "--breakpod-hold", "0.2")
+    assert child.wait() == 2  # pytest's status for a collection error
+    assert "error   ModuleNotFoundError: No module named 'no_such_module_xyz'" in child.stderr
+    assert re.search(r"where\s+\S*test_job\.py:1\n", child.stderr)
+
+
 def test_bad_hold_value_is_a_usage_error(run_pytest):
     child = run_pytest(TESTS, "--breakpod", "--breakpod-hold", "soon")
     assert child.wait() == 4

@@ -138,3 +138,36 @@ def test_missing_program_and_bad_options_are_clear_errors():
     assert bad.returncode == 2 and "--hold='soon' is not a number of seconds" in bad.stderr
     empty = breakpod("run")
     assert empty.returncode == 2 and "nothing to run" in empty.stderr
+
+
+def test_terminal_ctrl_c_reaches_the_child_once(tmp_path):
+    """The tty sends SIGINT to the whole foreground group; breakpod must not add a second."""
+    import os
+    import pty
+
+    script = tmp_path / "count.py"
+    script.write_text(
+        "import signal, time\n"
+        "hits = []\n"
+        "signal.signal(signal.SIGINT, lambda *_: hits.append(1))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(1)\n"
+        "print('sigints', len(hits), flush=True)\n"
+    )
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: a session whose controlling terminal is the pty
+        os.execv(
+            sys.executable, [sys.executable, "-c", CLI, "run", "--", sys.executable, str(script)]
+        )
+    output = b""
+    try:
+        while b"ready" not in output:
+            output += os.read(fd, 1024)
+        os.write(fd, b"\x03")  # Ctrl-C typed at the terminal
+        while b"sigints" not in output or not output.endswith(b"\n"):
+            output += os.read(fd, 1024)
+    finally:
+        _, status = os.waitpid(pid, 0)
+        os.close(fd)
+    assert b"sigints 1" in output
+    assert os.waitstatus_to_exitcode(status) == 0

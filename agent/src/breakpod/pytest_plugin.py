@@ -121,7 +121,7 @@ class FailureHold:
             reporter.ensure_newline()  # "::error" must start a line
         attached = False
         try:
-            attached = self._hold(node.nodeid, call.excinfo.value)
+            attached = self._hold(node.nodeid, _original(call.excinfo.value))
         except bdb.BdbQuit:
             pytest.exit("breakpod: the debugger quit the run (BREAKPOD_QUIT=exit)")
         except Exception as e:  # a broken hold must never break the test run
@@ -235,7 +235,16 @@ def _failing_traceback(tb: TracebackType | None) -> TracebackType | None:
 
 def _hidden(entry: TracebackType) -> bool:
     frame = entry.tb_frame
+    if frame.f_code.co_filename.startswith("<frozen importlib"):
+        return True  # as in Python's own tracebacks
     return bool(frame.f_locals.get("__tracebackhide__", frame.f_globals.get("__tracebackhide__")))
+
+
+def _original(exc: BaseException) -> BaseException:
+    """What the code raised: pytest wraps a test module's import error in a CollectError."""
+    if isinstance(exc, pytest.Collector.CollectError) and exc.__cause__ is not None:
+        return exc.__cause__
+    return exc
 
 
 def _innermost(tb: TracebackType) -> TracebackType:
