@@ -17,6 +17,10 @@ from typing import TextIO
 from breakpod.hosting import Hosting, reach_hints
 
 WIDTH = 88
+DETACH = {
+    "pdb": "type c (continue) or Ctrl-D; the run goes on",
+    "debugpy": "continue or disconnect in the IDE; the run goes on",
+}
 RED, BOLD, RESET = "\x1b[31m", "\x1b[1m", "\x1b[0m"
 
 
@@ -68,7 +72,7 @@ def render(failure: Failure, hosting: Hosting) -> str:
         ("hold", f"{failure.hold}, then the run continues (exit status unchanged)"),
     ]
     rows += [("reach", hint) for hint in reach_hints(hosting, failure.host, failure.port)]
-    rows.append(("detach", "type c (continue) or Ctrl-D; the next test starts"))
+    rows.append(("detach", DETACH[failure.backend]))
     body = [f"  {name:<7} {text}" for name, text in rows]
     return "\n".join(["", title.center(WIDTH, "!"), *body, "!" * WIDTH, ""])
 
