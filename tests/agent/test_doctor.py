@@ -157,3 +157,11 @@ def test_unreachable_broker_fails():
         port = sock.getsockname()[1]  # bound, not listening: connections are refused
         result = doctor.broker_check(f"http://127.0.0.1:{port}", "good")
     assert result.status == "FAIL" and "unreachable" in result.found
+
+
+def test_tty_with_enable_remote_debug_still_parks():
+    env = {"PYTHONBREAKPOINT": "breakpod.set_trace", "ENABLE_REMOTE_DEBUG": "1"}
+    [stdin] = list(doctor.check_tty(doctor.Context(env, tty=True)))
+    assert stdin.status == "ok" and "ENABLE_REMOTE_DEBUG=1: breakpoint() will park" in stdin.found
+    [local] = list(doctor.check_tty(doctor.Context({}, tty=True)))
+    assert "opens pdb on this terminal" in local.found

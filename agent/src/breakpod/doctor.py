@@ -85,23 +85,27 @@ def check_settings(ctx: Context) -> Iterator[Check]:
 
 def check_tty(ctx: Context) -> Iterator[Check]:
     s = ctx.settings
-    if ctx.tty:
+    if ctx.tty and not s.enabled:
         yield Check("stdin", OK, "a TTY: breakpoint() opens pdb on this terminal")
-    elif ctx.env.get("PYTHONBREAKPOINT") == SHIM:
+        return
+    why = "a TTY, but ENABLE_REMOTE_DEBUG=1" if ctx.tty else "not a TTY (headless)"
+    if ctx.env.get("PYTHONBREAKPOINT") == SHIM:
         yield Check(
             "stdin",
-            WARN,
-            f"not a TTY (headless): breakpoint() will park on a socket at "
+            OK if ctx.tty else WARN,
+            f"{why}: breakpoint() will park on a socket at "
             f"{s.host}:{s.listen_port or 'a free port'} and wait up to "
             f"{notice.seconds(s.hold_seconds)} for a debugger",
             f"attach with: breakpod attach {_reachable(s.host)}:{s.listen_port or 'PORT'} "
             "(the process log names the address)",
         )
+    elif ctx.tty:
+        yield Check("stdin", OK, "a TTY: a plain breakpoint() opens pdb on this terminal")
     else:
         yield Check(
             "stdin",
             WARN,
-            "not a TTY (headless): a plain breakpoint() fails here (BdbQuit / lost sys.stdin)",
+            f"{why}: a plain breakpoint() fails here (BdbQuit / lost sys.stdin)",
             f"export PYTHONBREAKPOINT={SHIM} (or use breakpod run) so it parks on a socket",
         )
 

@@ -134,12 +134,13 @@ class FailureHold:
         tb = _failing_traceback(exc.__traceback__)
         endpoint = self._listen()
         failure = self._failure(test, exc, tb, endpoint)
-        if endpoint.backend == "debugpy" or not shim.stdin_is_tty():
+        local = endpoint.backend == "pdb" and shim.use_local_pdb(self.settings)
+        if not local:  # a terminal gets pdb right there, as with --pdb
             notice.show(failure, self.where)
         self._emit(failure)
         with _watch_attach() as attached, _traceback_swapped(exc, tb):
             shim.post_mortem(exc, reason=f"{test} failed", hold_seconds=self.hold)
-        return attached.is_set() or shim.stdin_is_tty()
+        return attached.is_set() or local
 
     def _failure(
         self, test: str, exc: BaseException, tb: TracebackType | None, at: debugger.Endpoint
