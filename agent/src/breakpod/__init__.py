@@ -11,7 +11,8 @@ neither torch nor debugpy, and each name below is imported on first use.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,8 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from breakpod.config import Settings as Settings
     from breakpod.debugger import Endpoint as Endpoint
     from breakpod.debugger import init_remote_debugger as init_remote_debugger
