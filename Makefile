@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
 .PHONY: install test lint demo bench clean
-.PHONY: deploy-test helm-lint e2e-kind
+.PHONY: deploy-test helm-lint e2e-kind e2e-docker
 
 $(STAMP): agent/pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ deploy-test: $(STAMP)
 
 helm-lint: $(STAMP)
 	$(PY) -m pytest tests/deploy/test_chart.py
+
+# The compose stack on a real Docker engine (started here when possible;
+# skipped with the reason otherwise). .ci/run runs it too.
+e2e-docker: $(STAMP)
+	PY=$(PY) scripts/e2e-docker.sh
 
 # Needs docker, kind, kubectl, openssl and image downloads: not run in CI.
 e2e-kind: $(STAMP)
