@@ -27,6 +27,23 @@ class DapClient:
         seq = self.request(command, **arguments)
         return self.wait(lambda m: m.get("type") == "response" and m.get("request_seq") == seq)
 
+    def handshake(self) -> None:
+        """What an IDE does to attach: initialize, attach, configurationDone."""
+        assert self.call("initialize", adapterID="debugpy", clientID="breakpod-test")["success"]
+        self.request("attach", justMyCode=False)
+        self.wait_event("initialized")
+        assert self.call("configurationDone")["success"]
+
+    def top_frame(self, thread: int) -> dict[str, Any]:
+        return dict(self.call("stackTrace", threadId=thread)["body"]["stackFrames"][0])
+
+    def frame_locals(self, frame_id: int) -> dict[str, str]:
+        """Name -> value of the innermost scope of a frame."""
+        scopes = self.call("scopes", frameId=frame_id)["body"]["scopes"]
+        ref = scopes[0]["variablesReference"]
+        found = self.call("variables", variablesReference=ref)["body"]["variables"]
+        return {v["name"]: v["value"] for v in found}
+
     def wait_event(self, name: str) -> dict[str, Any]:
         return self.wait(lambda m: m.get("type") == "event" and m.get("event") == name)
 

@@ -21,10 +21,7 @@ SCRIPT = """
 
 def attach(port: int) -> DapClient:
     client = DapClient(port)
-    assert client.call("initialize", adapterID="debugpy", clientID="breakpod-test")["success"]
-    client.request("attach", justMyCode=False)
-    client.wait_event("initialized")
-    assert client.call("configurationDone")["success"]
+    client.handshake()
     return client
 
 
@@ -36,14 +33,9 @@ def test_dap_client_sees_main_thread_and_breakpoint_stops_in_caller(spawn):
         threads = client.call("threads")["body"]["threads"]
         assert any(t["name"] == "MainThread" for t in threads)
         stopped = client.wait_event("stopped")
-        frames = client.call("stackTrace", threadId=stopped["body"]["threadId"])["body"]
-        top = frames["stackFrames"][0]
+        top = client.top_frame(stopped["body"]["threadId"])
         assert top["source"]["path"].endswith(".py") and top["line"] == 7  # `x += 1`
-        scopes = client.call("scopes", frameId=top["id"])["body"]["scopes"]
-        variables = client.call("variables", variablesReference=scopes[0]["variablesReference"])
-        assert {"name": "x", "value": "41"}.items() <= next(
-            v for v in variables["body"]["variables"] if v["name"] == "x"
-        ).items()
+        assert client.frame_locals(top["id"])["x"] == "41"
         client.call("continue", threadId=stopped["body"]["threadId"])
     finally:
         client.close()

@@ -26,21 +26,15 @@ def test_uncaught_exception_stops_the_dap_client_in_the_failing_frame(spawn):
     port = int(child.wait_for(r"waiting up to 30s for a DAP client on 127\.0\.0\.1:(\d+)").group(1))
     client = DapClient(port)
     try:
-        assert client.call("initialize", adapterID="debugpy", clientID="breakpod-test")["success"]
-        client.request("attach", justMyCode=False)
-        client.wait_event("initialized")
-        client.call("configurationDone")
+        client.handshake()
         stopped = client.wait_event("stopped")
         assert stopped["body"]["reason"] == "exception"
         thread = stopped["body"]["threadId"]
         info = client.call("exceptionInfo", threadId=thread)["body"]
         assert "IndexError" in info["exceptionId"]
-        top = client.call("stackTrace", threadId=thread)["body"]["stackFrames"][0]
+        top = client.top_frame(thread)
         assert top["name"] == "scale"
-        scopes = client.call("scopes", frameId=top["id"])["body"]["scopes"]
-        ref = scopes[0]["variablesReference"]
-        found = client.call("variables", variablesReference=ref)["body"]["variables"]
-        assert {v["name"]: v["value"] for v in found}["factor"] == "3"
+        assert client.frame_locals(top["id"])["factor"] == "3"
         client.call("continue", threadId=thread)
     finally:
         client.close()

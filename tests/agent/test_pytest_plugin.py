@@ -188,21 +188,12 @@ def test_debugpy_backend_shows_the_failure_to_a_dap_client(run_pytest):
     port = int(child.wait_for(r"waiting up to 30s for a DAP client on 127\.0\.0\.1:(\d+)").group(1))
     client = DapClient(port)
     try:
-        assert client.call("initialize", adapterID="debugpy", clientID="breakpod-test")["success"]
-        client.request("attach", justMyCode=False)
-        client.wait_event("initialized")
-        client.call("configurationDone")
+        client.handshake()
         stopped = client.wait_event("stopped")
         thread = stopped["body"]["threadId"]
-        top = client.call("stackTrace", threadId=thread)["body"]["stackFrames"][0]
+        top = client.top_frame(thread)
         assert top["name"] == "test_loss"
-        scopes = client.call("scopes", frameId=top["id"])["body"]["scopes"]
-        ref = scopes[0]["variablesReference"]
-        names = {
-            v["name"]: v["value"]
-            for v in client.call("variables", variablesReference=ref)["body"]["variables"]
-        }
-        assert names["loss"] == "0.5"
+        assert client.frame_locals(top["id"])["loss"] == "0.5"
         client.call("continue", threadId=thread)
     finally:
         client.close()

@@ -42,8 +42,7 @@ IMAGES = {  # tag compose expects -> (Dockerfile, build args)
 
 
 def run(*cmd: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True,
-                            timeout=timeout)
+    result = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed:\n{result.stdout}\n{result.stderr}")
     return result
@@ -59,8 +58,20 @@ def stack() -> Iterator[None]:
         pytest.skip("no Docker engine (make e2e-docker starts one)")
     for tag, (dockerfile, args) in IMAGES.items():
         build_args = [a for k, v in args.items() for a in ("--build-arg", f"{k}={v}")]
-        run("docker", "build", "-q", "--network", "host", "-f", dockerfile, *build_args,
-            "-t", tag, ".", timeout=600)
+        run(
+            "docker",
+            "build",
+            "-q",
+            "--network",
+            "host",
+            "-f",
+            dockerfile,
+            *build_args,
+            "-t",
+            tag,
+            ".",
+            timeout=600,
+        )
     compose("down", "-v", "--remove-orphans", check=False)
     compose("up", "-d", "--no-build", timeout=300)
     try:
