@@ -38,7 +38,7 @@ class SessionIn(BaseModel):
     host: Name = None
     pid: int | None = Field(default=None, ge=0, le=2**31)
     rank: int | None = Field(default=None, ge=0, le=1 << 20)
-    world_size: int | None = Field(default=None, ge=1, le=1 << 20)
+    world_size: int | None = Field(default=None, ge=0, le=1 << 20)
     local_rank: int | None = Field(default=None, ge=0, le=1 << 20)
     gpu: Name = None
     runtime: Literal["kubernetes", "compose", "docker", "local"] = "local"
