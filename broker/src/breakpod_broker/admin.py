@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Response
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request, Response
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
 from breakpod_broker import keys, sessions
@@ -89,6 +90,13 @@ async def metrics(who: Viewer, broker: BrokerDep) -> Response:
     await broker.metrics.ping(broker.redis)
     body = broker.metrics.render(await sessions.counts_by_state(broker))
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/openapi.json", include_in_schema=False)
+async def openapi(who: Viewer, request: Request) -> dict[str, Any]:
+    """The OpenAPI schema (viewer token)."""
+    app: FastAPI = request.app
+    return get_openapi(title=app.title, version=app.version, routes=app.routes)
 
 
 @router.get("/healthz", tags=["operations"])

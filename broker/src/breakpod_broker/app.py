@@ -45,7 +45,15 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
             app.state.max_body_bytes = broker.settings.max_body_bytes
             yield
 
-    app = FastAPI(title="breakpod broker", version=__version__, lifespan=lifespan)
+    # no public /docs: every endpoint but the health checks needs a token, the schema too
+    app = FastAPI(
+        title="breakpod broker",
+        version=__version__,
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.max_body_bytes = (settings or BrokerSettings.model_construct()).max_body_bytes
     for module in (sessions, events, commands, attach, admin):
         app.include_router(module.router)
