@@ -15,14 +15,16 @@ def test_an_event_posted_to_one_replica_reaches_the_other_replicas_sse(broker, s
     register(broker, "s1")
     received: list[dict] = []
     headers = {"Authorization": f"Bearer {VIEWER}"}
-    with httpx.Client(base_url=other.url, timeout=10) as c:
-        with c.stream("GET", "/v1/events/stream", headers=headers) as response:
-            event = {"id": "e1", "session": "s1", "kind": "anomaly", "fields": {"reason": "nan"}}
-            threading.Timer(0.3, post_events, (broker, event)).start()
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    received.append(json.loads(line[5:]))
-                    break
+    event = {"id": "e1", "session": "s1", "kind": "anomaly", "fields": {"reason": "nan"}}
+    with (
+        httpx.Client(base_url=other.url, timeout=10) as c,
+        c.stream("GET", "/v1/events/stream", headers=headers) as response,
+    ):
+        threading.Timer(0.3, post_events, (broker, event)).start()
+        for line in response.iter_lines():
+            if line.startswith("data:"):
+                received.append(json.loads(line[5:]))
+                break
     assert received[0]["id"] == "e1" and received[0]["fields"] == {"reason": "nan"}
 
 
