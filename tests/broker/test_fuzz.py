@@ -43,4 +43,5 @@ def test_fuzzed_requests_never_get_a_server_error(start_broker, mode):
         except Unsatisfiable:  # negative mode: nothing in this operation can be made invalid
             assert mode is GenerationMode.NEGATIVE, operation.label
     assert not failures, "\n".join(failures[:10])
-    assert {200, 422} <= statuses  # the token worked and the fuzzer reached validation
+    # the token worked, and invalid input reached validation
+    assert (200 if mode is GenerationMode.POSITIVE else 422) in statuses
