@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
+
 from breakpod_broker.redis_server import EmbeddedRedis, free_port
 
 ADMIN = "admin-token-0001"

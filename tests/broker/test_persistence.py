@@ -7,7 +7,6 @@ import time
 
 from breakpod.emitter import Emitter
 from breakpod_broker.redis_server import EmbeddedRedis, free_port
-
 from tests.brokerkit import AGENT, VIEWER, post_events, register, wait_until
 
 

@@ -71,14 +71,12 @@ def add_attach(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run_attach(args: argparse.Namespace) -> int:
     from breakpod import attach, net
-    from breakpod.errors import ConfigError
 
-    try:
-        host, port = net.parse_address(args.target)
-    except ConfigError:
+    if ":" not in args.target and not args.target.isdigit():  # a session id
         from breakpod.broker_cli import attach_session
 
-        return attach_session(args)  # not HOST:PORT: a session id
+        return attach_session(args)
+    host, port = net.parse_address(args.target)
     if args.vscode:
         print(attach.vscode_launch(host, port, args.remote_root, args.local_root))
         return 0

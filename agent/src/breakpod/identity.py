@@ -41,13 +41,14 @@ def describe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 
 
 def session_id(env: Mapping[str, str] | None = None) -> str:
-    """``BREAKPOD_SESSION_ID``, else ``<pod or host>-<pid>-<random>``."""
+    """``BREAKPOD_SESSION_ID``, else ``<pod or host>-<pid>-<random>``; never a ":"
+    (``breakpod attach`` reads a target with a colon as HOST:PORT)."""
     env = os.environ if env is None else env
     chosen = env.get("BREAKPOD_SESSION_ID")
     if not chosen:
         where = env.get("POD_NAME") or socket.gethostname() or "proc"
         chosen = f"{where}-{os.getpid()}-{secrets.token_hex(3)}"
-    cleaned = re.sub(r"[^A-Za-z0-9._:-]", "-", chosen).lstrip("._:-") or "session"
+    cleaned = re.sub(r"[^A-Za-z0-9._-]", "-", chosen).lstrip("._-") or "session"
     return cleaned[:128]
 
 
