@@ -9,6 +9,7 @@ import httpx
 import pytest
 import redis
 
+from breakpod_broker.auth import PUBLIC_PATHS
 from tests.brokerkit import ADMIN, AGENT, AGENT2, VIEWER, post_events, register, wait_until
 
 AUTHENTICATED = [
