@@ -202,6 +202,8 @@ def test_attach_instructions_per_runtime(broker):
         assert k["connect"] == "127.0.0.1:40001" and k["attach_command"] == "breakpod attach k"
         compose = c.get("/v1/sessions/c/attach").json()
         assert compose["connect"] == "127.0.0.1:15678" and compose["port_forward"] is None
+        register(broker, "c2", runtime="compose", address="0.0.0.0:5678")
+        assert c.get("/v1/sessions/c2/attach").json()["connect"] == "127.0.0.1:5678"
         d = c.get("/v1/sessions/d/attach").json()
         assert d["vscode_launch"]["configurations"][0]["connect"] == {
             "host": "127.0.0.1",

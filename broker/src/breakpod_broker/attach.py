@@ -59,7 +59,7 @@ def instructions(session: SessionOut, local_port: int | None = None) -> AttachIn
         )
         connect = f"127.0.0.1:{local}"
     else:
-        connect = session.attach_address or session.address
+        connect = session.attach_address or _reachable(session.address)
     listener = session.listener or "pdb"
     host, _, port = connect.rpartition(":")
     return AttachInfo(
@@ -74,6 +74,12 @@ def instructions(session: SessionOut, local_port: int | None = None) -> AttachIn
         direct_command=f"breakpod attach {'--vscode ' if listener == 'debugpy' else ''}{connect}",
         vscode_launch=vscode_launch(session.id, host, int(port)) if listener == "debugpy" else None,
     )
+
+
+def _reachable(address: str) -> str:
+    """A wildcard bind (a container publishing its port) is reached on the host's 127.0.0.1."""
+    host, _, port = address.rpartition(":")
+    return f"127.0.0.1:{port}" if host.strip("[]") in ("0.0.0.0", "::", "") else address
 
 
 def vscode_launch(session_id: str, host: str, port: int) -> dict[str, Any]:
