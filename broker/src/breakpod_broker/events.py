@@ -43,27 +43,34 @@ STATE_OF_KIND = {
 }
 
 # KEYS: global stream, session stream, session hash.
-# ARGV: global maxlen, session maxlen, dedup ttl, retention, seen-key prefix,
-#       then per event: id, document, new state, reason, address, listener.
+# ARGV: global maxlen, session maxlen, dedup ttl, retention, seen-key prefix, n,
+#       n x (event id, document), then per state change: index, state, reason,
+#       address, listener. Returns the cursors joined by "," ("" = duplicate):
+#       one bulk reply and two arguments per event keep redis-py's share small.
 INGEST_LUA = """
+local n = tonumber(ARGV[6])
 local out = {}
-for b = 5, #ARGV - 1, 6 do
-  if redis.call('SET', ARGV[5] .. ARGV[b + 1], '1', 'NX', 'EX', ARGV[3]) then
-    local sid = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'event', ARGV[b + 2])
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], sid, 'event', ARGV[b + 2])
-    if ARGV[b + 3] ~= '' then
-      redis.call('HSET', KEYS[3], 'state', ARGV[b + 3], 'reason', ARGV[b + 4])
-    end
-    if ARGV[b + 5] ~= '' then
-      redis.call('HSET', KEYS[3], 'address', ARGV[b + 5], 'listener', ARGV[b + 6])
-    end
-    out[#out + 1] = sid
+for i = 1, n do
+  if redis.call('SET', ARGV[5] .. ARGV[5 + 2 * i], '1', 'NX', 'EX', ARGV[3]) then
+    local sid = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'event', ARGV[6 + 2 * i])
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], sid, 'event', ARGV[6 + 2 * i])
+    out[i] = sid
   else
-    out[#out + 1] = false
+    out[i] = ''
+  end
+end
+for b = 7 + 2 * n, #ARGV - 1, 5 do
+  if out[tonumber(ARGV[b])] ~= '' then
+    if ARGV[b + 1] ~= '' then
+      redis.call('HSET', KEYS[3], 'state', ARGV[b + 1], 'reason', ARGV[b + 2])
+    end
+    if ARGV[b + 3] ~= '' then
+      redis.call('HSET', KEYS[3], 'address', ARGV[b + 3], 'listener', ARGV[b + 4])
+    end
   end
 end
 redis.call('EXPIRE', KEYS[2], ARGV[4])
-return out
+return table.concat(out, ',')
 """
 
 
@@ -141,8 +148,8 @@ async def ingest(
         replies = await pipe.execute()
     broker.metrics.redis_latency.labels("ingest").observe(time.perf_counter() - started)
     for indexes, reply in zip(by_session.values(), replies, strict=True):
-        for i, cursor in zip(indexes, reply, strict=True):
-            cursors[i] = cursor
+        for i, cursor in zip(indexes, reply.split(","), strict=True):
+            cursors[i] = cursor or None
     accepted = [{**d, "cursor": c} for d, c in zip(docs, cursors, strict=True) if c is not None]
     broker.metrics.ingested(accepted, duplicates=len(events) - len(accepted))
     broker.notifiers.dispatch(accepted, sessions)
@@ -176,25 +183,19 @@ def _lua_args(
     indexes: list[int],
 ) -> list[Any]:
     s = broker.settings
-    args: list[Any] = [
-        s.global_stream_maxlen,
-        s.session_stream_maxlen,
-        s.dedup_seconds,
-        s.retention_seconds,
-    ]
-    args.append(keys.seen(session_id, ""))
-    for i in indexes:
-        event, fields = events[i], events[i].fields
+    args: list[Any] = [s.global_stream_maxlen, s.session_stream_maxlen, s.dedup_seconds]
+    args += [s.retention_seconds, keys.seen(session_id, ""), len(indexes)]
+    changes: list[Any] = []
+    for n, i in enumerate(indexes, start=1):
+        event = events[i]
+        args += [event.id, json.dumps(docs[i], default=str)]
         state = STATE_OF_KIND.get(event.kind, "")
-        reason = str(fields.get("reason") or fields.get("why") or "") if state else ""
-        args += [
-            event.id,
-            json.dumps(docs[i], default=str),
-            state,
-            reason[:2000],
-            *_listener(event),
-        ]
-    return args
+        address, backend = _listener(event)
+        if state or address:
+            fields = event.fields
+            reason = str(fields.get("reason") or fields.get("why") or "") if state else ""
+            changes += [n, state, reason[:2000], address, backend]
+    return args + changes
 
 
 def _listener(event: EventIn) -> tuple[str, str]:
