@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from breakpod_broker.auth import PUBLIC_PATHS
-from tests.brokerkit import ADMIN, AGENT, AGENT2, VIEWER, post_events, register, wait_until
+from tests.brokerkit import ADMIN, AGENT, AGENT2, VIEWER, post_events, register
 
 AUTHENTICATED = [
     ("GET", "/v1/sessions"),
@@ -26,6 +26,7 @@ AUTHENTICATED = [
     ("GET", "/v1/tokens"),
     ("GET", "/v1/notifiers"),
     ("GET", "/metrics"),
+    ("GET", "/v1/whoami"),
 ]
 
 
@@ -301,4 +302,13 @@ def test_tokens_file_roles_and_namespaces(tmp_path):
     assert tokens[digest("viewer-tok-1")].role is Role.viewer
     agent = tokens[digest("agent-tok-1")]
     assert agent.may_see("ml") and not agent.may_see("other")
-    wait_until(lambda: True)
+
+
+@pytest.mark.parametrize("token", [AGENT, VIEWER, ADMIN])
+def test_whoami_answers_every_role_so_doctor_accepts_an_agent_token(broker, token):
+    from breakpod import doctor
+
+    with broker.client(token) as c:
+        assert c.get("/v1/whoami").json()["role"] in ("agent", "viewer", "admin")
+    assert doctor.broker_check(broker.url, token).status == "ok"
+    assert doctor.broker_check(broker.url, "wrong-token-00").status == "FAIL"

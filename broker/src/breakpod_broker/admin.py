@@ -9,7 +9,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
 from breakpod_broker import keys, sessions
-from breakpod_broker.auth import Admin, Principal, Role, Viewer
+from breakpod_broker.auth import Admin, Principal, Role, Viewer, require
 from breakpod_broker.context import Broker, get_broker
 
 router = APIRouter()
@@ -37,6 +37,12 @@ class NewToken(TokenInfo):
 def _info(p: Principal) -> TokenInfo:
     ns = sorted(p.namespaces) if p.namespaces is not None else None
     return TokenInfo(id=p.token_id, role=p.role, name=p.name, namespaces=ns)
+
+
+@router.get("/v1/whoami", response_model=TokenInfo, tags=["admin"])
+async def whoami(who: Annotated[Principal, Depends(require(Role.agent, Role.viewer))]) -> TokenInfo:
+    """The caller's role: any valid token may ask (``breakpod doctor`` checks tokens here)."""
+    return _info(who)
 
 
 @router.post("/v1/tokens", response_model=NewToken, status_code=201, tags=["admin"])

@@ -114,8 +114,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         )
 
     app.add_exception_handler(RequestValidationError, invalid)
-    app.add_exception_handler(redis.exceptions.ConnectionError, redis_down)
-    app.add_exception_handler(redis.exceptions.TimeoutError, redis_down)
+    app.add_exception_handler(redis.exceptions.RedisError, redis_down)
 
 
 def _describe(error: Any) -> str:
