@@ -103,3 +103,14 @@ def test_identity_from_the_downward_api_and_rank_variables():
     assert identity.session_id({"BREAKPOD_SESSION_ID": "my job/rank 0"}) == "my-job-rank-0"
     assert identity.session_id(env).startswith("train-7f9-0-")
     assert identity.runtime({"BREAKPOD_RUNTIME": "compose"}) == "compose"
+
+
+def test_batches_stop_at_the_byte_limit_and_keep_the_rest_in_order():
+    e = Emitter(DEAD_URL, None, session_id="s", info={}, poll_commands=False)
+    for n in range(20):
+        e.emit("log", {"blob": "x" * 60_000, "n": n})
+    batch, body = e._take()
+    assert 8 <= len(batch) < 20 and len(body) < 600_000
+    assert [d["fields"]["n"] for d in batch] == list(range(len(batch)))
+    assert [d["fields"]["n"] for d in e._queue] == list(range(len(batch), 20))
+    assert json.loads(body)["events"][0]["id"] == "s.1"

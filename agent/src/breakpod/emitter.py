@@ -265,17 +265,20 @@ class Emitter:
         return True
 
     def _take(self) -> tuple[list[dict[str, Any]], bytes]:
-        batch: list[dict[str, Any]] = []
+        """Up to BATCH_EVENTS / BATCH_BYTES from the front; encoded outside the lock so
+        the training thread's emit() never waits for JSON encoding."""
+        with self._qlock:
+            batch = [self._queue.popleft() for _ in range(min(BATCH_EVENTS, len(self._queue)))]
         parts: list[bytes] = []
         size = 0
-        with self._qlock:
-            while self._queue and len(batch) < BATCH_EVENTS and size < BATCH_BYTES:
-                doc = self._queue.popleft()
-                encoded = _encode(doc)
-                batch.append(doc)
-                parts.append(encoded)
-                size += len(encoded)
-        return batch, b'{"events":[' + b",".join(parts) + b"]}"
+        for doc in batch:
+            if parts and size >= BATCH_BYTES:
+                break
+            parts.append(_encode(doc))
+            size += len(parts[-1])
+        if len(parts) < len(batch):
+            self._requeue(batch[len(parts) :])
+        return batch[: len(parts)], b'{"events":[' + b",".join(parts) + b"]}"
 
     def _requeue(self, batch: list[dict[str, Any]]) -> None:
         """Put a failed batch back in front; if the queue filled meanwhile, drop the oldest."""
