@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 from breakpod import emitter, identity
 from breakpod.emitter import Emitter, _encode
@@ -114,3 +115,20 @@ def test_batches_stop_at_the_byte_limit_and_keep_the_rest_in_order():
     assert [d["fields"]["n"] for d in batch] == list(range(len(batch)))
     assert [d["fields"]["n"] for d in e._queue] == list(range(len(batch), 20))
     assert json.loads(body)["events"][0]["id"] == "s.1"
+
+
+def test_a_process_whose_broker_is_down_still_exits_promptly(spawn):
+    child = spawn(
+        """
+        import time
+        from breakpod import emitter, events
+        emitter.ensure_started()
+        events.emit("anomaly", reason="nan")
+        time.sleep(0.5)  # the sender has tried and failed by now
+        print("done", time.monotonic(), flush=True)
+        """,
+        env={"BREAKPOD_BROKER_URL": DEAD_URL},
+    )
+    assert child.wait() == 0
+    printed = float(child.stdout().split()[1])
+    assert time.monotonic() - printed < 1.5  # finish() did not wait for the dead broker

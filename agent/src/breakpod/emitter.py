@@ -130,6 +130,7 @@ class Emitter:
         self._wake, self._stop, self._idle = threading.Event(), threading.Event(), threading.Event()
         self._registered = threading.Event()
         self._next_beat = 0.0
+        self._reachable = True  # the last call reached the broker
         self._warned: set[str] = set()
         self._client = BrokerClient(url, token, timeout=5.0)
         self._poller = (
@@ -206,7 +207,7 @@ class Emitter:
         if self._stop.is_set():
             return
         self.emit("finished", {"reason": "process exited"})
-        self.flush(timeout=3.0)
+        self.flush(timeout=3.0 if self._reachable else 0.2)  # never hold up an exit for long
         self.close(timeout=0.5)
 
     # -- the sender thread --------------------------------------------------------------
@@ -220,8 +221,9 @@ class Emitter:
                 self._register_or_beat()
                 while self._send_batch():
                     pass
-                backoff = 0.25
+                backoff, self._reachable = 0.25, True
             except BrokerError as e:
+                self._reachable = e.status is not None
                 self._warn_once("send", f"broker unreachable, events queued ({e})")
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)

@@ -70,7 +70,13 @@ def run_serve(args: argparse.Namespace) -> int:
             update={"broker_tokens": _dev_tokens(settings.broker_tokens)}
         )
     app = create_app(settings)
-    uvicorn.run(app, host=settings.broker_host, port=settings.broker_port, log_level=args.log_level)
+    uvicorn.run(
+        app,
+        host=settings.broker_host,
+        port=settings.broker_port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=3,  # SSE streams never end by themselves
+    )
     return 0
 
 
