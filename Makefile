@@ -11,10 +11,11 @@ TORCH  := torch==2.13.0
 .PHONY: install test lint demo bench clean
 .PHONY: deploy-test helm-lint e2e-kind e2e-docker
 
-$(STAMP): agent/pyproject.toml requirements-dev.txt
+$(STAMP): agent/pyproject.toml broker/pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(TORCH)
 	$(PIP) install -e agent -r requirements-dev.txt
+	$(PIP) install -e broker
 	touch $@
 
 install: $(STAMP)
@@ -26,6 +27,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check agent tests bench examples
 	$(VENV)/bin/ruff format --check agent tests bench examples
 	$(VENV)/bin/mypy agent/src
+	$(VENV)/bin/ruff check broker
+	$(VENV)/bin/ruff format --check broker
+	$(VENV)/bin/mypy broker/src
 
 demo: $(STAMP)
 	$(PY) examples/run_demo.py

@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_attach(commands)
     add_run(commands)
     add_doctor(commands)
+    add_sessions(commands)
+    add_events(commands)
+    add_send(commands)
     return parser
 
 
@@ -40,7 +43,11 @@ def add_attach(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="attach to a parked process",
         description="Attach to a remote pdb (or print a VS Code config for a debugpy listener).",
     )
-    p.add_argument("target", metavar="HOST:PORT", help="listener address, e.g. 127.0.0.1:5678")
+    p.add_argument(
+        "target",
+        metavar="HOST:PORT|SESSION_ID",
+        help="listener address, e.g. 127.0.0.1:5678, or a session id known to the broker",
+    )
     p.add_argument("--token", help="token for non-loopback listeners (default: $BREAKPOD_TOKEN)")
     p.add_argument(
         "--vscode",
@@ -57,12 +64,18 @@ def add_attach(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default="${workspaceFolder}",
         help="matching local source root (default: ${workspaceFolder})",
     )
+    p.add_argument("--broker", metavar="URL", help="broker URL (default: $BREAKPOD_BROKER_URL)")
+    p.add_argument("--broker-token", help="broker token (default: $BREAKPOD_TOKEN)")
     p.set_defaults(func=run_attach)
 
 
 def run_attach(args: argparse.Namespace) -> int:
     from breakpod import attach, net
 
+    if ":" not in args.target and not args.target.isdigit():  # a session id
+        from breakpod.broker_cli import attach_session
+
+        return attach_session(args)
     host, port = net.parse_address(args.target)
     if args.vscode:
         print(attach.vscode_launch(host, port, args.remote_root, args.local_root))
@@ -126,6 +139,39 @@ def run_doctor(args: argparse.Namespace) -> int:
     checks = doctor.diagnose()
     print(doctor.to_json(checks) if args.json else doctor.render(checks))
     return doctor.exit_status(checks)
+
+
+def add_sessions(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from breakpod import broker_cli
+
+    p = commands.add_parser("sessions", help="list the sessions the broker knows")
+    p.add_argument("--state", help="only sessions in this state (parked, lost, ...)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    broker_cli.add_broker_flags(p)
+    p.set_defaults(func=broker_cli.run_sessions)
+
+
+def add_events(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from breakpod import broker_cli
+
+    p = commands.add_parser("events", help="show (or --follow) events from the broker")
+    p.add_argument("--follow", "-f", action="store_true", help="stream new events until Ctrl-C")
+    p.add_argument("--session", help="only this session's events")
+    p.add_argument("--kind", action="append", help="only this kind (repeatable)")
+    p.add_argument("--limit", type=int, default=50, help="how many recent events (default 50)")
+    broker_cli.add_broker_flags(p)
+    p.set_defaults(func=broker_cli.run_events)
+
+
+def add_send(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from breakpod import broker_cli
+
+    p = commands.add_parser("send", help="send a command to a session's agent")
+    p.add_argument("session", metavar="SESSION_ID")
+    p.add_argument("command", choices=["break", "resume", "dump-stacks", "detach"])
+    p.add_argument("--reason", help="recorded with the command")
+    broker_cli.add_broker_flags(p)
+    p.set_defaults(func=broker_cli.run_send)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import time
 from types import FrameType, TracebackType
 from typing import Any
 
-from breakpod import events, net
+from breakpod import emitter, events, net
 from breakpod.announce import announce
 from breakpod.config import Settings
 from breakpod.errors import BreakpodError, ConfigError
@@ -44,6 +44,7 @@ class _State:
     lock = threading.RLock()
     pdb: Listener | None = None
     debugpy: Endpoint | None = None
+    debugpy_waiting = False
 
     @classmethod
     def forget_parent_listener(cls) -> None:
@@ -69,6 +70,11 @@ def pdb_listener(settings: Settings) -> Listener:
             )
             _State.pdb = Listener(settings.host, settings.listen_port, token=settings.token)
         return _State.pdb
+
+
+def active_pdb_listener() -> Listener | None:
+    """The remote pdb listener, if one was started (the broker's commands act on it)."""
+    return _State.pdb
 
 
 def debugpy_endpoint() -> Endpoint | None:
@@ -97,6 +103,7 @@ def init_remote_debugger(
     settings = Settings.from_env(port=port, host=host, backend=backend, enabled=enable)
     if not settings.enabled:
         return None
+    emitter.ensure_started()  # reports to the broker when BREAKPOD_BROKER_URL is set
     chosen = _choose_backend(settings.backend)
     net.check_bind(
         settings.host, backend=chosen, token=settings.token, allow_insecure=settings.allow_insecure
@@ -181,9 +188,11 @@ def wait_for_debugpy_client(timeout: float) -> bool:
     if timer is not None:
         timer.daemon = True
         timer.start()
+    _State.debugpy_waiting = True
     try:
         debugpy.wait_for_client()
     finally:
+        _State.debugpy_waiting = False
         if timer is not None:
             timer.cancel()
     time.sleep(0)  # let pydevd settle its attach state
@@ -207,6 +216,14 @@ def debugpy_post_mortem(exc: BaseException | None, tb: TracebackType) -> None:
         return
     exc = exc if exc is not None else RuntimeError("post-mortem")  # a bare traceback
     trigger((type(exc), exc, tb), as_uncaught=False)
+
+
+def cancel_debugpy_wait() -> bool:
+    """End a wait for a DAP client (a broker ``resume``); False when none waits."""
+    if _State.debugpy is None or not _State.debugpy_waiting:
+        return False
+    _cancel_debugpy_wait()
+    return True
 
 
 def debugpy_stop_at(frame: FrameType) -> None:

@@ -255,7 +255,7 @@ def broker_check(url: str, token: str | None) -> Check:
         )
     if not token:
         return Check("broker", FAIL, f"{url} is up, but no token is set", f"set {ENV['token']}")
-    status, why = _http_get(f"{url}/v1/sessions", token)
+    status, why = _http_get(f"{url}/v1/whoami", token)  # any valid token, whatever its role
     if status in (401, 403):
         return Check(
             "broker",

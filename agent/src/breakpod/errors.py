@@ -3,8 +3,9 @@
     BreakpodError
     ├── ConfigError          a setting or argument has a value breakpod cannot use
     │   └── InsecureBindError  a non-loopback bind without the required opt-in
-    └── ListenerError        a listener could not be started or reached
-        └── AttachError      the CLI could not attach to a listener
+    ├── ListenerError        a listener could not be started or reached
+    │   └── AttachError      the CLI could not attach to a listener
+    └── BrokerError          the broker could not be reached or refused a request
 
 Inside the training process breakpod never lets these escape from a
 ``breakpoint()`` or a hook; they reach callers only from explicit API calls
@@ -32,3 +33,11 @@ class ListenerError(BreakpodError, OSError):
 
 class AttachError(ListenerError):
     """The CLI could not attach to a listener."""
+
+
+class BrokerError(BreakpodError):
+    """The broker could not be reached, or refused a request (``status`` says how)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status

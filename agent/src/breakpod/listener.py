@@ -88,10 +88,12 @@ class Listener:
         self._sock = net.bind(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
         self._token = None if net.is_loopback(host) else token
-        self._handoff: queue.Queue[socket.socket] = queue.Queue(maxsize=1)
+        self._handoff: queue.Queue[socket.socket | None] = queue.Queue(maxsize=1)
         self._owner: socket.socket | None = None
         self._lock = threading.Lock()
         self._closed = False
+        self._waiting = False
+        self.interrupted = False  # the last wait ended by interrupt()
         threading.Thread(target=self._accept_loop, name="breakpod-listener", daemon=True).start()
 
     @property
@@ -99,15 +101,42 @@ class Listener:
         return f"{self.host}:{self.port}"
 
     def wait_for_client(self, timeout: float | None) -> socket.socket | None:
-        """The next live client, or ``None`` when ``timeout`` seconds pass."""
-        while True:
-            try:
-                sock = self._handoff.get(timeout=timeout)
-            except queue.Empty:
-                return None
-            if _alive(sock):
-                return sock
-            self.release(sock)
+        """The next live client; ``None`` after ``timeout`` seconds or :meth:`interrupt`."""
+        self._waiting, self.interrupted = True, False
+        try:
+            while True:
+                try:
+                    sock = self._handoff.get(timeout=timeout)
+                except queue.Empty:
+                    return None
+                if sock is None:  # interrupt()
+                    self.interrupted = True
+                    return None
+                if _alive(sock):
+                    return sock
+                self.release(sock)
+        finally:
+            self._waiting = False
+
+    def interrupt(self) -> bool:
+        """End a :meth:`wait_for_client` now (a broker ``resume``); False when none waits."""
+        if not self._waiting:
+            return False
+        try:
+            self._handoff.put(None, timeout=0.1)
+        except queue.Full:
+            return False
+        return True
+
+    def disconnect(self) -> bool:
+        """Hang up on the attached client (a broker ``detach``); False when there is none."""
+        with self._lock:
+            owner = self._owner
+        if owner is None:
+            return False
+        with contextlib.suppress(OSError):
+            owner.shutdown(socket.SHUT_RDWR)
+        return True
 
     def release(self, sock: socket.socket) -> None:
         """Free the slot a finished client held."""
@@ -187,10 +216,12 @@ def _alive(sock: socket.socket) -> bool:
         return False
 
 
-def _drain(q: queue.Queue[socket.socket]) -> None:
+def _drain(q: queue.Queue[socket.socket | None]) -> None:
     """Drop a queued client whose slot was taken over (it already disconnected)."""
     while True:
         try:
-            q.get_nowait().close()
+            sock = q.get_nowait()
         except queue.Empty:
             return
+        if sock is not None:
+            sock.close()

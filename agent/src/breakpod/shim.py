@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
-from breakpod import debugger, events
+from breakpod import debugger, emitter, events
 from breakpod.announce import announce
 from breakpod.config import Settings
 from breakpod.pdb_commands import CommandsMixin, load_builtin_commands
@@ -96,6 +96,7 @@ def _prepare_debugpy(frame: FrameType, reason: str) -> Start | None:
     endpoint = debugger.debugpy_endpoint()
     assert endpoint is not None
     hold = env_settings().hold_seconds
+    emitter.ensure_started()
     announce(f"{reason}: waiting up to {_seconds(hold)} for a DAP client on {endpoint.address}")
     events.emit("parked", backend="debugpy", address=endpoint.address, reason=reason)
     if not debugger.wait_for_debugpy_client(hold):
@@ -111,6 +112,7 @@ def open_session(settings: Settings, reason: str, hold_seconds: float) -> Remote
         listener, reason=reason, hold_seconds=hold_seconds, on_detach=settings.on_detach
     )
     address = listener.address
+    emitter.ensure_started()  # reports the park to the broker when BREAKPOD_BROKER_URL is set
     announce(
         f"{reason}: waiting up to {_seconds(hold_seconds)} for a debugger on {address}; "
         f"attach with: breakpod attach {address}  (or: nc {listener.host} {listener.port})"
@@ -118,8 +120,13 @@ def open_session(settings: Settings, reason: str, hold_seconds: float) -> Remote
     events.emit("parked", backend="pdb", address=address, reason=reason)
     if session.wait():
         return session
-    announce(f"nobody attached within {_seconds(hold_seconds)}; continuing")
-    events.emit("resumed", address=address, why="hold time passed")
+    why = (
+        "resume command"
+        if listener.interrupted
+        else f"nobody attached within {_seconds(hold_seconds)}"
+    )
+    announce(f"{why}; continuing")
+    events.emit("resumed", address=address, why=why)
     return None
 
 

@@ -25,8 +25,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from breakpod_broker import overlay
 from fastapi import APIRouter, FastAPI, HTTPException, Request
+
+from breakpod_broker import overlay
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,200 @@
+"""The broker side of the ``breakpod`` CLI: sessions, events, send, attach SESSION_ID."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from typing import Any
+
+from breakpod.broker_client import ENV_TOKEN, ENV_URL, BrokerClient
+from breakpod.errors import AttachError, BrokerError
+
+PORT_FORWARD_TIMEOUT = 15.0
+
+
+def add_broker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", metavar="URL", help=f"broker URL (default: ${ENV_URL})")
+    p.add_argument("--token", help=f"broker token (default: ${ENV_TOKEN})")
+
+
+def client(args: argparse.Namespace) -> BrokerClient:
+    url = getattr(args, "broker", None) or os.environ.get(ENV_URL)
+    if not url:
+        raise BrokerError(f"no broker given: pass --broker URL or set {ENV_URL}")
+    token = getattr(args, "broker_token", None) or getattr(args, "token", None)
+    return BrokerClient(url, token or os.environ.get(ENV_TOKEN))
+
+
+def run_sessions(args: argparse.Namespace) -> int:
+    query = f"?state={args.state}" if args.state else ""
+    sessions = client(args).request("GET", f"/v1/sessions{query}")["sessions"]
+    if args.json:
+        print(json.dumps(sessions, indent=2))
+        return 0
+    rows = [["ID", "JOB", "POD/HOST", "RANK", "STATE", "REASON", "AGE"]]
+    rows += [_session_row(s) for s in sessions]
+    print(_table(rows))
+    return 0
+
+
+def _session_row(s: dict[str, Any]) -> list[str]:
+    where = f"{s['namespace']}/{s['pod']}" if s.get("pod") and s.get("namespace") else s.get("host")
+    rank = "-" if s.get("rank") is None else f"{s['rank']}/{s.get('world_size') or '?'}"
+    reason = (s.get("reason") or "")[:60]
+    return [
+        s["id"],
+        s.get("job") or "-",
+        where or "-",
+        rank,
+        s["state"],
+        reason,
+        _age(s["created"]),
+    ]
+
+
+def _age(since: float) -> str:
+    seconds = max(0, int(time.time() - since))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def run_events(args: argparse.Namespace) -> int:
+    query = _query(session=args.session, kind=args.kind)
+    broker = client(args)
+    if not args.follow:
+        page = broker.request("GET", f"/v1/events?{_query(limit=args.limit)}&{query}".rstrip("&?"))
+        for event in page["events"]:
+            print(format_event(event), flush=True)
+        return 0
+    for _, event in broker.stream(f"/v1/events/stream?{query}".rstrip("?")):
+        print(format_event(event), flush=True)
+    return 0
+
+
+def _query(**params: Any) -> str:
+    pairs = [(k, v) for k, value in params.items() for v in _values(value)]
+    return urllib.parse.urlencode(pairs)
+
+
+def _values(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def format_event(event: dict[str, Any]) -> str:
+    stamp = time.strftime("%H:%M:%S", time.localtime(event["time"]))
+    fields = " ".join(
+        f"{k}={_short(v)}" for k, v in event.get("fields", {}).items() if v is not None
+    )
+    return f"{stamp}  {event['kind']:<9} {event['session']}  {fields}".rstrip()
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def run_send(args: argparse.Namespace) -> int:
+    body = {"command": args.command, "reason": args.reason}
+    sent = client(args).request("POST", f"/v1/sessions/{args.session}/commands", body)
+    print(f"queued {sent['command']} for {args.session} (command {sent['id']})")
+    return 0
+
+
+def attach_session(args: argparse.Namespace) -> int:
+    """``breakpod attach SESSION_ID``: resolve it through the broker, then attach."""
+    from breakpod import attach
+
+    info = client(args).request(
+        "GET", f"/v1/sessions/{args.target}/attach?local_port={_free_port()}"
+    )
+    if args.vscode or info["listener"] == "debugpy":
+        launch = info.get("vscode_launch") or json.loads(
+            attach.vscode_launch(*_split(info["connect"]), args.remote_root, args.local_root)
+        )
+        if info.get("port_forward"):
+            print(f"// first run: {info['port_forward']}", file=sys.stderr)
+        print(json.dumps(launch, indent=2))
+        return 0
+    if info.get("port_forward"):
+        with PortForward(info["port_forward"], _split(info["connect"])[1]):
+            attach.attach(*_split(info["connect"]), token=args.token)
+        return 0
+    attach.attach(*_split(info["connect"]), token=args.token)
+    return 0
+
+
+class PortForward:
+    """Runs ``kubectl port-forward`` until the block ends; waits for the local port."""
+
+    def __init__(self, command: str, local_port: int) -> None:
+        self.argv = shlex.split(command)
+        self.local_port = local_port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> PortForward:
+        print(f"breakpod: {' '.join(self.argv)}", file=sys.stderr)
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE
+            )
+        except OSError as e:
+            raise AttachError(
+                f"cannot run {self.argv[0]!r} ({e.strerror}): is kubectl installed?"
+            ) from e
+        self._wait_for_port()
+        return self
+
+    def _wait_for_port(self) -> None:
+        """kubectl prints "Forwarding from 127.0.0.1:PORT -> ..." once it listens. (A test
+        connection would reach the parked process and count as an attach.)"""
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + PORT_FORWARD_TIMEOUT
+        seen = b""
+        while time.monotonic() < deadline and b"Forwarding from" not in seen:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+            chunk = os.read(self.proc.stdout.fileno(), 4096) if ready else b""
+            if ready and not chunk:
+                raise AttachError(f"kubectl port-forward failed: {seen.decode(errors='replace')}")
+            seen += chunk
+        if b"Forwarding from" not in seen:
+            self.__exit__()
+            raise AttachError(f"kubectl port-forward did not start in {PORT_FORWARD_TIMEOUT:g}s")
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _split(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

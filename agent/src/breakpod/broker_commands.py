@@ -1,0 +1,103 @@
+"""What the agent does with each command the broker delivers.
+
+    break        park at the next step boundary (emitter.break_if_requested())
+    resume       stop waiting for a debugger, or hang up on the attached one; continue
+    detach       hang up on the attached debugger (the program follows BREAKPOD_ON_DETACH)
+    dump-stacks  send every thread's stack as a ``log`` event
+
+Each returns (ok, detail); the detail goes back in the acknowledgement.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from breakpod import debugger
+from breakpod.config import Settings
+from breakpod.listener import Listener
+
+if TYPE_CHECKING:
+    from breakpod.emitter import Emitter
+
+Result = tuple[bool, str]
+MAX_DETAIL = 10_000
+
+
+def run(emitter: Emitter, name: str) -> Result:
+    handler = HANDLERS.get(name)
+    if handler is None:
+        return False, f"this agent does not know the command {name!r}"
+    try:
+        return handler(emitter)
+    except Exception as e:  # a command must never take the process down
+        return False, f"{type(e).__name__}: {e}"
+
+
+def do_break(emitter: Emitter) -> Result:
+    from breakpod import emitter as module
+
+    module.request_break()
+    return True, "will park at the next step boundary"
+
+
+def do_resume(emitter: Emitter) -> Result:
+    if debugger.cancel_debugpy_wait():
+        return True, "stopped waiting for a DAP client; the program continues"
+    listener = debugger.active_pdb_listener()
+    if listener is None:
+        return False, "no debugger listener in this process: it is not parked"
+    if listener.interrupt():
+        return True, "stopped waiting for a debugger; the program continues"
+    if not listener.disconnect():
+        return False, "not parked: nothing to resume"
+    if _on_detach() == "wait":  # it waits for the next client: end that wait too
+        _interrupt_next_wait(listener)
+    return True, "hung up on the attached debugger; the program continues"
+
+
+def do_detach(emitter: Emitter) -> Result:
+    listener = debugger.active_pdb_listener()
+    if listener is None or not listener.disconnect():
+        return False, "no debugger is attached"
+    return True, "hung up on the attached debugger"
+
+
+def do_dump_stacks(emitter: Emitter) -> Result:
+    text = format_stacks()
+    emitter.emit("log", {"message": "stacks of every thread", "stacks": text})
+    return True, text[-MAX_DETAIL:]
+
+
+def format_stacks() -> str:
+    names = {t.ident: t.name for t in threading.enumerate()}
+    blocks = []
+    for ident, frame in sys._current_frames().items():
+        stack = "".join(traceback.format_stack(frame))
+        blocks.append(f"Thread {names.get(ident, '?')} ({ident}):\n{stack}")
+    return "\n".join(blocks)
+
+
+def _on_detach() -> str:
+    try:
+        return Settings.from_env().on_detach
+    except ValueError:
+        return "continue"
+
+
+def _interrupt_next_wait(listener: Listener, seconds: float = 2.0) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not listener.interrupt():
+        time.sleep(0.05)
+
+
+HANDLERS: dict[str, Callable[[Emitter], Result]] = {
+    "break": do_break,
+    "resume": do_resume,
+    "detach": do_detach,
+    "dump-stacks": do_dump_stacks,
+}

@@ -1,0 +1,344 @@
+"""Ships this process's events to the broker and runs the commands it sends back.
+
+Enabled by ``BREAKPOD_BROKER_URL`` (token: ``BREAKPOD_TOKEN``); without it
+nothing here runs: no thread, no sink, no socket. The training thread only
+appends to a bounded in-memory queue (when full the oldest event is dropped
+and counted); a sender thread posts batches with retry and backoff, and a
+poller thread long-polls commands (``break``, ``resume``, ``detach``,
+``dump-stacks``).
+
+    emitter.ensure_started()       # idempotent; breakpoint() and listeners call it
+    emitter.break_if_requested()   # at a step boundary: park here after a `break`
+    emitter.pending_break()        # or test (and clear) the flag yourself
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from breakpod import events, identity
+from breakpod.announce import announce
+from breakpod.errors import BreakpodError, BrokerError
+
+log = logging.getLogger(__name__)
+
+ENV_URL = "BREAKPOD_BROKER_URL"
+ENV_TOKEN = "BREAKPOD_TOKEN"
+ENV_QUEUE = "BREAKPOD_EMIT_QUEUE"
+KINDS = frozenset(
+    {
+        "anomaly",
+        "stall",
+        "parked",
+        "listening",
+        "attached",
+        "detached",
+        "resumed",
+        "finished",
+        "log",
+    }
+)
+STATE_OF_KIND = {"parked": "parked", "attached": "attached", "detached": "parked"}
+STATE_OF_KIND |= {"resumed": "running", "stall": "stalled", "finished": "finished"}
+BATCH_EVENTS = 500
+BATCH_BYTES = 512 * 1024
+MAX_EVENT_BYTES = 64 * 1024
+HEARTBEAT_SECONDS = 15.0
+POLL_SECONDS = 20.0
+MAX_BACKOFF = 30.0
+
+_lock = threading.Lock()
+_emitter: Emitter | None = None
+_start_failed = False
+_break = threading.Event()
+
+
+def ensure_started() -> Emitter | None:
+    """The process's emitter, started on first call; ``None`` when no broker is configured."""
+    global _emitter, _start_failed
+    if _emitter is not None or _start_failed or not os.environ.get(ENV_URL):
+        return _emitter
+    with _lock:
+        if _emitter is None and not _start_failed:
+            try:
+                _emitter = Emitter.from_env().start()
+            except (BreakpodError, ValueError) as e:
+                _start_failed = True
+                announce(f"not reporting to the broker: {e}")
+    return _emitter
+
+
+def current() -> Emitter | None:
+    return _emitter
+
+
+def pending_break() -> bool:
+    """True once after a ``break`` command arrived (then cleared). Costs one flag check."""
+    if not _break.is_set():
+        return False
+    _break.clear()
+    return True
+
+
+def request_break() -> None:
+    """What a ``break`` command does: the next step boundary parks."""
+    _break.set()
+
+
+def break_if_requested() -> None:
+    """Call at a step boundary: parks in the caller when a ``break`` command arrived."""
+    if pending_break():
+        from breakpod import shim
+
+        shim.set_trace(frame=sys._getframe(1), header="break requested through the broker")
+
+
+class Emitter:
+    """A session at the broker: a queue, a sender thread and a command poller thread."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        *,
+        session_id: str | None = None,
+        info: dict[str, Any] | None = None,
+        queue_size: int = 10_000,
+        poll_commands: bool = True,
+        heartbeat_seconds: float = HEARTBEAT_SECONDS,
+    ) -> None:
+        from breakpod.broker_client import BrokerClient
+
+        self.session_id = session_id or identity.session_id()
+        self.info = identity.describe() if info is None else info
+        self.queue_size = max(1, queue_size)
+        self.heartbeat_seconds = heartbeat_seconds
+        self.dropped = self.sent = self.rejected = 0
+        self.state: dict[str, Any] = {"state": "running"}
+        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._qlock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._wake, self._stop, self._idle = threading.Event(), threading.Event(), threading.Event()
+        self._registered = threading.Event()
+        self._next_beat = 0.0
+        self._reachable = True  # the last call reached the broker
+        self._warned: set[str] = set()
+        self._client = BrokerClient(url, token, timeout=5.0)
+        self._poller = (
+            BrokerClient(url, token, timeout=POLL_SECONDS + 10) if poll_commands else None
+        )
+        self._threads: list[threading.Thread] = []
+
+    @classmethod
+    def from_env(cls) -> Emitter:
+        raw = os.environ.get(ENV_QUEUE, "10000")
+        try:
+            size = int(raw)
+        except ValueError:
+            raise BrokerError(f"{ENV_QUEUE}={raw!r} is not a number of events") from None
+        return cls(os.environ[ENV_URL], os.environ.get(ENV_TOKEN), queue_size=size)
+
+    def start(self) -> Emitter:
+        targets = [self._send_loop] + ([self._poll_loop] if self._poller is not None else [])
+        for target in targets:
+            thread = threading.Thread(target=target, name=f"breakpod{target.__name__}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        events.add_sink(self.sink)
+        atexit.register(self.finish)
+        self._wake.set()
+        return self
+
+    # -- the training thread's side: append and return ---------------------------------
+
+    def emit(
+        self, kind: str, fields: dict[str, Any] | None = None, *, at: float | None = None
+    ) -> None:
+        """Queue an event; never blocks on the network. Unknown kinds travel as ``log``."""
+        fields = dict(fields or {})
+        if kind not in KINDS:
+            kind, fields = "log", {**fields, "event": kind}
+        doc: dict[str, Any] = {"id": f"{self.session_id}.{next(self._seq)}", "kind": kind}
+        doc.update(session=self.session_id, time=at or time.time(), fields=fields)
+        self._track_state(kind, fields)
+        with self._qlock:
+            if len(self._queue) >= self.queue_size:
+                self._queue.popleft()
+                self.dropped += 1
+            self._queue.append(doc)
+            self._idle.clear()
+        self._wake.set()
+
+    def sink(self, event: events.Event) -> None:
+        self.emit(event.kind, event.fields, at=event.time)
+
+    def _track_state(self, kind: str, fields: dict[str, Any]) -> None:
+        """Kept so a re-registration (broker lost its Redis) restores the session."""
+        state = STATE_OF_KIND.get(kind)
+        if state is not None:
+            self.state = {**self.state, "state": state, "reason": fields.get("reason")}
+        if kind in ("parked", "listening") and fields.get("address"):
+            backend = fields.get("backend", "pdb")
+            self.state = {**self.state, "address": fields["address"], "listener": backend}
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until everything queued was sent (or rejected); False on timeout."""
+        self._wake.set()
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        events.remove_sink(self.sink)
+        self._stop.set()
+        self._wake.set()
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def finish(self) -> None:
+        """At exit: report ``finished`` and give the sender a moment to deliver it."""
+        if self._stop.is_set():
+            return
+        self.emit("finished", {"reason": "process exited"})
+        self.flush(timeout=3.0 if self._reachable else 0.2)  # never hold up an exit for long
+        self.close(timeout=0.5)
+
+    # -- the sender thread --------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        backoff = 0.25
+        while not self._stop.is_set():
+            self._wake.wait(timeout=self.heartbeat_seconds / 3)
+            self._wake.clear()
+            try:
+                self._register_or_beat()
+                while self._send_batch():
+                    pass
+                backoff, self._reachable = 0.25, True
+            except BrokerError as e:
+                self._reachable = e.status is not None
+                self._warn_once("send", f"broker unreachable, events queued ({e})")
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+                self._wake.set()
+
+    def _register_or_beat(self) -> None:
+        now = time.monotonic()
+        path = f"/v1/sessions/{self.session_id}"
+        try:
+            if not self._registered.is_set():
+                self._client.request("PUT", path, {**self.info, **self.state})
+                self._registered.set()
+            elif now >= self._next_beat:
+                self._client.request("POST", f"{path}/heartbeat", {})
+            else:
+                return
+        except BrokerError as e:
+            if e.status == 404:
+                self._registered.clear()
+            raise
+        self._next_beat = now + self.heartbeat_seconds
+
+    def _send_batch(self) -> bool:
+        """Send one batch; False when the queue is empty."""
+        batch, body = self._take()
+        if not batch:
+            self._idle.set()
+            return False
+        try:
+            self._client.request("POST", "/v1/events", body)
+        except BrokerError as e:
+            if e.status in (400, 403, 413, 422):  # retrying cannot help: drop, count, say so
+                self.rejected += len(batch)
+                self._warn_once("rejected", f"the broker rejected {len(batch)} events: {e}")
+                return True
+            if e.status == 404:
+                self._registered.clear()
+            self._requeue(batch)
+            raise
+        self.sent += len(batch)
+        return True
+
+    def _take(self) -> tuple[list[dict[str, Any]], bytes]:
+        """Up to BATCH_EVENTS / BATCH_BYTES from the front; encoded outside the lock so
+        the training thread's emit() never waits for JSON encoding."""
+        with self._qlock:
+            batch = [self._queue.popleft() for _ in range(min(BATCH_EVENTS, len(self._queue)))]
+        parts: list[bytes] = []
+        size = 0
+        for doc in batch:
+            if parts and size >= BATCH_BYTES:
+                break
+            parts.append(_encode(doc))
+            size += len(parts[-1])
+        if len(parts) < len(batch):
+            self._requeue(batch[len(parts) :])
+        return batch[: len(parts)], b'{"events":[' + b",".join(parts) + b"]}"
+
+    def _requeue(self, batch: list[dict[str, Any]]) -> None:
+        """Put a failed batch back in front; if the queue filled meanwhile, drop the oldest."""
+        with self._qlock:
+            room = max(0, self.queue_size - len(self._queue))
+            keep = batch[len(batch) - room :] if room < len(batch) else batch
+            self.dropped += len(batch) - len(keep)
+            self._queue.extendleft(reversed(keep))
+
+    # -- the poller thread --------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        assert self._poller is not None
+        backoff = 0.25
+        path = f"/v1/sessions/{self.session_id}/commands"
+        while not self._stop.is_set():
+            if not self._registered.wait(timeout=1.0):
+                continue
+            try:
+                reply = self._poller.request("GET", f"{path}?wait={POLL_SECONDS:g}")
+                for command in reply["commands"]:
+                    self._run(path, command)
+                backoff = 0.25
+            except (BrokerError, KeyError, TypeError) as e:
+                if isinstance(e, BrokerError) and e.status == 404:
+                    self._registered.clear()
+                    self._wake.set()
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _run(self, path: str, command: dict[str, Any]) -> None:
+        from breakpod import broker_commands
+
+        ok, detail = broker_commands.run(self, command["command"])
+        assert self._poller is not None
+        self._poller.request("POST", f"{path}/{command['id']}/ack", {"ok": ok, "detail": detail})
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("breakpod: %s", message)
+
+
+def _encode(doc: dict[str, Any]) -> bytes:
+    encoded = json.dumps(doc, default=str).encode()
+    if len(encoded) <= MAX_EVENT_BYTES:
+        return encoded
+    preview = json.dumps(doc["fields"], default=str)[:4096]
+    return _encode({**doc, "fields": {"truncated": True, "preview": preview}})
+
+
+def _forget_after_fork() -> None:
+    """A forked child (a DataLoader worker) has no sender thread: stay silent there."""
+    global _emitter
+    if _emitter is not None:
+        events.remove_sink(_emitter.sink)
+        _emitter._stop.set()  # its atexit finish() returns at once
+        _emitter = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

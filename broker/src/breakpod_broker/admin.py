@@ -1,0 +1,125 @@
+"""Admin and operator endpoints: token management, notifier status, metrics, health."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request, Response
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, Field
+
+from breakpod_broker import keys, sessions
+from breakpod_broker.auth import Admin, Principal, Role, Viewer, require
+from breakpod_broker.context import Broker, get_broker
+
+router = APIRouter()
+BrokerDep = Annotated[Broker, Depends(get_broker)]
+Namespace = Annotated[str, Field(min_length=1, max_length=253)]
+
+
+class TokenIn(BaseModel):
+    role: Role
+    name: Annotated[str, Field(max_length=128)] = ""
+    namespaces: Annotated[list[Namespace] | None, Field(max_length=100)] = None
+
+
+class TokenInfo(BaseModel):
+    id: str
+    role: Role
+    name: str
+    namespaces: list[str] | None
+
+
+class NewToken(TokenInfo):
+    token: str = Field(description="shown once; the broker keeps only its SHA-256")
+
+
+def _info(p: Principal) -> TokenInfo:
+    ns = sorted(p.namespaces) if p.namespaces is not None else None
+    return TokenInfo(id=p.token_id, role=p.role, name=p.name, namespaces=ns)
+
+
+@router.get("/v1/whoami", response_model=TokenInfo, tags=["admin"])
+async def whoami(who: Annotated[Principal, Depends(require(Role.agent, Role.viewer))]) -> TokenInfo:
+    """The caller's role: any valid token may ask (``breakpod doctor`` checks tokens here)."""
+    return _info(who)
+
+
+@router.post("/v1/tokens", response_model=NewToken, status_code=201, tags=["admin"])
+async def create_token(body: TokenIn, who: Admin, broker: BrokerDep) -> NewToken:
+    token, made = await broker.tokens.create(body.role, body.name, body.namespaces)
+    return NewToken(**_info(made).model_dump(), token=token)
+
+
+@router.get("/v1/tokens", response_model=list[TokenInfo], tags=["admin"])
+async def list_tokens(who: Admin, broker: BrokerDep) -> list[TokenInfo]:
+    return [_info(p) for p in await broker.tokens.list()]
+
+
+@router.delete("/v1/tokens/{token_id}", status_code=204, tags=["admin"])
+async def delete_token(
+    token_id: Annotated[str, Path(pattern=r"^[0-9a-f]{12}$")], who: Admin, broker: BrokerDep
+) -> Response:
+    """Revoke a token made through the API (static tokens live in settings)."""
+    if not await broker.tokens.delete(token_id):
+        raise HTTPException(
+            404, f"no API-made token {token_id!r} (static tokens are changed in settings)"
+        )
+    return Response(status_code=204)
+
+
+class NotifierStatus(BaseModel):
+    name: str
+    format: str
+    kinds: list[str]
+    recent_failures: list[dict[str, str]]
+
+
+@router.get("/v1/notifiers", response_model=list[NotifierStatus], tags=["admin"])
+async def notifier_status(who: Viewer, broker: BrokerDep) -> list[NotifierStatus]:
+    """Configured notifiers and their recent delivery failures (all replicas)."""
+    failures = [f for _, f in await broker.redis.xrevrange(keys.NOTIFIER_FAILURES, count=200)]
+    return [
+        NotifierStatus(
+            name=n.name,
+            format=n.format,
+            kinds=list(n.kinds),
+            recent_failures=[f for f in failures if f.get("notifier") == n.name][:20],
+        )
+        for n in broker.notifiers.notifiers
+    ]
+
+
+@router.get("/metrics", tags=["operations"], response_class=Response)
+async def metrics(who: Viewer, broker: BrokerDep) -> Response:
+    """Prometheus text format."""
+    await broker.metrics.ping(broker.redis)
+    body = broker.metrics.render(await sessions.counts_by_state(broker))
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/openapi.json", include_in_schema=False)
+async def openapi(who: Viewer, request: Request) -> dict[str, Any]:
+    """The OpenAPI schema (viewer token)."""
+    app: FastAPI = request.app
+    return get_openapi(title=app.title, version=app.version, routes=app.routes)
+
+
+@router.get("/healthz", tags=["operations"])
+async def healthz() -> dict[str, str]:
+    """The process is up (no token needed)."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", tags=["operations"])
+async def readyz(broker: BrokerDep) -> Response:
+    """Redis answers (no token needed)."""
+    try:
+        await broker.metrics.ping(broker.redis)
+    except Exception as e:  # any Redis failure means: not ready
+        return Response(
+            f'{{"status": "redis unavailable: {type(e).__name__}"}}',
+            503,
+            media_type="application/json",
+        )
+    return Response('{"status": "ready"}', media_type="application/json")

@@ -1,0 +1,174 @@
+"""The ASGI app: ``create_app(settings)`` for uvicorn, tests and the CLI.
+
+    uvicorn --factory breakpod_broker.app:create_app
+
+Everything stateful is in Redis, so any number of these processes can share
+one Redis. Settings are read in the lifespan (not at import); without a Redis
+URL the lifespan starts an embedded redis-server and stops it on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from breakpod_broker import __version__, admin, attach, commands, events, sessions
+from breakpod_broker.auth import TokenStore, load_tokens_file, parse_token_pairs
+from breakpod_broker.context import Broker
+from breakpod_broker.metrics import Metrics
+from breakpod_broker.notifiers import Dispatcher
+from breakpod_broker.redis_server import EmbeddedRedis
+from breakpod_broker.settings import BrokerSettings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: BrokerSettings | None = None) -> FastAPI:
+    """The broker app; ``settings`` default to the environment, read at startup."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with _running(settings or BrokerSettings()) as broker:
+            app.state.broker = broker
+            app.state.max_body_bytes = broker.settings.max_body_bytes
+            yield
+
+    # no public /docs: every endpoint but the health checks needs a token, the schema too
+    app = FastAPI(
+        title="breakpod broker",
+        version=__version__,
+        lifespan=lifespan,
+        openapi_url=None,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.max_body_bytes = (settings or BrokerSettings.model_construct()).max_body_bytes
+    for module in (sessions, events, commands, attach, admin):
+        app.include_router(module.router)
+    _include_admission(app)
+    _add_error_handlers(app)
+    app.add_middleware(BodyLimit)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
+    embedded = None
+    if settings.redis_url is None:
+        embedded = await asyncio.to_thread(EmbeddedRedis(settings.data_dir / "redis").start)
+        settings = settings.model_copy(update={"redis_url": embedded.url})
+    assert settings.redis_url is not None
+    client = aioredis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
+    static = parse_token_pairs(settings.broker_tokens)
+    if settings.tokens_file is not None:
+        static.update(load_tokens_file(settings.tokens_file))
+    if not static:
+        log.warning("no tokens configured: only API-made tokens work (set BREAKPOD_BROKER_TOKENS)")
+    metrics = Metrics()
+    notifiers = Dispatcher(settings.notifiers, client, metrics)
+    try:
+        yield Broker(settings, client, TokenStore(static, client), metrics, notifiers)
+    finally:
+        await notifiers.close()
+        await client.aclose()
+        if embedded is not None:
+            await asyncio.to_thread(embedded.stop)
+
+
+def _include_admission(app: FastAPI) -> None:
+    """The admission webhook (a separate module) when installed; unauthenticated by
+    bearer token on purpose: the API server calls it over TLS (see auth.PUBLIC_PATHS)."""
+    try:
+        admission = importlib.import_module("breakpod_broker.admission")
+    except ImportError:
+        return
+    app.include_router(admission.router)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def invalid(request: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        problems = [_describe(e) for e in exc.errors()]
+        detail = {
+            "message": "invalid request: " + "; ".join(problems),
+            "errors": _jsonable(exc.errors()),
+        }
+        return JSONResponse(detail, status_code=422)
+
+    async def redis_down(request: Request, exc: Exception) -> JSONResponse:
+        log.warning("Redis error on %s %s: %s", request.method, request.url.path, exc)
+        return JSONResponse(
+            {"detail": f"Redis is unavailable ({type(exc).__name__}); retry later"}, 503
+        )
+
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(redis.exceptions.RedisError, redis_down)
+
+
+def _describe(error: Any) -> str:
+    where = ".".join(str(part) for part in error.get("loc", ()))
+    return f"{where}: {error.get('msg', 'invalid')}"
+
+
+def _jsonable(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=str))
+
+
+class BodyLimit:
+    """413 for request bodies over ``max_body_bytes``, declared or streamed."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit: int = scope["app"].state.max_body_bytes
+        declared = dict(scope["headers"]).get(b"content-length", b"0")
+        if declared.isdigit() and int(declared) > limit:
+            await _too_large(limit, send)
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > limit:
+                await _too_large(limit, send)
+                return
+        await self.app(scope, _replay(body, receive), send)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
+
+
+async def _too_large(limit: int, send: Send) -> None:
+    body = json.dumps(
+        {"detail": f"request body larger than {limit} bytes: send smaller batches"}
+    ).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 413, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -1,0 +1,151 @@
+"""Commands to agents: queued by admins, long-polled by the agent, acknowledged.
+
+Delivery is at least once: a polled command moves to the session's
+``delivered`` list and stays there until acknowledged, and every poll hands
+out unacknowledged commands first. Each step is recorded as a ``command``
+event. Any replica may queue and any replica may deliver: it is all Redis.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, HTTPException, Path, Query
+from pydantic import BaseModel, Field
+
+from breakpod_broker import keys
+from breakpod_broker.auth import Admin, Agent
+from breakpod_broker.context import Broker, get_broker
+from breakpod_broker.events import EventIn, ingest
+from breakpod_broker.sessions import SessionId, SessionOut, load, owned
+
+router = APIRouter(prefix="/v1/sessions", tags=["commands"])
+BrokerDep = Annotated[Broker, Depends(get_broker)]
+CommandName = Literal["break", "resume", "dump-stacks", "detach"]
+MAX_PER_POLL = 16
+
+
+class CommandIn(BaseModel):
+    command: CommandName
+    reason: Annotated[str | None, Field(max_length=2000)] = None
+
+
+class Command(CommandIn):
+    id: str
+    session: str
+    created: float
+    by: str = Field(description="id of the token that sent it")
+
+
+class CommandList(BaseModel):
+    commands: list[Command]
+
+
+class Ack(BaseModel):
+    ok: bool = True
+    detail: Annotated[str | None, Field(max_length=10_000)] = None
+
+
+@router.post("/{session_id}/commands", response_model=Command, status_code=202)
+async def send(session_id: SessionId, body: CommandIn, who: Admin, broker: BrokerDep) -> Command:
+    """Queue a command for the session's agent (admin only)."""
+    session = await load(broker, session_id)
+    if session.state == "finished":
+        raise HTTPException(
+            409, f"session {session_id!r} has finished: nobody will receive {body.command!r}"
+        )
+    command = Command(
+        **body.model_dump(),
+        id=uuid.uuid4().hex[:16],
+        session=session_id,
+        created=time.time(),
+        by=who.token_id,
+    )
+    async with broker.redis.pipeline(transaction=True) as pipe:
+        pipe.lpush(keys.commands(session_id), command.model_dump_json())
+        pipe.expire(keys.commands(session_id), broker.settings.retention_seconds)
+        await pipe.execute()
+    await _record(broker, session, command, "queued")
+    return command
+
+
+@router.get("/{session_id}/commands", response_model=CommandList)
+async def poll(
+    session_id: SessionId,
+    who: Agent,
+    broker: BrokerDep,
+    wait: Annotated[float, Query(ge=0, le=300, description="seconds to wait for a command")] = 20.0,
+) -> CommandList:
+    """Long-poll: unacknowledged commands at once, else wait up to ``wait`` seconds for new ones."""
+    session = await owned(broker, who, session_id)
+    await broker.redis.set(keys.alive(session_id), "1", ex=broker.settings.heartbeat_ttl_seconds)
+    pending = await broker.redis.lrange(keys.delivered(session_id), 0, MAX_PER_POLL - 1)
+    if not pending:
+        pending = await _take(broker, session_id, int(min(wait, broker.settings.max_poll_seconds)))
+    commands = [Command.model_validate_json(raw) for raw in pending]
+    for command in commands:
+        await _record(broker, session, command, "delivered")
+    return CommandList(commands=commands)
+
+
+async def _take(broker: Broker, session_id: str, wait: float) -> list[str]:
+    src, dst = keys.commands(session_id), keys.delivered(session_id)
+    first = (
+        await broker.redis.blmove(src, dst, wait, "RIGHT", "LEFT")
+        if wait
+        else await broker.redis.lmove(src, dst, "RIGHT", "LEFT")
+    )
+    if first is None:
+        return []
+    taken = [first]
+    while len(taken) < MAX_PER_POLL and (
+        more := await broker.redis.lmove(src, dst, "RIGHT", "LEFT")
+    ):
+        taken.append(more)
+    await broker.redis.expire(dst, broker.settings.retention_seconds)
+    return taken
+
+
+@router.post("/{session_id}/commands/{command_id}/ack", response_model=Command)
+async def ack(
+    session_id: SessionId,
+    command_id: Annotated[str, Path(pattern=r"^[0-9a-f]{1,32}$")],
+    body: Ack,
+    who: Agent,
+    broker: BrokerDep,
+) -> Command:
+    """The agent handled (``ok``) or could not handle a delivered command."""
+    session = await owned(broker, who, session_id)
+    for raw in await broker.redis.lrange(keys.delivered(session_id), 0, -1):
+        command = Command.model_validate_json(raw)
+        if command.id == command_id and await broker.redis.lrem(keys.delivered(session_id), 1, raw):
+            await _record(broker, session, command, "done" if body.ok else "failed", body.detail)
+            return command
+    raise HTTPException(
+        404, f"command {command_id!r} is not awaiting acknowledgement on {session_id!r}"
+    )
+
+
+async def _record(
+    broker: Broker, session: SessionOut, command: Command, state: str, detail: str | None = None
+) -> None:
+    fields = {
+        "command": command.command,
+        "command_id": command.id,
+        "state": state,
+        "reason": command.reason,
+    }
+    if detail is not None:
+        fields["detail"] = detail
+    event_id = (
+        f"cmd-{command.id}-{state}"
+        if state != "delivered"
+        else f"cmd-{command.id}-delivered-{time.time_ns()}"
+    )
+    await ingest(
+        broker,
+        [EventIn(id=event_id, session=session.id, kind="command", time=None, fields=fields)],
+        {session.id: session},
+    )

@@ -1,0 +1,355 @@
+"""Events: ingested in batches, stored in Redis Streams, queried, and streamed over SSE.
+
+Each event lands in the global stream and in its session's stream under the
+same stream id (the *cursor*), once: the agent picks the event id, and a
+retry with an id already seen inside ``dedup_seconds`` is dropped. Events
+that say a session changed state (parked, attached, resumed, ...) update the
+session in the same Lua call, so replicas never disagree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, HTTPException, Query
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, Field
+
+from breakpod_broker import keys
+from breakpod_broker.auth import Agent, Principal, Viewer
+from breakpod_broker.context import Broker, get_broker
+from breakpod_broker.sessions import ADDRESS_PATTERN, ID_PATTERN, SessionOut, check_owner, read_many
+from breakpod_broker.settings import EventKind
+
+router = APIRouter(prefix="/v1/events", tags=["events"])
+BrokerDep = Annotated[Broker, Depends(get_broker)]
+MAX_BATCH = 1000
+SSE_BLOCK_MS = 5000
+CURSOR = re.compile(r"^\d{1,20}-\d{1,20}$")
+ADDRESS = re.compile(ADDRESS_PATTERN)
+
+STATE_OF_KIND = {
+    "parked": "parked",
+    "attached": "attached",
+    "detached": "parked",
+    "resumed": "running",
+    "stall": "stalled",
+    "finished": "finished",
+}
+
+# KEYS: global stream, session stream, session hash.
+# ARGV: global maxlen, session maxlen, dedup ttl, retention, seen-key prefix, n,
+#       n x (event id, document), then per state change: index, state, reason,
+#       address, listener. Returns the cursors joined by "," ("" = duplicate):
+#       one bulk reply and two arguments per event keep redis-py's share small.
+INGEST_LUA = """
+local n = tonumber(ARGV[6])
+local out = {}
+for i = 1, n do
+  if redis.call('SET', ARGV[5] .. ARGV[5 + 2 * i], '1', 'NX', 'EX', ARGV[3]) then
+    local sid = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'event', ARGV[6 + 2 * i])
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], sid, 'event', ARGV[6 + 2 * i])
+    out[i] = sid
+  else
+    out[i] = ''
+  end
+end
+for b = 7 + 2 * n, #ARGV - 1, 5 do
+  if out[tonumber(ARGV[b])] ~= '' then
+    if ARGV[b + 1] ~= '' then
+      redis.call('HSET', KEYS[3], 'state', ARGV[b + 1], 'reason', ARGV[b + 2])
+    end
+    if ARGV[b + 3] ~= '' then
+      redis.call('HSET', KEYS[3], 'address', ARGV[b + 3], 'listener', ARGV[b + 4])
+    end
+  end
+end
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+return table.concat(out, ',')
+"""
+
+
+class EventIn(BaseModel):
+    id: str = Field(
+        pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="chosen by the sender; retries reuse it"
+    )
+    session: str = Field(pattern=ID_PATTERN)
+    kind: EventKind
+    time: float | None = Field(
+        None, ge=0, le=1e11, description="unix seconds; default: when received"
+    )
+    fields: dict[str, Any] = Field(default_factory=dict)
+
+
+class EventBatch(BaseModel):
+    events: list[EventIn] = Field(min_length=1, max_length=MAX_BATCH)
+
+
+class IngestResult(BaseModel):
+    accepted: int
+    duplicates: int
+    cursors: list[str | None] = Field(description="stream id per event; null for a duplicate")
+
+
+class EventOut(EventIn):
+    cursor: str
+    namespace: str | None = None
+    received: float
+
+
+class EventPage(BaseModel):
+    events: list[EventOut]
+    cursor: str | None = Field(description="pass as `since` to continue after the last event")
+
+
+@router.post("", response_model=IngestResult)
+async def post_events(batch: EventBatch, who: Agent, broker: BrokerDep) -> IngestResult:
+    """Store a batch of events; an agent token may write only its own sessions' events."""
+    sessions = await _sessions_for(broker, who, {e.session for e in batch.events})
+    return await ingest(broker, batch.events, sessions)
+
+
+async def _sessions_for(broker: Broker, who: Principal, ids: set[str]) -> dict[str, SessionOut]:
+    ordered = sorted(ids)
+    found = dict(zip(ordered, await read_many(broker, ordered), strict=True))
+    for session_id, session in found.items():
+        if session is None:
+            raise HTTPException(
+                404, f"no session {session_id!r}: register it first (PUT /v1/sessions/{session_id})"
+            )
+        check_owner(who, session_id, session.owner)
+    return {k: v for k, v in found.items() if v is not None}
+
+
+async def ingest(
+    broker: Broker, events: list[EventIn], sessions: dict[str, SessionOut]
+) -> IngestResult:
+    """Store events (deduplicated), update session states, then notify; in batch order."""
+    now = time.time()
+    docs = [_document(e, sessions[e.session], now) for e in events]
+    by_session: dict[str, list[int]] = {}
+    for i, event in enumerate(events):
+        by_session.setdefault(event.session, []).append(i)
+    cursors: list[str | None] = [None] * len(events)
+    started = time.perf_counter()
+    async with broker.redis.pipeline(transaction=False) as pipe:
+        for session_id, indexes in by_session.items():
+            pipe.eval(
+                INGEST_LUA,
+                3,
+                *_lua_keys(session_id),
+                *_lua_args(broker, session_id, events, docs, indexes),
+            )
+        replies = await pipe.execute()
+    broker.metrics.redis_latency.labels("ingest").observe(time.perf_counter() - started)
+    for indexes, reply in zip(by_session.values(), replies, strict=True):
+        for i, cursor in zip(indexes, reply.split(","), strict=True):
+            cursors[i] = cursor or None
+    accepted = [{**d, "cursor": c} for d, c in zip(docs, cursors, strict=True) if c is not None]
+    broker.metrics.ingested(accepted, duplicates=len(events) - len(accepted))
+    broker.notifiers.dispatch(accepted, sessions)
+    return IngestResult(
+        accepted=len(accepted), duplicates=len(events) - len(accepted), cursors=cursors
+    )
+
+
+def _document(event: EventIn, session: SessionOut, now: float) -> dict[str, Any]:
+    """The stored form (built by hand: model_dump costs 3x on the ingest path)."""
+    return {
+        "id": event.id,
+        "session": event.session,
+        "kind": event.kind,
+        "time": event.time or now,
+        "fields": event.fields,
+        "received": now,
+        "namespace": session.namespace,
+    }
+
+
+def _lua_keys(session_id: str) -> list[str]:
+    return [keys.EVENTS, keys.session_events(session_id), keys.session(session_id)]
+
+
+def _lua_args(
+    broker: Broker,
+    session_id: str,
+    events: list[EventIn],
+    docs: list[dict[str, Any]],
+    indexes: list[int],
+) -> list[Any]:
+    s = broker.settings
+    args: list[Any] = [s.global_stream_maxlen, s.session_stream_maxlen, s.dedup_seconds]
+    args += [s.retention_seconds, keys.seen(session_id, ""), len(indexes)]
+    changes: list[Any] = []
+    for n, i in enumerate(indexes, start=1):
+        event = events[i]
+        args += [event.id, json.dumps(docs[i], default=str)]
+        state = STATE_OF_KIND.get(event.kind, "")
+        address, backend = _listener(event)
+        if state or address:
+            fields = event.fields
+            reason = str(fields.get("reason") or fields.get("why") or "") if state else ""
+            changes += [n, state, reason[:2000], address, backend]
+    return args + changes
+
+
+def _listener(event: EventIn) -> tuple[str, str]:
+    """(address, backend) when the event announces a listener, else ("", "")."""
+    address, backend = event.fields.get("address"), event.fields.get("backend", "pdb")
+    if event.kind not in ("parked", "listening") or not isinstance(address, str):
+        return "", ""
+    if not ADDRESS.match(address) or backend not in ("pdb", "debugpy"):
+        return "", ""
+    return address, backend
+
+
+class Filters:
+    """Query filters shared by the page and the live stream."""
+
+    def __init__(
+        self,
+        session: Annotated[str | None, Query(pattern=ID_PATTERN)] = None,
+        kind: Annotated[list[EventKind] | None, Query()] = None,
+    ) -> None:
+        self.session = session
+        self.kinds = set(kind or ())
+
+    @property
+    def stream(self) -> str:
+        return keys.session_events(self.session) if self.session else keys.EVENTS
+
+    def match(self, who: Principal, doc: dict[str, Any]) -> bool:
+        return (not self.kinds or doc.get("kind") in self.kinds) and who.may_see(
+            doc.get("namespace")
+        )
+
+
+Since = Annotated[
+    str | None,
+    Query(max_length=64, description="a cursor (after it) or unix seconds (from then on)"),
+]
+
+
+@router.get("", response_model=EventPage)
+async def list_events(
+    who: Viewer,
+    broker: BrokerDep,
+    filters: Annotated[Filters, Depends()],
+    since: Since = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> EventPage:
+    """Events, oldest first: after ``since``, or the latest ``limit`` without it."""
+    if since is None:
+        found = await _scan(broker, who, filters, limit, newest_first=True)
+        found.reverse()
+    else:
+        found = await _scan(broker, who, filters, limit, start=parse_since(since))
+    return EventPage(
+        events=[EventOut.model_validate(d) for d in found],
+        cursor=found[-1]["cursor"] if found else since,
+    )
+
+
+async def _scan(
+    broker: Broker,
+    who: Principal,
+    filters: Filters,
+    limit: int,
+    *,
+    start: str = "-",
+    newest_first: bool = False,
+) -> list[dict[str, Any]]:
+    """Walk the stream in chunks until ``limit`` matches (at most 50 chunks)."""
+    found: list[dict[str, Any]] = []
+    position = "+" if newest_first else start
+    for _ in range(50):
+        if newest_first:
+            chunk = await broker.redis.xrevrange(filters.stream, position, "-", count=1000)
+        else:
+            chunk = await broker.redis.xrange(filters.stream, position, "+", count=1000)
+        docs = [_decode(c, f) for c, f in chunk]
+        found += [d for d in docs if filters.match(who, d)]
+        if len(chunk) < 1000 or len(found) >= limit:
+            break
+        position = "(" + chunk[-1][0]
+    return found[:limit]
+
+
+def _decode(cursor: str, fields: dict[str, str]) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(fields["event"])
+    doc["cursor"] = cursor
+    return doc
+
+
+def is_cursor(text: str) -> bool:
+    return bool(CURSOR.match(text)) and all(int(part) < 2**64 for part in text.split("-"))
+
+
+def parse_since(since: str) -> str:
+    """A cursor means "after it"; a number of unix seconds means "from then on"."""
+    if is_cursor(since):
+        return "(" + since
+    try:
+        seconds = float(since)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < 1e11:
+        raise HTTPException(
+            422, f"since={since!r} is neither a cursor (e.g. 1700000000000-0) nor unix seconds"
+        )
+    return f"{int(seconds * 1000)}-0"
+
+
+@router.get(
+    "/stream",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+)
+async def stream_events(
+    who: Viewer,
+    broker: BrokerDep,
+    filters: Annotated[Filters, Depends()],
+    since: Since = None,
+    last_event_id: Annotated[str | None, Header(max_length=64)] = None,
+) -> StreamingResponse:
+    """Server-Sent Events as they arrive (from any replica); resumes at Last-Event-ID."""
+    resume = last_event_id if last_event_id and is_cursor(last_event_id) else since
+    start = (
+        parse_since(resume).lstrip("(") if resume else await _last_cursor(broker, filters.stream)
+    )
+    if resume and not is_cursor(resume):  # seconds: include that millisecond
+        start = _before(start)
+    body = _sse(broker, who, filters, start)
+    return StreamingResponse(
+        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+    )
+
+
+async def _last_cursor(broker: Broker, stream: str) -> str:
+    last = await broker.redis.xrevrange(stream, "+", "-", count=1)
+    return str(last[0][0]) if last else "0-0"
+
+
+def _before(cursor: str) -> str:
+    ms = int(cursor.split("-")[0])
+    return f"{max(ms - 1, 0)}-{2**64 - 1 if ms else 0}"
+
+
+async def _sse(broker: Broker, who: Principal, filters: Filters, cursor: str) -> AsyncIterator[str]:
+    yield "retry: 1000\n\n"
+    while True:
+        reply = await broker.redis.xread({filters.stream: cursor}, count=500, block=SSE_BLOCK_MS)
+        if not reply:
+            yield ": keepalive\n\n"
+            continue
+        for entry_id, fields in reply[0][1]:
+            cursor = entry_id
+            doc = _decode(entry_id, fields)
+            if filters.match(who, doc):
+                yield f"id: {entry_id}\nevent: {doc['kind']}\ndata: {json.dumps(doc)}\n\n"
+        await asyncio.sleep(0)

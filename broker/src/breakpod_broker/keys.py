@@ -1,0 +1,57 @@
+"""Every Redis key the broker uses, with its lifetime (as arq's constants.py).
+
+All state lives here, so any number of broker replicas can share one Redis.
+"""
+
+from __future__ import annotations
+
+PREFIX = "breakpod:"
+
+# Sorted set: session id -> time of its last registration or heartbeat.
+# No TTL; members whose session hash has expired are pruned when listed.
+SESSIONS = PREFIX + "sessions"
+
+# Stream of every event, trimmed to settings.global_stream_maxlen (MAXLEN ~).
+EVENTS = PREFIX + "events"
+
+# Hash: token digest -> JSON {role, namespaces, name}, tokens made by admins
+# through the API (static ones come from settings). No TTL: deleted explicitly.
+TOKENS = PREFIX + "tokens"
+
+# Stream of notifier delivery failures, trimmed to NOTIFIER_FAILURES_MAXLEN.
+NOTIFIER_FAILURES = PREFIX + "notifier-failures"
+NOTIFIER_FAILURES_MAXLEN = 1000
+
+
+def session(session_id: str) -> str:
+    """Hash: the session's fields. TTL: settings.retention_seconds, renewed on each write."""
+    return f"{PREFIX}session:{session_id}"
+
+
+def alive(session_id: str) -> str:
+    """String: present while heartbeats arrive. TTL: settings.heartbeat_ttl_seconds;
+    when it expires the session shows as lost (its hash stays)."""
+    return f"{PREFIX}alive:{session_id}"
+
+
+def session_events(session_id: str) -> str:
+    """Stream of one session's events, trimmed to settings.session_stream_maxlen.
+    TTL: settings.retention_seconds, renewed on each write."""
+    return f"{PREFIX}events:{session_id}"
+
+
+def seen(session_id: str, event_id: str) -> str:
+    """String: marks an agent-chosen event id as ingested, so retries are dropped.
+    TTL: settings.dedup_seconds (the window within which a retry is recognised)."""
+    return f"{PREFIX}seen:{session_id}:{event_id}"
+
+
+def commands(session_id: str) -> str:
+    """List of queued commands (JSON), oldest at the right. TTL: retention, renewed on push."""
+    return f"{PREFIX}commands:{session_id}"
+
+
+def delivered(session_id: str) -> str:
+    """List of commands handed to the agent but not yet acknowledged; redelivered
+    on the next poll. TTL: retention, renewed on delivery."""
+    return f"{PREFIX}delivered:{session_id}"

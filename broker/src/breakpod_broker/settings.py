@@ -1,0 +1,62 @@
+"""Broker settings: explicit argument > ``BREAKPOD_*`` environment > safe default.
+
+Built in the app lifespan (or by the CLI), never at import time.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, HttpUrl
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EventKind = Literal[
+    "anomaly",
+    "stall",
+    "parked",
+    "listening",
+    "attached",
+    "detached",
+    "resumed",
+    "finished",
+    "command",
+    "log",
+]
+
+DEFAULT_ROUTED: tuple[EventKind, ...] = ("anomaly", "stall", "parked")
+
+
+class Notifier(BaseModel):
+    """One webhook sink and the event kinds routed to it."""
+
+    name: str = Field(min_length=1, max_length=64)
+    url: HttpUrl
+    format: Literal["json", "slack"] = "json"
+    kinds: list[EventKind] = Field(default_factory=lambda: list(DEFAULT_ROUTED))
+    retries: int = Field(default=3, ge=0, le=10)
+    backoff_seconds: float = Field(default=0.5, gt=0, le=60)
+    timeout_seconds: float = Field(default=5.0, gt=0, le=60)
+
+
+class BrokerSettings(BaseSettings):
+    """Everything the broker reads; see the README's Broker section."""
+
+    model_config = SettingsConfigDict(env_prefix="BREAKPOD_", extra="ignore")
+
+    # BREAKPOD_BROKER_HOST/PORT: plain BREAKPOD_HOST/PORT belong to the agent's listener
+    broker_host: str = "127.0.0.1"
+    broker_port: int = Field(default=8765, ge=0, le=65535)
+    redis_url: str | None = None  # None: start an embedded redis-server
+    data_dir: Path = Path(".breakpod/broker")
+    broker_tokens: str = ""  # "role:token,role:token"
+    tokens_file: Path | None = None
+    notifiers: list[Notifier] = Field(default_factory=list)  # JSON in BREAKPOD_NOTIFIERS
+    max_body_bytes: int = Field(default=1 << 20, ge=1024)
+    max_batch: int = Field(default=1000, ge=1, le=10_000)
+    global_stream_maxlen: int = Field(default=100_000, ge=100)
+    session_stream_maxlen: int = Field(default=10_000, ge=10)
+    heartbeat_ttl_seconds: int = Field(default=60, ge=1)
+    retention_seconds: int = Field(default=7 * 24 * 3600, ge=60)
+    dedup_seconds: int = Field(default=3600, ge=1)
+    max_poll_seconds: float = Field(default=30.0, gt=0, le=300)

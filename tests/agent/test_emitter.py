@@ -1,0 +1,134 @@
+"""The agent's emitter and identity, without a broker: cheap, contained, off by default."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from breakpod import emitter, identity
+from breakpod.emitter import Emitter, _encode
+
+DEAD_URL = "http://127.0.0.1:9"  # discard port: nothing listens
+
+
+def test_without_a_broker_url_nothing_starts(spawn):
+    child = spawn(
+        """
+        import sys, threading
+        import breakpod
+        assert "breakpod.emitter" not in sys.modules and "http.client" not in sys.modules
+        from breakpod import emitter
+        assert emitter.ensure_started() is None and not emitter.pending_break()
+        print(threading.active_count())
+        """
+    )
+    assert child.wait() == 0, child.stderr
+    assert child.stdout().strip() == "1"
+
+
+def test_a_bad_broker_url_is_announced_once_and_the_program_runs_on(spawn):
+    child = spawn(
+        """
+        from breakpod import emitter
+        assert emitter.ensure_started() is None and emitter.ensure_started() is None
+        print("ran")
+        """,
+        env={"BREAKPOD_BROKER_URL": "ftp://example"},
+    )
+    assert child.wait() == 0 and child.stdout().strip() == "ran"
+    assert child.stderr.count("not reporting to the broker") == 1
+
+
+def test_emit_queues_without_blocking_and_maps_unknown_kinds_to_log():
+    e = Emitter(DEAD_URL, None, session_id="s", info={}, queue_size=3, poll_commands=False)
+    e.emit("anomaly", {"reason": "nan"})
+    e.emit("checked", {"n": 1})
+    assert [d["kind"] for d in e._queue] == ["anomaly", "log"]
+    assert e._queue[1]["fields"] == {"n": 1, "event": "checked"}
+    assert [d["id"] for d in e._queue] == ["s.1", "s.2"]
+    for _ in range(3):
+        e.emit("log")
+    assert e.dropped == 2 and [d["id"] for d in e._queue] == ["s.3", "s.4", "s.5"]
+    assert not e._threads  # never started: no thread
+
+
+def test_state_is_tracked_for_re_registration():
+    e = Emitter(DEAD_URL, None, session_id="s", info={}, poll_commands=False)
+    e.emit("parked", {"address": "127.0.0.1:5678", "backend": "pdb", "reason": "bp"})
+    assert e.state == {
+        "state": "parked",
+        "reason": "bp",
+        "address": "127.0.0.1:5678",
+        "listener": "pdb",
+    }
+    e.emit("resumed", {})
+    assert e.state["state"] == "running"
+
+
+def test_oversized_events_travel_truncated():
+    doc = {"id": "s.1", "session": "s", "kind": "log", "time": 1.0, "fields": {"x": "y" * 200_000}}
+    encoded = json.loads(_encode(doc))
+    assert encoded["fields"]["truncated"] is True and len(encoded["fields"]["preview"]) <= 4096
+
+
+def test_pending_break_fires_once():
+    assert not emitter.pending_break()
+    emitter.request_break()
+    assert emitter.pending_break() and not emitter.pending_break()
+
+
+def test_a_started_emitter_with_the_broker_down_keeps_events_and_stops_cleanly():
+    before = threading.active_count()
+    e = Emitter(DEAD_URL, None, session_id="s", info={}, poll_commands=True).start()
+    assert threading.active_count() == before + 2
+    e.emit("log", {"n": 1})
+    assert not e.flush(timeout=0.3)  # nothing reachable: the event stays queued
+    e.close(timeout=2)
+    assert threading.active_count() <= before + 1  # the poller may sit in its backoff wait
+    assert len(e._queue) >= 1 and e.sent == 0
+
+
+def test_identity_from_the_downward_api_and_rank_variables():
+    env = {"POD_NAME": "train-7f9-0", "POD_NAMESPACE": "ml", "NODE_NAME": "gpu-17", "RANK": "3"}
+    env |= {"WORLD_SIZE": "8", "LOCAL_RANK": "-1", "CUDA_VISIBLE_DEVICES": "2"}
+    info = identity.describe(env)
+    assert info["runtime"] == "kubernetes" and info["pod"] == "train-7f9-0"
+    assert (info["namespace"], info["node"], info["rank"], info["world_size"]) == (
+        "ml",
+        "gpu-17",
+        3,
+        8,
+    )
+    assert "local_rank" not in info and info["gpu"] == "2" and info["job"] == "train-7f9"
+    assert identity.session_id({"BREAKPOD_SESSION_ID": "my job/rank 0"}) == "my-job-rank-0"
+    assert identity.session_id(env).startswith("train-7f9-0-")
+    assert identity.runtime({"BREAKPOD_RUNTIME": "compose"}) == "compose"
+
+
+def test_batches_stop_at_the_byte_limit_and_keep_the_rest_in_order():
+    e = Emitter(DEAD_URL, None, session_id="s", info={}, poll_commands=False)
+    for n in range(20):
+        e.emit("log", {"blob": "x" * 60_000, "n": n})
+    batch, body = e._take()
+    assert 8 <= len(batch) < 20 and len(body) < 600_000
+    assert [d["fields"]["n"] for d in batch] == list(range(len(batch)))
+    assert [d["fields"]["n"] for d in e._queue] == list(range(len(batch), 20))
+    assert json.loads(body)["events"][0]["id"] == "s.1"
+
+
+def test_a_process_whose_broker_is_down_still_exits_promptly(spawn):
+    child = spawn(
+        """
+        import time
+        from breakpod import emitter, events
+        emitter.ensure_started()
+        events.emit("anomaly", reason="nan")
+        time.sleep(0.5)  # the sender has tried and failed by now
+        print("done", time.monotonic(), flush=True)
+        """,
+        env={"BREAKPOD_BROKER_URL": DEAD_URL},
+    )
+    assert child.wait() == 0
+    printed = float(child.stdout().split()[1])
+    assert time.monotonic() - printed < 1.5  # finish() did not wait for the dead broker
