@@ -111,7 +111,7 @@ def check_tty(ctx: Context) -> Iterator[Check]:
 
 
 def _reachable(host: str) -> str:
-    return "<this host>" if host in ("0.0.0.0", "::") else host
+    return "<this host>" if net.is_wildcard(host) else host
 
 
 def check_breakpoint_hook(ctx: Context) -> Iterator[Check]:

@@ -11,6 +11,8 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from breakpod import net
+
 # name -> the variable that marks it; the first match wins, plain CI=true last.
 CI_SYSTEMS = (
     ("GitHub Actions", "GITHUB_ACTIONS"),
@@ -83,7 +85,7 @@ def reach_hints(hosting: Hosting, host: str, port: int) -> list[str]:
         hints.append(f"kubectl port-forward{ns} pod/{pod} {port}:{port}  then  {attach}")
     elif hosting.container in ("docker", "podman"):
         hints.append(f"{hosting.container} exec -it {hosting.hostname} {attach}")
-    if host in ("0.0.0.0", "::"):
+    if net.is_wildcard(host):
         hints.append(f"from another machine: breakpod attach <this host>:{port} (token required)")
     elif not hosting.kubernetes and not hosting.container:
         hints.append(f"on this machine (ssh to the runner first): {attach}")

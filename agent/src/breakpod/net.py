@@ -27,6 +27,16 @@ def is_loopback(host: str) -> bool:
     return bool(infos) and all(ipaddress.ip_address(i[4][0]).is_loopback for i in infos)
 
 
+def is_wildcard(host: str) -> bool:
+    """``0.0.0.0``/``::``: bound on every interface (a container's published port)."""
+    return host.strip("[]") in ("0.0.0.0", "::", "")
+
+
+def local_address(host: str, port: int) -> str:
+    """Where a client on the same host (or container) connects to a listener."""
+    return f"127.0.0.1:{port}" if is_wildcard(host) else f"{host}:{port}"
+
+
 def check_bind(host: str, *, backend: str, token: str | None, allow_insecure: bool) -> None:
     """Refuse a non-loopback bind that lacks its opt-in, saying what to set."""
     if is_loopback(host):

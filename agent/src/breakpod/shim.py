@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
-from breakpod import debugger, emitter, events
+from breakpod import debugger, emitter, events, net
 from breakpod.announce import announce
 from breakpod.config import Settings
 from breakpod.pdb_commands import CommandsMixin, load_builtin_commands
@@ -113,9 +113,10 @@ def open_session(settings: Settings, reason: str, hold_seconds: float) -> Remote
     )
     address = listener.address
     emitter.ensure_started()  # reports the park to the broker when BREAKPOD_BROKER_URL is set
+    target = net.local_address(listener.host, listener.port)
     announce(
         f"{reason}: waiting up to {_seconds(hold_seconds)} for a debugger on {address}; "
-        f"attach with: breakpod attach {address}  (or: nc {listener.host} {listener.port})"
+        f"attach with: breakpod attach {target}  (or: nc {target.replace(':', ' ')})"
     )
     events.emit("parked", backend="pdb", address=address, reason=reason)
     if session.wait():
