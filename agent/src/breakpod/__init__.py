@@ -6,6 +6,7 @@ neither torch nor debugpy, and each name below is imported on first use.
     PYTHONBREAKPOINT=breakpod.set_trace    # breakpoint() parks on a socket when headless
     breakpod.init_remote_debugger()        # a pdb or debugpy listener, when enabled
     breakpod.install_excepthook()          # post-mortem on crashes (BREAKPOD_POST_MORTEM=1)
+    monitor = breakpod.watch(model)        # tensor monitors: NaN/Inf, shapes, grad norms, dead units
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ _EXPORTS = {
     "InsecureBindError": "breakpod.errors",
     "ListenerError": "breakpod.errors",
     "AttachError": "breakpod.errors",
+    "watch": "breakpod.monitor",
+    "Monitor": "breakpod.monitor",
+    "Anomaly": "breakpod.anomaly",
+    "summary": "breakpod.summaries",
+    "RuleError": "breakpod.errors",
+    "AnomalyError": "breakpod.errors",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -43,6 +50,12 @@ if TYPE_CHECKING:
     from breakpod.shim import install_excepthook as install_excepthook
     from breakpod.shim import post_mortem as post_mortem
     from breakpod.shim import set_trace as set_trace
+    from breakpod.anomaly import Anomaly as Anomaly
+    from breakpod.errors import AnomalyError as AnomalyError
+    from breakpod.errors import RuleError as RuleError
+    from breakpod.monitor import Monitor as Monitor
+    from breakpod.monitor import watch as watch
+    from breakpod.summaries import summary as summary
 
 
 def __getattr__(name: str) -> Any:

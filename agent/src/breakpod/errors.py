@@ -2,13 +2,17 @@
 
     BreakpodError
     ├── ConfigError          a setting or argument has a value breakpod cannot use
-    │   └── InsecureBindError  a non-loopback bind without the required opt-in
+    │   ├── InsecureBindError  a non-loopback bind without the required opt-in
+    │   └── RuleError        a monitor rule is invalid (names the rule and the field)
+    ├── AnomalyError         a monitor rule with ``action: stop`` fired
     └── ListenerError        a listener could not be started or reached
         └── AttachError      the CLI could not attach to a listener
 
 Inside the training process breakpod never lets these escape from a
 ``breakpoint()`` or a hook; they reach callers only from explicit API calls
-(``init_remote_debugger(...)``) and from the CLI.
+(``init_remote_debugger(...)``, ``watch(...)``) and from the CLI; the one
+deliberate exception is :class:`AnomalyError`, raised into the training
+loop by a rule whose action is ``stop``.
 """
 
 from __future__ import annotations
@@ -32,3 +36,15 @@ class ListenerError(BreakpodError, OSError):
 
 class AttachError(ListenerError):
     """The CLI could not attach to a listener."""
+
+
+class RuleError(ConfigError):
+    """A monitor rule is invalid; the message names the rule and the field."""
+
+
+class AnomalyError(BreakpodError, RuntimeError):
+    """A monitor rule with ``action: stop`` fired; ``.anomaly`` says what and where."""
+
+    def __init__(self, anomaly: object) -> None:
+        super().__init__(f"breakpod stopped training: {anomaly}")
+        self.anomaly = anomaly

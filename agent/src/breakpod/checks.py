@@ -1,0 +1,121 @@
+"""On-device reductions and host-side shape contracts.
+
+Everything here that touches tensor *values* returns a small tensor on the
+tensor's own device and never reads it on the host: no ``.item()``,
+``bool(tensor)``, ``.cpu()`` or ``.tolist()``. The monitor concatenates these
+small tensors and reads them every ``check_every`` steps.
+
+The reductions are chosen for cost: ``aminmax`` is one vectorised pass and
+tells NaN (min/max are NaN), +Inf (max) and -Inf (min) apart; ``|x|.sum``
+and the zero count run only where a rule needs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+ANY = ("*", "_", "?", "")
+NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+
+
+def activation_stats(x: torch.Tensor, *, mean_abs: bool, zeros: bool) -> torch.Tensor:
+    """``[min, max, (sum |x|), (count of zeros)]`` as float32 on ``x``'s device."""
+    import torch
+
+    x = x.detach()
+    lo, hi = torch.aminmax(x)
+    parts = [lo.float(), hi.float()]
+    if mean_abs:
+        parts.append(x.abs().sum(dtype=torch.float32))
+    if zeros:
+        parts.append((x.numel() - torch.count_nonzero(x)).float())
+    return torch.stack(parts)
+
+
+def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each tensor, fused where torch can (one kernel per device on CUDA)."""
+    import torch
+
+    return torch.stack(torch._foreach_norm([t.detach() for t in tensors])).float()
+
+
+def batchnorm_stats(modules: Sequence[Any]) -> torch.Tensor:
+    """``[min mean, max mean, min var, max var]`` of each BatchNorm's running stats."""
+    import torch
+
+    rows = [torch.stack([*torch.aminmax(m.running_mean), *torch.aminmax(m.running_var)]) for m in modules]
+    return torch.cat(rows).float()
+
+
+def first_tensor(value: Any) -> torch.Tensor | None:
+    """The tensor a module produced: itself, or the first one in a tuple/list/dict."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((t for t in map(first_tensor, value) if t is not None), None)
+    if isinstance(value, dict):
+        return first_tensor(list(value.values()))
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeContract:
+    """An expected shape: ints, ``None``/``*`` (any), names (equal within the shape), one ``...``."""
+
+    dims: tuple[int | str | None, ...]
+    text: str
+
+    @classmethod
+    def parse(cls, spec: Any) -> ShapeContract:
+        if isinstance(spec, ShapeContract):
+            return spec
+        if isinstance(spec, str):
+            raw: list[Any] = [d.strip() for d in spec.strip("()[] ").split(",")] if spec.strip() else []
+        elif isinstance(spec, (tuple, list)):
+            raw = list(spec)
+        else:
+            raise ValueError(f"expected a shape like 'B,T,256' or (None, 10), got {spec!r}")
+        dims = tuple(_dim(d, spec) for d in raw)
+        if dims.count("...") > 1:
+            raise ValueError(f"shape {spec!r} has more than one '...'")
+        return cls(dims, "(" + ", ".join("*" if d is None else str(d) for d in dims) + ")")
+
+    def mismatch(self, shape: Sequence[int]) -> str | None:
+        """Why ``shape`` breaks the contract, or ``None`` when it holds."""
+        dims = self._expand(len(shape))
+        if dims is None:
+            return f"has {len(shape)} dims, expected {self.text}"
+        bound: dict[str, int] = {}
+        for i, (want, got) in enumerate(zip(dims, shape, strict=True)):
+            if isinstance(want, int) and want != got:
+                return f"dim {i} is {got}, expected {want}"
+            if isinstance(want, str) and bound.setdefault(want, got) != got:
+                return f"dim {i} is {got}, but {want}={bound[want]} earlier in the shape"
+        return None
+
+    def _expand(self, ndim: int) -> tuple[int | str | None, ...] | None:
+        if "..." not in self.dims:
+            return self.dims if len(self.dims) == ndim else None
+        fixed = len(self.dims) - 1
+        if ndim < fixed:
+            return None
+        i = self.dims.index("...")
+        return (*self.dims[:i], *([None] * (ndim - fixed)), *self.dims[i + 1 :])
+
+
+def _dim(value: Any, spec: Any) -> int | str | None:
+    if value is None or value in ANY:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and (value.isdigit() or value == "..." or NAME.match(value)):
+        return int(value) if value.isdigit() else value
+    raise ValueError(f"shape {spec!r}: {value!r} is not a size, a name, None/'*' or '...'")

@@ -1,0 +1,510 @@
+"""``breakpod.watch(model)``: tensor monitors with no host-device sync on the hot path.
+
+How a step flows:
+
+* forward hooks reduce each watched module's output on its device
+  (:mod:`breakpod.checks`) and register a gradient hook on its inputs;
+  shape contracts are checked from metadata, on the host, at once;
+* at the end of each backward, one fused ``_foreach_norm`` gives every
+  parameter's gradient norm;
+* at the step boundary (:meth:`Monitor.step`, or the optimizer's step hook)
+  the step's small stats tensors are concatenated into one per device;
+* every ``check_every`` steps the host reads them (a non-blocking copy to
+  pinned memory on CUDA, evaluated at the next boundary once it landed) and
+  :mod:`breakpod.detect` turns them into :class:`~breakpod.anomaly.Anomaly`
+  records, handed to each rule's actions.
+
+Nothing in a hook reads a tensor on the host. A failure inside the monitor
+is reported once and swallowed; only ``action: stop`` raises into training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from breakpod import checks
+from breakpod.anomaly import ActionContext, Anomaly, dispatch
+from breakpod.announce import announce
+from breakpod.compiled import apply_compile_policy, unwrap_compiled
+from breakpod.config import parse_bool
+from breakpod.detect import Detector, ParamInfo, Sample, Slot, StepData
+from breakpod.errors import AnomalyError, ConfigError, RuleError
+from breakpod.rules import Rule, load_rules, parse_rule
+
+log = logging.getLogger(__name__)
+
+ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
+MONITORS: weakref.WeakKeyDictionary[Any, Monitor] = weakref.WeakKeyDictionary()
+
+
+def monitor_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """False when ``BREAKPOD_MONITOR`` or ``AI_DEBUG_MODE`` is set to a false value."""
+    env = os.environ if environ is None else environ
+    return all(parse_bool(var, env[var]) for var in ("BREAKPOD_MONITOR", "AI_DEBUG_MODE") if var in env)
+
+
+def watch(
+    model: Any,
+    rules: Any = None,
+    *,
+    check_every: int | None = None,
+    config: Any = None,
+    optimizer: Any = None,
+    expect: Mapping[str, Any] | None = None,
+    sink: Callable[[Anomaly], Any] | None = None,
+    snapshot_dir: str | os.PathLike[str] | None = None,
+) -> Monitor:
+    """Watch ``model`` with the default rules plus ``rules``; see the README's "Tensor monitors".
+
+    ``config`` is a mapping or YAML file with any of ``rules``, ``defaults``,
+    ``check_every``, ``expect`` and ``snapshot_dir``; explicit arguments win.
+    With ``BREAKPOD_MONITOR=0`` (or ``AI_DEBUG_MODE=0``) nothing is installed.
+    """
+    settings = _config(config)
+    every = check_every if check_every is not None else settings.get("check_every", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"check_every={every!r}: expected a positive integer (1 = every step)")
+    merged = _merge_rules(settings, rules, {**settings.get("expect", {}), **(expect or {})})
+    enabled = monitor_enabled()
+    if enabled:
+        apply_compile_policy()
+        model = unwrap_compiled(model)
+    folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
+    ctx = ActionContext(model=model, snapshot_dir=folder, sink=sink)
+    return Monitor(model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled)
+
+
+def _config(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, (str, os.PathLike)):
+        from breakpod.rules import _read_yaml
+
+        config = _read_yaml(Path(config))
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"config: expected a mapping or a YAML file path, got {type(config).__name__}")
+    unknown = set(config) - {"rules", "defaults", "check_every", "expect", "snapshot_dir"}
+    if unknown:
+        raise ConfigError(f"config: unknown key(s) {sorted(unknown)}")
+    return dict(config)
+
+
+def _merge_rules(settings: dict[str, Any], rules: Any, expect: Mapping[str, Any]) -> list[Rule]:
+    defaults = bool(settings.get("defaults", True))
+    merged = load_rules(settings.get("rules"), defaults=defaults)
+    if rules is not None:
+        extra = load_rules(rules, defaults=False)
+        names = {r.name for r in extra}
+        merged = [r for r in merged if r.name not in names] + extra
+    for i, (glob, shape) in enumerate(expect.items()):
+        merged.append(parse_rule({"name": f"shape:{glob}", "check": "shape", "modules": glob, "expect": shape}, i))
+    return merged
+
+
+@dataclasses.dataclass
+class _Entry:
+    """One small stats tensor produced during a step, and what it describes."""
+
+    kind: str  # forward | backward | grads | loss | params | batchnorm
+    vec: Any
+    slot: Slot | None = None
+    numel: int = 0
+    keys: Sequence[Any] = ()
+    tensor: Any = None
+
+
+@dataclasses.dataclass
+class _Step:
+    step: int
+    entries: list[_Entry] = dataclasses.field(default_factory=list)
+    packed: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+
+class Monitor:
+    """Hooks on one model; read :attr:`anomalies`, call :meth:`step` once per step, :meth:`close`."""
+
+    def __init__(
+        self,
+        model: Any,
+        rules: list[Rule],
+        *,
+        check_every: int = 1,
+        optimizer: Any = None,
+        ctx: ActionContext | None = None,
+        enabled: bool = True,
+    ) -> None:
+        self.model = model
+        self.rules = rules
+        self.check_every = check_every
+        self.enabled = enabled
+        self.anomalies: list[Anomaly] = []
+        self.step_count = 0
+        self.reads = 0
+        self.errors = 0
+        self.shapes: dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]] = {}
+        self._ctx = ctx or ActionContext(model=model, snapshot_dir=Path("breakpod-snapshots"))
+        self._ctx.monitor = self
+        self._handles: list[Any] = []
+        self._current = _Step(0)
+        self._pending: list[_Step] = []
+        self._inflight: list[tuple[Any, dict[Any, Any], list[_Step]]] = []
+        self._backward_queued = False
+        self._shape_active: set[tuple[str, str]] = set()
+        self._failed: set[str] = set()
+        if enabled:
+            self._install(optimizer)
+            MONITORS[model] = self
+
+    # ------------------------------------------------------------------ setup
+    def _rules_for(self, checks_: Sequence[str], name: str, module: Any, where: str | None = None) -> frozenset[str]:
+        return frozenset(
+            r.name
+            for r in self.rules
+            if r.check in checks_
+            and (where is None or r.check != "nonfinite" or where in r["where"])
+            and r.matches(name, module)
+        )
+
+    def _install(self, optimizer: Any) -> None:
+        self._params: list[tuple[ParamInfo, Any]] = []
+        batchnorm: dict[str, frozenset[str]] = {}
+        self._bn_modules: list[tuple[str, Any]] = []
+        for name, module in self.model.named_modules():
+            self._watch_module(name, module)
+            bn = self._rules_for(("batchnorm",), name, module)
+            if bn and getattr(module, "running_var", None) is not None:
+                batchnorm[name] = bn
+                self._bn_modules.append((name, module))
+        for name, param in self.model.named_parameters():
+            owner = name.rpartition(".")[0]
+            module = self.model.get_submodule(owner)
+            rules = self._rules_for(("grad_norm",), owner, module) | self._rules_for(
+                ("nonfinite",), owner, module, "gradient"
+            ) | self._rules_for(("nonfinite",), owner, module, "param")
+            if rules:
+                self._params.append((ParamInfo(name, owner, rules), param))
+        self._install_grad_hooks()
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step()))
+        self._detector = Detector(self.rules, [info for info, _ in self._params], batchnorm)
+
+    def _watch_module(self, name: str, module: Any) -> None:
+        fwd = self._rules_for(ACTIVATION_CHECKS, name, module, "activation")
+        bwd = self._rules_for(("nonfinite",), name, module, "gradient")
+        shapes = [(r, r["expect"]) for r in self.rules if r.check == "shape" and r.matches(name, module)]
+        if not (fwd or bwd or shapes):
+            return
+        by_name = {r.name: r for r in self.rules}
+        watched = [by_name[n] for n in fwd]
+        slot = Slot(
+            name,
+            "forward",
+            fwd,
+            mean_abs=any(r.check == "activation" for r in watched),
+            zeros=any(r.check == "dead_units" for r in watched),
+            retain=any(r.parks for r in watched),
+        )
+        back = Slot(name, "backward", bwd, retain=any(by_name[n].parks for n in bwd))
+        hook = self._forward_hook(name, slot if fwd else None, back if bwd else None, shapes)
+        self._handles.append(module.register_forward_hook(hook))
+
+    def _install_grad_hooks(self) -> None:
+        for _, param in self._params:
+            if hasattr(param, "register_post_accumulate_grad_hook"):
+                self._handles.append(param.register_post_accumulate_grad_hook(self._on_param_grad))
+
+    # ------------------------------------------------------------------ hooks (hot path)
+    def _forward_hook(
+        self, name: str, slot: Slot | None, back: Slot | None, shapes: list[tuple[Rule, Any]]
+    ) -> Callable[..., None]:
+        grad_hook = self._grad_hook(back) if back is not None else None
+
+        def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            try:
+                self._on_forward(name, slot, grad_hook, shapes, inputs, output)
+            except AnomalyError:
+                raise
+            except Exception as e:
+                self._fail("forward hook", e)
+
+        return hook
+
+    def _on_forward(
+        self,
+        name: str,
+        slot: Slot | None,
+        grad_hook: Callable[[Any], None] | None,
+        shapes: list[tuple[Rule, Any]],
+        inputs: tuple[Any, ...],
+        output: Any,
+    ) -> None:
+        import torch
+
+        out = checks.first_tensor(output)
+        if out is None:
+            return
+        self.shapes[name] = ([tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)], tuple(out.shape))
+        for rule, contract in shapes:
+            self._check_shape(name, rule, contract, out)
+        if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
+            stats = checks.activation_stats(out, mean_abs=slot.mean_abs, zeros=slot.zeros)
+            self._current.entries.append(_Entry("forward", stats, slot, out.numel(), tensor=out if slot.retain else None))
+        if grad_hook is not None and torch.is_grad_enabled():
+            for x in inputs:
+                if isinstance(x, torch.Tensor) and x.requires_grad and _claim(x, "_breakpod_bwd", name):
+                    x.register_hook(grad_hook)
+
+    def _grad_hook(self, slot: Slot) -> Callable[[Any], None]:
+        def hook(grad: Any) -> None:
+            try:
+                stats = checks.activation_stats(grad, mean_abs=False, zeros=False)
+                tensor = grad if slot.retain else None
+                self._current.entries.append(_Entry("backward", stats, slot, grad.numel(), tensor=tensor))
+                self._queue_backward_end()
+            except Exception as e:
+                self._fail("gradient hook", e)
+
+        return hook
+
+    def _on_param_grad(self, param: Any) -> None:
+        try:
+            self._queue_backward_end()
+        except Exception as e:
+            self._fail("parameter hook", e)
+
+    def _queue_backward_end(self) -> None:
+        if self._backward_queued or not self._params:
+            return
+        from torch.autograd import Variable
+
+        Variable._execution_engine.queue_callback(self._on_backward_end)
+        self._backward_queued = True
+
+    def _on_backward_end(self) -> None:
+        self._backward_queued = False
+        try:
+            self._collect_grads()
+        except Exception as e:
+            self._fail("gradient norms", e)
+
+    def _collect_grads(self) -> None:
+        """One fused norm over every watched gradient; a later backward in the step replaces it."""
+        have = [(i, p.grad) for i, (_, p) in enumerate(self._params) if p.grad is not None]
+        self._current.entries = [e for e in self._current.entries if e.kind != "grads"]
+        for device, group in _by_device(have, lambda item: item[1]).items():
+            keys = [i for i, _ in group]
+            self._current.entries.append(_Entry("grads", checks.norms([g for _, g in group]), keys=keys))
+
+    def _check_shape(self, name: str, rule: Rule, contract: checks.ShapeContract, out: Any) -> None:
+        why = contract.mismatch(tuple(out.shape))
+        key = (rule.name, name)
+        if why is None:
+            self._shape_active.discard(key)
+            return
+        if key in self._shape_active:
+            return
+        self._shape_active.add(key)
+        summary = f"output shape {list(out.shape)} breaks the contract {contract.text}: {why}"
+        details = {"expected": contract.text, "actual": list(out.shape)}
+        anomaly = Anomaly(rule.name, "shape", name, self.step_count, "forward", summary, float(out.dim()), details, out)
+        self._report([(anomaly, rule)])
+
+    # ------------------------------------------------------------------ step boundary
+    def record_loss(self, loss: Any) -> None:
+        """Check this step's loss (when the optimizer hook ends steps, call this before it)."""
+        if not self.enabled:
+            return
+        import torch
+
+        value = torch.as_tensor(loss).detach().float().mean().reshape(1)
+        self._current.entries = [e for e in self._current.entries if e.kind != "loss"]
+        kept = loss.detach() if isinstance(loss, torch.Tensor) else value
+        self._current.entries.append(_Entry("loss", value, tensor=kept))
+
+    def step(self, loss: Any = None) -> None:
+        """End a training step: stats are packed, and read every ``check_every`` steps."""
+        if not self.enabled:
+            return
+        try:
+            self._end_step(loss)
+        except AnomalyError:
+            raise
+        except Exception as e:
+            self._fail("step boundary", e)
+
+    def _end_step(self, loss: Any) -> None:
+        if loss is not None:
+            self.record_loss(loss)
+        done, self._current = self._current, _Step(self.step_count + 1)
+        self.step_count += 1
+        self._pending.append(done)
+        if self.step_count % self.check_every == 0:
+            self._read(done)
+        else:
+            _pack(done)
+        self._evaluate_landed(wait=False)
+
+    def flush(self) -> list[Anomaly]:
+        """Read and evaluate everything now (a host sync); returns the new anomalies."""
+        if not self.enabled:
+            return []
+        before = len(self.anomalies)
+        if self._pending:
+            self._read(self._pending[-1])
+        self._evaluate_landed(wait=True)
+        return self.anomalies[before:]
+
+    def _read(self, last: _Step) -> None:
+        """Start the host copy of every pending step (with the state checks on ``last``)."""
+        self._add_state_checks(last)
+        steps, self._pending = self._pending, []
+        for s in steps:
+            _pack(s)
+        blocks: dict[Any, list[Any]] = {}
+        for s in steps:
+            for device, tensor in s.packed.items():
+                blocks.setdefault(device, []).append(tensor)
+        copies = {device: _to_host(parts) for device, parts in blocks.items()}
+        self._inflight.append((_event(copies), copies, steps))
+        self.reads += 1
+
+    def _add_state_checks(self, step: _Step) -> None:
+        """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
+        params = [(i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)]
+        for _, group in _by_device(params, lambda item: item[1]).items():
+            step.entries.append(_Entry("params", checks.norms([p for _, p in group]), keys=[i for i, _ in group]))
+        for _, group in _by_device(self._bn_modules, lambda item: item[1].running_var).items():
+            step.entries.append(_Entry("batchnorm", checks.batchnorm_stats([m for _, m in group]), keys=[n for n, _ in group]))
+
+    def _evaluate_landed(self, *, wait: bool) -> None:
+        while self._inflight:
+            event, copies, steps = self._inflight[0]
+            if event is not None and wait:
+                event.synchronize()
+            elif event is not None and not event.query():
+                return  # not landed yet: the next boundary looks again
+            self._inflight.pop(0)
+            values = {device: host.tolist() for device, host in copies.items()}
+            for step in steps:
+                self._report(self._detector.run(_decode(step, values)))
+
+    def _report(self, found: list[tuple[Anomaly, Rule]]) -> None:
+        self.anomalies.extend(a for a, _ in found)
+        for anomaly, rule in found:
+            dispatch(anomaly, rule.actions, self._ctx)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _fail(self, where: str, error: Exception) -> None:
+        self.errors += 1
+        if where not in self._failed:
+            self._failed.add(where)
+            announce(f"monitor {where} failed ({type(error).__name__}: {error}); the job continues")
+
+    def close(self) -> None:
+        """Remove every hook; the monitor keeps its anomalies for inspection."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.enabled = False
+        MONITORS.pop(self.model, None)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "on" if self.enabled else "off"
+        return (
+            f"<breakpod.Monitor {state} rules={[r.name for r in self.rules]} step={self.step_count} "
+            f"check_every={self.check_every} anomalies={len(self.anomalies)}>"
+        )
+
+
+def _claim(tensor: Any, attr: str, name: str) -> bool:
+    """Check a tensor once: a container skips what one of its submodules already took."""
+    owner = tensor.__dict__.get(attr)
+    if owner is not None and (name == "" or owner.startswith(name + ".") or owner == name):
+        return False
+    setattr(tensor, attr, name)
+    return True
+
+
+def _watches_params(info: ParamInfo, rules: list[Rule]) -> bool:
+    return any(r.name in info.rules and r.check == "nonfinite" and "param" in r["where"] for r in rules)
+
+
+def _by_device(items: Sequence[Any], tensor_of: Callable[[Any], Any]) -> dict[Any, list[Any]]:
+    groups: dict[Any, list[Any]] = {}
+    for item in items:
+        groups.setdefault(tensor_of(item).device, []).append(item)
+    return groups
+
+
+def _pack(step: _Step) -> None:
+    """Concatenate a step's stats into one tensor per device (one kernel each)."""
+    import torch
+
+    if step.packed:
+        return
+    for device, entries in _by_device(step.entries, lambda e: e.vec).items():
+        step.packed[device] = torch.cat([e.vec.reshape(-1) for e in entries])
+    for entry in step.entries:
+        entry.vec = (entry.vec.device, entry.vec.numel())
+
+
+def _to_host(parts: list[Any]) -> Any:
+    import torch
+
+    tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def _event(copies: dict[Any, Any]) -> Any:
+    """A CUDA event after the copies, polled later; None when everything is on the CPU."""
+    if not any(getattr(device, "type", "") == "cuda" for device in copies):
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _decode(step: _Step, values: dict[Any, list[float]]) -> StepData:
+    data = StepData(step.step)
+    offsets = {device: 0 for device in values}
+    for e in step.entries:
+        device, n = e.vec
+        chunk = values[device][offsets[device] : offsets[device] + n]
+        offsets[device] += n
+        _place(data, e, chunk)
+    return data
+
+
+def _place(data: StepData, e: _Entry, chunk: list[float]) -> None:
+    if e.kind in ("forward", "backward"):
+        assert e.slot is not None
+        getattr(data, e.kind).append(Sample(e.slot, chunk, e.numel, e.tensor))
+    elif e.kind == "grads":
+        data.grads.update(zip(e.keys, chunk, strict=True))
+    elif e.kind == "params":
+        data.params = {**(data.params or {}), **dict(zip(e.keys, chunk, strict=True))}
+    elif e.kind == "batchnorm":
+        rows = {k: chunk[4 * i : 4 * i + 4] for i, k in enumerate(e.keys)}
+        data.batchnorm = {**(data.batchnorm or {}), **rows}
+    else:
+        data.loss, data.loss_tensor = chunk[0], e.tensor
+
+
+__all__ = ["Monitor", "RuleError", "monitor_enabled", "watch"]
