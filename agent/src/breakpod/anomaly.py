@@ -81,7 +81,9 @@ def dispatch(anomaly: Anomaly, actions: tuple[Any, ...], ctx: ActionContext) -> 
 def _report_once(ctx: ActionContext, action: str, error: Exception) -> None:
     if action not in ctx.failed:
         ctx.failed.add(action)
-        announce(f"monitor action {action!r} failed ({type(error).__name__}: {error}); further failures are silent")
+        announce(
+            f"monitor action {action!r} failed ({type(error).__name__}: {error}); further failures are silent"
+        )
 
 
 def _log(anomaly: Anomaly, ctx: ActionContext) -> None:
@@ -98,7 +100,11 @@ def _snapshot(anomaly: Anomaly, ctx: ActionContext) -> None:
     import torch
 
     ctx.snapshot_dir.mkdir(parents=True, exist_ok=True)
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"step{anomaly.step:07d}-{anomaly.rule}-{anomaly.module or 'model'}")
+    name = re.sub(
+        r"[^A-Za-z0-9_.-]+",
+        "_",
+        f"step{anomaly.step:07d}-{anomaly.rule}-{anomaly.module or 'model'}",
+    )
     path = ctx.snapshot_dir / f"{name}.pt"
     module = find_module(ctx.model, anomaly.module)
     tensor = anomaly.tensor.detach().cpu() if anomaly.tensor is not None else None
@@ -127,7 +133,12 @@ def anomaly_frame(anomaly, tensor, module, step, rule, monitor, _park):
 
 def _park_function() -> Callable[..., None]:
     namespace: dict[str, Any] = {"__name__": "breakpod_anomaly", "_sys": sys}
-    linecache.cache[_PARK_FILE] = (len(_PARK_SOURCE), None, _PARK_SOURCE.splitlines(True), _PARK_FILE)
+    linecache.cache[_PARK_FILE] = (
+        len(_PARK_SOURCE),
+        None,
+        _PARK_SOURCE.splitlines(True),
+        _PARK_FILE,
+    )
     exec(compile(_PARK_SOURCE, _PARK_FILE, "exec"), namespace)
     fn: Callable[..., None] = namespace["anomaly_frame"]
     return fn

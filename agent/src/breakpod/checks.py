@@ -49,7 +49,10 @@ def batchnorm_stats(modules: Sequence[Any]) -> torch.Tensor:
     """``[min mean, max mean, min var, max var]`` of each BatchNorm's running stats."""
     import torch
 
-    rows = [torch.stack([*torch.aminmax(m.running_mean), *torch.aminmax(m.running_var)]) for m in modules]
+    rows = [
+        torch.stack([*torch.aminmax(m.running_mean), *torch.aminmax(m.running_var)])
+        for m in modules
+    ]
     return torch.cat(rows).float()
 
 
@@ -78,7 +81,9 @@ class ShapeContract:
         if isinstance(spec, ShapeContract):
             return spec
         if isinstance(spec, str):
-            raw: list[Any] = [d.strip() for d in spec.strip("()[] ").split(",")] if spec.strip() else []
+            raw: list[Any] = (
+                [d.strip() for d in spec.strip("()[] ").split(",")] if spec.strip() else []
+            )
         elif isinstance(spec, (tuple, list)):
             raw = list(spec)
         else:

@@ -115,11 +115,17 @@ class Detector:
     def _nonfinite_sites(self, rule: Rule, data: StepData) -> Iterator[Anomaly | None]:
         where = rule["where"]
         if "activation" in where:
-            yield from (_nonfinite_sample(rule, data.step, s) for s in data.forward if _watched(rule, s))
+            yield from (
+                _nonfinite_sample(rule, data.step, s) for s in data.forward if _watched(rule, s)
+            )
         if "loss" in where and data.loss is not None and not math.isfinite(data.loss):
-            yield _anomaly(rule, data, "", "loss", f"loss is {data.loss}", data.loss, data.loss_tensor)
+            yield _anomaly(
+                rule, data, "", "loss", f"loss is {data.loss}", data.loss, data.loss_tensor
+            )
         if "gradient" in where:
-            yield from (_nonfinite_sample(rule, data.step, s) for s in data.backward if _watched(rule, s))
+            yield from (
+                _nonfinite_sample(rule, data.step, s) for s in data.backward if _watched(rule, s)
+            )
             yield from self._nonfinite_norms(rule, data, data.grads, "backward", "gradient of")
         if "param" in where and data.params is not None:
             yield from self._nonfinite_norms(rule, data, data.params, "param", "parameter")
@@ -131,22 +137,36 @@ class Detector:
             info = self.params[index]
             if rule.name in info.rules and not math.isfinite(norm):
                 summary = f"{what} {info.name} has non-finite values (L2 norm {norm})"
-                yield _anomaly(rule, data, info.module, phase, summary, norm, details={"param": info.name})
+                yield _anomaly(
+                    rule, data, info.module, phase, summary, norm, details={"param": info.name}
+                )
 
     def _activation(self, rule: Rule, data: StepData) -> Iterator[Found]:
         limit = rule["max_mean_abs"]
         for s in data.forward:
-            if _watched(rule, s) and self._fires((rule.name, s.slot.module), s.mean_abs > limit, rule):
+            if _watched(rule, s) and self._fires(
+                (rule.name, s.slot.module), s.mean_abs > limit, rule
+            ):
                 summary = f"output mean |x| = {s.mean_abs:.4g} above {limit:g}"
-                yield _anomaly(rule, data, s.slot.module, "forward", summary, s.mean_abs, s.tensor), rule
+                yield (
+                    _anomaly(rule, data, s.slot.module, "forward", summary, s.mean_abs, s.tensor),
+                    rule,
+                )
 
     def _dead_units(self, rule: Rule, data: StepData) -> Iterator[Found]:
         limit = rule["max_zero_fraction"]
         for s in data.forward:
-            if _watched(rule, s) and self._fires((rule.name, s.slot.module), s.zero_fraction >= limit, rule):
+            if _watched(rule, s) and self._fires(
+                (rule.name, s.slot.module), s.zero_fraction >= limit, rule
+            ):
                 times = f", {rule.consecutive} steps in a row" if rule.consecutive > 1 else ""
                 summary = f"{s.zero_fraction:.1%} of the output is exactly zero{times}"
-                yield _anomaly(rule, data, s.slot.module, "forward", summary, s.zero_fraction, s.tensor), rule
+                yield (
+                    _anomaly(
+                        rule, data, s.slot.module, "forward", summary, s.zero_fraction, s.tensor
+                    ),
+                    rule,
+                )
 
     def _grad_norm(self, rule: Rule, data: StepData) -> Iterator[Found]:
         for group, norm in self._groups(rule, data.grads).items():
@@ -155,7 +175,10 @@ class Detector:
                 if self._fires((rule.name, group, kind), verdict[0] == kind, rule):
                     module = group if rule["group"] == "module" else group.rpartition(".")[0]
                     details = {"group": group, "kind": kind}
-                    yield _anomaly(rule, data, module, "backward", verdict[1], norm, details=details), rule
+                    yield (
+                        _anomaly(rule, data, module, "backward", verdict[1], norm, details=details),
+                        rule,
+                    )
 
     def _groups(self, rule: Rule, grads: dict[int, float]) -> dict[str, float]:
         squares: dict[str, float] = defaultdict(float)
@@ -171,9 +194,15 @@ class Detector:
             return "", ""  # the nonfinite rule reports these
         name = group if group != "<total>" else "all parameters"
         if rule["max_norm"] is not None and norm > rule["max_norm"]:
-            return "exploding", f"gradient norm of {name} is {norm:.4g}, above max_norm {rule['max_norm']:g}"
+            return (
+                "exploding",
+                f"gradient norm of {name} is {norm:.4g}, above max_norm {rule['max_norm']:g}",
+            )
         if rule["min_norm"] is not None and norm < rule["min_norm"]:
-            return "vanishing", f"gradient norm of {name} is {norm:.4g}, below min_norm {rule['min_norm']:g}"
+            return (
+                "vanishing",
+                f"gradient norm of {name} is {norm:.4g}, below min_norm {rule['min_norm']:g}",
+            )
         warm = self._warmup[(rule.name, group)]
         if len(warm) < rule["warmup_steps"]:
             warm.append(norm)
@@ -207,12 +236,17 @@ class Detector:
         (mlo, mhi), (vlo, vhi) = rule["mean_range"], rule["var_range"]
         for module, (m0, m1, v0, v1) in (data.batchnorm or {}).items():
             bad = not (mlo <= m0 and m1 <= mhi and vlo <= v0 and v1 <= vhi)
-            if rule.name in self.batchnorm.get(module, ()) and self._fires((rule.name, module), bad, rule):
+            if rule.name in self.batchnorm.get(module, ()) and self._fires(
+                (rule.name, module), bad, rule
+            ):
                 summary = (
                     f"running mean in [{m0:.4g}, {m1:.4g}], var in [{v0:.4g}, {v1:.4g}]; "
                     f"allowed mean {mlo:g}..{mhi:g}, var {vlo:g}..{vhi:g}"
                 )
-                yield _anomaly(rule, data, module, "param", summary, max(abs(m0), abs(m1), v1)), rule
+                yield (
+                    _anomaly(rule, data, module, "param", summary, max(abs(m0), abs(m1), v1)),
+                    rule,
+                )
 
 
 def _watched(rule: Rule, sample: Sample) -> bool:
@@ -227,7 +261,9 @@ def _nonfinite_sample(rule: Rule, step: int, s: Sample) -> Anomaly | None:
     counts = " ".join(f"{k}={v}" for k, v in details.items())
     summary = f"{what} of {s.slot.module or '<model>'} has non-finite values ({counts})"
     value = float(sum(details.values())) if s.tensor is not None else math.nan
-    return Anomaly(rule.name, rule.check, s.slot.module, step, s.slot.phase, summary, value, details, s.tensor)
+    return Anomaly(
+        rule.name, rule.check, s.slot.module, step, s.slot.phase, summary, value, details, s.tensor
+    )
 
 
 def _nonfinite_kinds(s: Sample) -> dict[str, Any]:
@@ -252,4 +288,6 @@ def _anomaly(
     tensor: Any = None,
     details: dict[str, Any] | None = None,
 ) -> Anomaly:
-    return Anomaly(rule.name, rule.check, module, data.step, phase, summary, value, details or {}, tensor)
+    return Anomaly(
+        rule.name, rule.check, module, data.step, phase, summary, value, details or {}, tensor
+    )

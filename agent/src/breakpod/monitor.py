@@ -46,7 +46,9 @@ MONITORS: weakref.WeakKeyDictionary[Any, Monitor] = weakref.WeakKeyDictionary()
 def monitor_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """False when ``BREAKPOD_MONITOR`` or ``AI_DEBUG_MODE`` is set to a false value."""
     env = os.environ if environ is None else environ
-    return all(parse_bool(var, env[var]) for var in ("BREAKPOD_MONITOR", "AI_DEBUG_MODE") if var in env)
+    return all(
+        parse_bool(var, env[var]) for var in ("BREAKPOD_MONITOR", "AI_DEBUG_MODE") if var in env
+    )
 
 
 def watch(
@@ -88,7 +90,9 @@ def _config(config: Any) -> dict[str, Any]:
 
         config = _read_yaml(Path(config))
     if not isinstance(config, Mapping):
-        raise ConfigError(f"config: expected a mapping or a YAML file path, got {type(config).__name__}")
+        raise ConfigError(
+            f"config: expected a mapping or a YAML file path, got {type(config).__name__}"
+        )
     unknown = set(config) - {"rules", "defaults", "check_every", "expect", "snapshot_dir"}
     if unknown:
         raise ConfigError(f"config: unknown key(s) {sorted(unknown)}")
@@ -103,7 +107,11 @@ def _merge_rules(settings: dict[str, Any], rules: Any, expect: Mapping[str, Any]
         names = {r.name for r in extra}
         merged = [r for r in merged if r.name not in names] + extra
     for i, (glob, shape) in enumerate(expect.items()):
-        merged.append(parse_rule({"name": f"shape:{glob}", "check": "shape", "modules": glob, "expect": shape}, i))
+        merged.append(
+            parse_rule(
+                {"name": f"shape:{glob}", "check": "shape", "modules": glob, "expect": shape}, i
+            )
+        )
     return merged
 
 
@@ -162,7 +170,9 @@ class Monitor:
             MONITORS[model] = self
 
     # ------------------------------------------------------------------ setup
-    def _rules_for(self, checks_: Sequence[str], name: str, module: Any, where: str | None = None) -> frozenset[str]:
+    def _rules_for(
+        self, checks_: Sequence[str], name: str, module: Any, where: str | None = None
+    ) -> frozenset[str]:
         return frozenset(
             r.name
             for r in self.rules
@@ -184,9 +194,11 @@ class Monitor:
         for name, param in self.model.named_parameters():
             owner = name.rpartition(".")[0]
             module = self.model.get_submodule(owner)
-            rules = self._rules_for(("grad_norm",), owner, module) | self._rules_for(
-                ("nonfinite",), owner, module, "gradient"
-            ) | self._rules_for(("nonfinite",), owner, module, "param")
+            rules = (
+                self._rules_for(("grad_norm",), owner, module)
+                | self._rules_for(("nonfinite",), owner, module, "gradient")
+                | self._rules_for(("nonfinite",), owner, module, "param")
+            )
             if rules:
                 self._params.append((ParamInfo(name, owner, rules), param))
         self._install_grad_hooks()
@@ -197,7 +209,9 @@ class Monitor:
     def _watch_module(self, name: str, module: Any) -> None:
         fwd = self._rules_for(ACTIVATION_CHECKS, name, module, "activation")
         bwd = self._rules_for(("nonfinite",), name, module, "gradient")
-        shapes = [(r, r["expect"]) for r in self.rules if r.check == "shape" and r.matches(name, module)]
+        shapes = [
+            (r, r["expect"]) for r in self.rules if r.check == "shape" and r.matches(name, module)
+        ]
         if not (fwd or bwd or shapes):
             return
         by_name = {r.name: r for r in self.rules}
@@ -249,15 +263,24 @@ class Monitor:
         out = checks.first_tensor(output)
         if out is None:
             return
-        self.shapes[name] = ([tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)], tuple(out.shape))
+        self.shapes[name] = (
+            [tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)],
+            tuple(out.shape),
+        )
         for rule, contract in shapes:
             self._check_shape(name, rule, contract, out)
         if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
             stats = checks.activation_stats(out, mean_abs=slot.mean_abs, zeros=slot.zeros)
-            self._current.entries.append(_Entry("forward", stats, slot, out.numel(), tensor=out if slot.retain else None))
+            self._current.entries.append(
+                _Entry("forward", stats, slot, out.numel(), tensor=out if slot.retain else None)
+            )
         if grad_hook is not None and torch.is_grad_enabled():
             for x in inputs:
-                if isinstance(x, torch.Tensor) and x.requires_grad and _claim(x, "_breakpod_bwd", name):
+                if (
+                    isinstance(x, torch.Tensor)
+                    and x.requires_grad
+                    and _claim(x, "_breakpod_bwd", name)
+                ):
                     x.register_hook(grad_hook)
 
     def _grad_hook(self, slot: Slot) -> Callable[[Any], None]:
@@ -265,7 +288,9 @@ class Monitor:
             try:
                 stats = checks.activation_stats(grad, mean_abs=False, zeros=False)
                 tensor = grad if slot.retain else None
-                self._current.entries.append(_Entry("backward", stats, slot, grad.numel(), tensor=tensor))
+                self._current.entries.append(
+                    _Entry("backward", stats, slot, grad.numel(), tensor=tensor)
+                )
                 self._queue_backward_end()
             except Exception as e:
                 self._fail("gradient hook", e)
@@ -299,7 +324,9 @@ class Monitor:
         self._current.entries = [e for e in self._current.entries if e.kind != "grads"]
         for device, group in _by_device(have, lambda item: item[1]).items():
             keys = [i for i, _ in group]
-            self._current.entries.append(_Entry("grads", checks.norms([g for _, g in group]), keys=keys))
+            self._current.entries.append(
+                _Entry("grads", checks.norms([g for _, g in group]), keys=keys)
+            )
 
     def _check_shape(self, name: str, rule: Rule, contract: checks.ShapeContract, out: Any) -> None:
         why = contract.mismatch(tuple(out.shape))
@@ -312,7 +339,17 @@ class Monitor:
         self._shape_active.add(key)
         summary = f"output shape {list(out.shape)} breaks the contract {contract.text}: {why}"
         details = {"expected": contract.text, "actual": list(out.shape)}
-        anomaly = Anomaly(rule.name, "shape", name, self.step_count, "forward", summary, float(out.dim()), details, out)
+        anomaly = Anomaly(
+            rule.name,
+            "shape",
+            name,
+            self.step_count,
+            "forward",
+            summary,
+            float(out.dim()),
+            details,
+            out,
+        )
         self._report([(anomaly, rule)])
 
     # ------------------------------------------------------------------ step boundary
@@ -376,11 +413,21 @@ class Monitor:
 
     def _add_state_checks(self, step: _Step) -> None:
         """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
-        params = [(i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)]
+        params = [
+            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
+        ]
         for _, group in _by_device(params, lambda item: item[1]).items():
-            step.entries.append(_Entry("params", checks.norms([p for _, p in group]), keys=[i for i, _ in group]))
+            step.entries.append(
+                _Entry("params", checks.norms([p for _, p in group]), keys=[i for i, _ in group])
+            )
         for _, group in _by_device(self._bn_modules, lambda item: item[1].running_var).items():
-            step.entries.append(_Entry("batchnorm", checks.batchnorm_stats([m for _, m in group]), keys=[n for n, _ in group]))
+            step.entries.append(
+                _Entry(
+                    "batchnorm",
+                    checks.batchnorm_stats([m for _, m in group]),
+                    keys=[n for n, _ in group],
+                )
+            )
 
     def _evaluate_landed(self, *, wait: bool) -> None:
         while self._inflight:
@@ -391,8 +438,9 @@ class Monitor:
                 return  # not landed yet: the next boundary looks again
             self._inflight.pop(0)
             values = {device: host.tolist() for device, host in copies.items()}
+            offsets = dict.fromkeys(values, 0)
             for step in steps:
-                self._report(self._detector.run(_decode(step, values)))
+                self._report(self._detector.run(_decode(step, values, offsets)))
 
     def _report(self, found: list[tuple[Anomaly, Rule]]) -> None:
         self.anomalies.extend(a for a, _ in found)
@@ -438,7 +486,9 @@ def _claim(tensor: Any, attr: str, name: str) -> bool:
 
 
 def _watches_params(info: ParamInfo, rules: list[Rule]) -> bool:
-    return any(r.name in info.rules and r.check == "nonfinite" and "param" in r["where"] for r in rules)
+    return any(
+        r.name in info.rules and r.check == "nonfinite" and "param" in r["where"] for r in rules
+    )
 
 
 def _by_device(items: Sequence[Any], tensor_of: Callable[[Any], Any]) -> dict[Any, list[Any]]:
@@ -449,14 +499,15 @@ def _by_device(items: Sequence[Any], tensor_of: Callable[[Any], Any]) -> dict[An
 
 
 def _pack(step: _Step) -> None:
-    """Concatenate a step's stats into one tensor per device (one kernel each)."""
+    """Concatenate a step's new stats into one tensor per device (one kernel each)."""
     import torch
 
-    if step.packed:
-        return
-    for device, entries in _by_device(step.entries, lambda e: e.vec).items():
-        step.packed[device] = torch.cat([e.vec.reshape(-1) for e in entries])
-    for entry in step.entries:
+    fresh = [e for e in step.entries if not isinstance(e.vec, tuple)]
+    for device, entries in _by_device(fresh, lambda e: e.vec).items():
+        block = torch.cat([e.vec.reshape(-1) for e in entries])
+        before = step.packed.get(device)
+        step.packed[device] = block if before is None else torch.cat([before, block])
+    for entry in fresh:
         entry.vec = (entry.vec.device, entry.vec.numel())
 
 
@@ -481,9 +532,9 @@ def _event(copies: dict[Any, Any]) -> Any:
     return event
 
 
-def _decode(step: _Step, values: dict[Any, list[float]]) -> StepData:
+def _decode(step: _Step, values: dict[Any, list[float]], offsets: dict[Any, int]) -> StepData:
+    """Split the host copy back into what each entry described; ``offsets`` run across steps."""
     data = StepData(step.step)
-    offsets = {device: 0 for device in values}
     for e in step.entries:
         device, n = e.vec
         chunk = values[device][offsets[device] : offsets[device] + n]

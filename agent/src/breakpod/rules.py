@@ -59,7 +59,9 @@ class Rule:
     def matches(self, name: str, module: object) -> bool:
         """Does this rule watch the module ``name`` (as in ``named_modules()``)?"""
         label = name or "<root>"
-        if not any(fnmatch.fnmatchcase(label, g) or fnmatch.fnmatchcase(name, g) for g in self.modules):
+        if not any(
+            fnmatch.fnmatchcase(label, g) or fnmatch.fnmatchcase(name, g) for g in self.modules
+        ):
             return False
         return not self.module_types or type(module).__name__ in self.module_types
 
@@ -108,7 +110,9 @@ def _specs(source: Any, defaults: bool) -> tuple[list[Any], bool]:
     if isinstance(source, Mapping):
         unknown = set(source) - {"rules", "defaults"}
         if unknown:
-            raise RuleError(f"rules: unknown top-level key(s) {sorted(unknown)}; use 'rules' and 'defaults'")
+            raise RuleError(
+                f"rules: unknown top-level key(s) {sorted(unknown)}; use 'rules' and 'defaults'"
+            )
         return _as_list(source.get("rules") or []), bool(source.get("defaults", defaults))
     return _as_list(source), defaults
 
@@ -123,7 +127,9 @@ def _read_yaml(path: Path) -> Any:
     try:
         import yaml
     except ImportError:
-        raise RuleError(f"rules file {path}: reading YAML needs PyYAML (pip install pyyaml)") from None
+        raise RuleError(
+            f"rules file {path}: reading YAML needs PyYAML (pip install pyyaml)"
+        ) from None
     try:
         return yaml.safe_load(path.read_text())
     except OSError as e:
@@ -136,7 +142,9 @@ def _check_unique(rules: list[Rule]) -> None:
     seen: set[str] = set()
     for rule in rules:
         if rule.name in seen:
-            raise RuleError(f"rule {rule.name!r}: field 'name': used by two rules; names must be unique")
+            raise RuleError(
+                f"rule {rule.name!r}: field 'name': used by two rules; names must be unique"
+            )
         seen.add(rule.name)
 
 
@@ -153,8 +161,12 @@ def parse_rule(spec: Any, index: int) -> Rule:
     known = CHECKS[check]
     unknown = sorted(set(spec) - set(COMMON) - set(known))
     if unknown:
-        raise _field(label, unknown[0], f"unknown for check {check!r}; known: {', '.join([*COMMON, *known])}")
-    params = {key: _param(label, check, key, spec.get(key, default)) for key, default in known.items()}
+        raise _field(
+            label, unknown[0], f"unknown for check {check!r}; known: {', '.join([*COMMON, *known])}"
+        )
+    params = {
+        key: _param(label, check, key, spec.get(key, default)) for key, default in known.items()
+    }
     return Rule(
         name=_name(label, spec.get("name", check)),
         check=check,
@@ -179,7 +191,9 @@ def _name(label: str, value: Any) -> str:
 def _globs(label: str, field: str, value: Any) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, Sequence) or not all(isinstance(g, str) and g for g in items):
-        raise _field(label, field, f"expected a glob or a list of globs like 'encoder.*', got {value!r}")
+        raise _field(
+            label, field, f"expected a glob or a list of globs like 'encoder.*', got {value!r}"
+        )
     return tuple(items)
 
 
@@ -192,10 +206,14 @@ def _positive_int(label: str, field: str, value: Any) -> int:
 def _actions(label: str, value: Any) -> tuple[Action, ...]:
     items = [value] if isinstance(value, str) or callable(value) else value
     if not isinstance(items, Sequence) or not items:
-        raise _field(label, "action", f"expected one of {', '.join(ACTIONS)} (or a list), got {value!r}")
+        raise _field(
+            label, "action", f"expected one of {', '.join(ACTIONS)} (or a list), got {value!r}"
+        )
     for item in items:
         if not callable(item) and item not in ACTIONS:
-            raise _field(label, "action", f"{item!r} is not one of {', '.join(ACTIONS)} or a callable")
+            raise _field(
+                label, "action", f"{item!r} is not one of {', '.join(ACTIONS)} or a callable"
+            )
     return tuple(items)
 
 
@@ -218,7 +236,9 @@ def _range(label: str, field: str, value: Any) -> tuple[float, float]:
 def _param(label: str, check: str, key: str, value: Any) -> Any:
     if value is None:
         if key == "expect":
-            raise _field(label, "expect", "a shape check needs a shape like 'B,T,256' or [null, 10]")
+            raise _field(
+                label, "expect", "a shape check needs a shape like 'B,T,256' or [null, 10]"
+            )
         return None
     if key == "where":
         items = [value] if isinstance(value, str) else value

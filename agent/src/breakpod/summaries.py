@@ -69,7 +69,9 @@ def _values(x: Any) -> list[str]:
     if x.dtype == torch.bool:
         return [f"true={int(x.sum())}"]
     finite = x[torch.isfinite(x)]  # a copy of the finite values only
-    finite = finite.float() if finite.element_size() < 4 or not finite.is_floating_point() else finite
+    finite = (
+        finite.float() if finite.element_size() < 4 or not finite.is_floating_point() else finite
+    )
     counts = nonfinite_counts(x)
     out = []
     if finite.numel():

@@ -1,10 +1,10 @@
 """pdb commands for tensors, in every breakpod pdb session (loaded when torch is).
 
-    tstat EXPR    one-line summary of a tensor (or of each tensor in a list/dict)
-    tshape MODEL  last input/output shapes per module, as the monitor saw them (runs nothing)
-    tgrad MODEL   gradient norm and non-finite counts per parameter
-    tmem          CUDA memory per device, or the process RSS
-    tnan MODEL    where non-finite values were seen: monitor anomalies and a scan now
+tstat EXPR    one-line summary of a tensor (or of each tensor in a list/dict)
+tshape MODEL  last input/output shapes per module, as the monitor saw them (runs nothing)
+tgrad MODEL   gradient norm and non-finite counts per parameter
+tmem          CUDA memory per device, or the process RSS
+tnan MODEL    where non-finite values were seen: monitor anomalies and a scan now
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ def _model(debugger: pdb.Pdb, expr: str) -> Any:
     value = _eval(debugger, expr or "model")
     model = getattr(value, "model", value)  # a Monitor stands for its model
     if not hasattr(model, "named_modules"):
-        raise TypeError(f"{expr or 'model'} is a {type(value).__name__}, not an nn.Module or Monitor")
+        raise TypeError(
+            f"{expr or 'model'} is a {type(value).__name__}, not an nn.Module or Monitor"
+        )
     return model
 
 
@@ -119,7 +121,8 @@ def tnan(debugger: pdb.Pdb, arg: str) -> None:
             counts = nonfinite_counts(tensor) if tensor is not None else {}
             if any(counts.values()):
                 found += 1
-                debugger.message(f"now: {what} {name}: " + " ".join(f"{k}={v}" for k, v in counts.items()))
+                debugger.message(
+                    f"now: {what} {name}: " + " ".join(f"{k}={v}" for k, v in counts.items())
+                )
     if not seen and not found:
         debugger.message("no non-finite values reported or present in parameters/gradients")
-
