@@ -48,11 +48,11 @@ class Sample:
 
     @property
     def nonfinite(self) -> bool:
-        return not (math.isfinite(self.values[0]) and math.isfinite(self.values[1]))
+        return not math.isfinite(self.values[0])
 
     @property
     def mean_abs(self) -> float:
-        return self.values[2] / max(self.numel, 1)
+        return self.values[1] / max(self.numel, 1)
 
     @property
     def zero_fraction(self) -> float:
@@ -144,14 +144,9 @@ class Detector:
     def _activation(self, rule: Rule, data: StepData) -> Iterator[Found]:
         limit = rule["max_mean_abs"]
         for s in data.forward:
-            if _watched(rule, s) and self._fires(
-                (rule.name, s.slot.module), s.mean_abs > limit, rule
-            ):
-                summary = f"output mean |x| = {s.mean_abs:.4g} above {limit:g}"
-                yield (
-                    _anomaly(rule, data, s.slot.module, "forward", summary, s.mean_abs, s.tensor),
-                    rule,
-                )
+            if _watched(rule, s) and self._fires((rule.name, s.slot.module), s.mean_abs > limit, rule):
+                summary = f"output mean |x| = {s.mean_abs:.4g} above max_mean_abs {limit:g}"
+                yield _anomaly(rule, data, s.slot.module, "forward", summary, s.mean_abs, s.tensor), rule
 
     def _dead_units(self, rule: Rule, data: StepData) -> Iterator[Found]:
         limit = rule["max_zero_fraction"]
@@ -272,10 +267,10 @@ def _nonfinite_kinds(s: Sample) -> dict[str, Any]:
         from breakpod.summaries import nonfinite_counts
 
         return nonfinite_counts(s.tensor)
-    lo, hi = s.values[0], s.values[1]
-    nan = math.isnan(lo) or math.isnan(hi)
-    kinds = {"nan": nan, "+inf": not nan and hi == math.inf, "-inf": not nan and lo == -math.inf}
-    return {k: "yes" for k, hit in kinds.items() if hit}
+    total = s.values[0]
+    if math.isnan(total):
+        return {"nan (or +inf and -inf)": "yes"}
+    return {"+inf" if total > 0 else "-inf": "yes"}
 
 
 def _anomaly(

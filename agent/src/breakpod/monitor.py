@@ -100,18 +100,12 @@ def _config(config: Any) -> dict[str, Any]:
 
 
 def _merge_rules(settings: dict[str, Any], rules: Any, expect: Mapping[str, Any]) -> list[Rule]:
+    """Defaults, then the config's rules, then ``rules=``; ``expect`` adds shape rules."""
     defaults = bool(settings.get("defaults", True))
-    merged = load_rules(settings.get("rules"), defaults=defaults)
-    if rules is not None:
-        extra = load_rules(rules, defaults=False)
-        names = {r.name for r in extra}
-        merged = [r for r in merged if r.name not in names] + extra
+    merged = load_rules(settings.get("rules"), rules, defaults=defaults)
     for i, (glob, shape) in enumerate(expect.items()):
-        merged.append(
-            parse_rule(
-                {"name": f"shape:{glob}", "check": "shape", "modules": glob, "expect": shape}, i
-            )
-        )
+        spec = {"name": f"shape:{glob}", "check": "shape", "modules": glob, "expect": shape}
+        merged.append(parse_rule(spec, i))
     return merged
 
 
@@ -499,16 +493,29 @@ def _by_device(items: Sequence[Any], tensor_of: Callable[[Any], Any]) -> dict[An
 
 
 def _pack(step: _Step) -> None:
-    """Concatenate a step's new stats into one tensor per device (one kernel each)."""
+    """Stack a step's new stats into one tensor per device (one or two kernels each).
+
+    Each entry's ``vec`` becomes ``(device, offset, length)`` into that tensor.
+    """
     import torch
 
-    fresh = [e for e in step.entries if not isinstance(e.vec, tuple)]
-    for device, entries in _by_device(fresh, lambda e: e.vec).items():
-        block = torch.cat([e.vec.reshape(-1) for e in entries])
+    fresh = [e for e in step.entries if not isinstance(e.vec, list)]
+    for device, entries in _by_device(fresh, _first_tensor).items():
         before = step.packed.get(device)
-        step.packed[device] = block if before is None else torch.cat([before, block])
-    for entry in fresh:
-        entry.vec = (entry.vec.device, entry.vec.numel())
+        offset = 0 if before is None else before.numel()
+        scalars = [t for e in entries if isinstance(e.vec, tuple) for t in e.vec]
+        vectors = [e.vec for e in entries if not isinstance(e.vec, tuple)]
+        parts = ([before] if before is not None else []) + ([torch.stack(scalars)] if scalars else [])
+        block = torch.cat([*parts, *vectors]) if len(parts) + len(vectors) > 1 else (parts or vectors)[0]
+        step.packed[device] = block
+        for e in sorted(entries, key=lambda e: not isinstance(e.vec, tuple)):
+            n = len(e.vec) if isinstance(e.vec, tuple) else e.vec.numel()
+            e.vec = [device, offset, n]
+            offset += n
+
+
+def _first_tensor(entry: _Entry) -> Any:
+    return entry.vec[0] if isinstance(entry.vec, tuple) else entry.vec
 
 
 def _to_host(parts: list[Any]) -> Any:
@@ -532,14 +539,15 @@ def _event(copies: dict[Any, Any]) -> Any:
     return event
 
 
-def _decode(step: _Step, values: dict[Any, list[float]], offsets: dict[Any, int]) -> StepData:
-    """Split the host copy back into what each entry described; ``offsets`` run across steps."""
+def _decode(step: _Step, values: dict[Any, list[float]], bases: dict[Any, int]) -> StepData:
+    """Split the host copy back into what each entry described; ``bases`` run across steps."""
     data = StepData(step.step)
     for e in step.entries:
-        device, n = e.vec
-        chunk = values[device][offsets[device] : offsets[device] + n]
-        offsets[device] += n
-        _place(data, e, chunk)
+        device, offset, n = e.vec
+        start = bases[device] + offset
+        _place(data, e, values[device][start : start + n])
+    for device, tensor in step.packed.items():
+        bases[device] += tensor.numel()
     return data
 
 

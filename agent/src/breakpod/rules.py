@@ -80,26 +80,26 @@ def default_rules() -> list[Rule]:
         {"check": "nonfinite"},
         {"check": "grad_norm"},
         {"check": "dead_units", "module_types": list(RELU_LIKE), "consecutive": 3},
-        {"check": "activation"},
         {"check": "batchnorm"},
         {"check": "loss_spike"},
     ]
     return [parse_rule(spec, i) for i, spec in enumerate(specs)]
 
 
-def load_rules(
-    source: str | os.PathLike[str] | Mapping[str, Any] | Sequence[Any] | None,
-    *,
-    defaults: bool = True,
-) -> list[Rule]:
-    """Rules from a list, a ``{"rules": [...]}`` mapping or a YAML file path."""
-    specs, defaults = _specs(source, defaults)
-    rules = [parse_rule(spec, i) for i, spec in enumerate(specs)]
-    _check_unique(rules)
-    if not defaults:
-        return rules
-    names = {r.name for r in rules}
-    return [r for r in default_rules() if r.name not in names] + rules
+def load_rules(*sources: Any, defaults: bool = True) -> list[Rule]:
+    """Rules from lists, ``{"rules": [...], "defaults": bool}`` mappings or YAML file paths.
+
+    A later source's rule replaces an earlier one of the same name; any
+    source saying ``defaults: false`` drops the built-in defaults.
+    """
+    merged: dict[str, Rule] = {}
+    for source in sources:
+        specs, defaults = _specs(source, defaults)
+        rules = [parse_rule(spec, i) for i, spec in enumerate(specs)]
+        _check_unique(rules)
+        merged.update((r.name, r) for r in rules)
+    base = [r for r in default_rules() if r.name not in merged] if defaults else []
+    return base + list(merged.values())
 
 
 def _specs(source: Any, defaults: bool) -> tuple[list[Any], bool]:
@@ -113,7 +113,7 @@ def _specs(source: Any, defaults: bool) -> tuple[list[Any], bool]:
             raise RuleError(
                 f"rules: unknown top-level key(s) {sorted(unknown)}; use 'rules' and 'defaults'"
             )
-        return _as_list(source.get("rules") or []), bool(source.get("defaults", defaults))
+        return _as_list(source.get("rules") or []), defaults and bool(source.get("defaults", True))
     return _as_list(source), defaults
 
 
