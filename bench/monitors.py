@@ -193,23 +193,33 @@ def setups(build: Callable[[], Any]) -> Iterator[Setup]:
     yield DetectAnomaly(fresh())
 
 
-def measure(build: Callable[[], Any], rounds: int, per_round: int, warmup: int) -> list[tuple[Setup, float, float]]:
+Result = tuple[Setup, float, float]
+
+
+def measure(build: Callable[[], Any], rounds: int, per_round: int, warmup: int) -> list[Result]:
+    """Per setup: median over rounds of (its step time / the baseline's in that round), reads/step."""
     data = build()[1]
     runs = list(setups(build))
-    times: dict[int, list[float]] = {id(s): [] for s in runs}
     with _quiet_warnings():
         for s in runs:
             for _ in range(warmup):
                 s.step(*data())
-            s.reads = 0
-            if isinstance(s, Breakpod):
-                s.monitor.reads = 0
+            _reset_reads(s)
+        ratios: dict[int, list[float]] = {id(s): [] for s in runs}
         for r in range(rounds):
+            times = {}
             for s in runs[r % len(runs) :] + runs[: r % len(runs)]:
-                times[id(s)] += [s.step(*data()) for _ in range(per_round)]
+                times[id(s)] = statistics.median(s.step(*data()) for _ in range(per_round))
+            for s in runs:
+                ratios[id(s)].append(times[id(s)] / times[id(runs[0])])
     steps = rounds * per_round
-    base = statistics.median(times[id(runs[0])])
-    return [(s, statistics.median(times[id(s)]) / base, s.reads / steps) for s in runs]
+    return [(s, statistics.median(ratios[id(s)]), s.reads / steps) for s in runs]
+
+
+def _reset_reads(s: Setup) -> None:
+    s.reads = 0
+    if isinstance(s, Breakpod):
+        s.monitor.reads = 0
 
 
 @contextlib.contextmanager
@@ -221,7 +231,7 @@ def _quiet_warnings() -> Iterator[None]:
         yield
 
 
-def table(results: dict[str, list[tuple[Setup, float, float]]]) -> str:
+def table(results: dict[str, list[Result]]) -> str:
     names = list(results)
     header = f"{'setup':<42}" + "".join(f"{n + ' ratio':>20}{'host reads/step':>17}" for n in names)
     lines = [header, "-" * len(header)]
@@ -234,7 +244,7 @@ def table(results: dict[str, list[tuple[Setup, float, float]]]) -> str:
     return "\n".join(lines)
 
 
-def verdicts(results: dict[str, list[tuple[Setup, float, float]]]) -> list[str]:
+def verdicts(results: dict[str, list[Result]]) -> list[str]:
     out = []
     for name, rows in results.items():
         ratio = {getattr(s, "key", type(s).__name__): r for s, r, _ in rows}
@@ -250,15 +260,20 @@ def verdicts(results: dict[str, list[tuple[Setup, float, float]]]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6, help="interleaved rounds per model")
-    parser.add_argument("--steps", type=int, default=3, help="steps of each setup per round")
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (CNN)")
+    parser.add_argument("--steps", type=int, default=3, help="steps of each setup per round (CNN)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    big_rounds = max(3, args.rounds // 3)
     results = {
         "resnet": measure(resnet, args.rounds, args.steps, warmup=3),
-        "transformer": measure(transformer, args.rounds, args.steps, warmup=2),
+        "transformer": measure(transformer, big_rounds, 1, warmup=2),
     }
-    print(f"torch {torch.__version__}, CPU, 1 thread, median of {args.rounds * args.steps} steps per setup")
+    print(
+        f"torch {torch.__version__}, CPU, 1 thread; ratio = median over interleaved rounds of "
+        f"step time / baseline step time in the same round ({args.rounds}x{args.steps} CNN steps, "
+        f"{big_rounds} transformer steps per setup, after warm-up)"
+    )
     print(table(results))
     print("\n".join(verdicts(results)))
     return 0

@@ -31,14 +31,25 @@ ANY = ("*", "_", "?", "")
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 
-def activation_stats(x: torch.Tensor, *, mean_abs: bool, zeros: bool) -> tuple[torch.Tensor, ...]:
-    """``(sum x, [sum |x|], [count of zeros])`` as float32 0-d tensors on ``x``'s device."""
+def activation_stats(
+    x: torch.Tensor,
+    *,
+    total: bool = True,
+    mean_abs: bool = False,
+    zeros: bool = False,
+    nonnegative: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """``([sum x], [sum |x|], [count of zeros])`` as float32 0-d tensors on ``x``'s device.
+
+    ``nonnegative`` (a ReLU's output) lets the zero count skip ``abs``.
+    """
     x = x.detach()
-    parts = [_sum(x)]
+    parts = [_sum(x)] if total else []
     if mean_abs:
         parts.append(_sum(x.abs()))
     if zeros:
-        parts.append(x.numel() - _sum(x.sign().abs()))
+        signs = x.sign()
+        parts.append(x.numel() - _sum(signs if nonnegative else signs.abs()))
     return tuple(parts)
 
 

@@ -27,8 +27,10 @@ class Slot:
     module: str
     phase: str
     rules: frozenset[str]
+    total: bool = True  # the values start with sum(x): the non-finite signal
     mean_abs: bool = False
     zeros: bool = False
+    nonnegative: bool = False
     retain: bool = False
 
 
@@ -48,11 +50,11 @@ class Sample:
 
     @property
     def nonfinite(self) -> bool:
-        return not math.isfinite(self.values[0])
+        return self.slot.total and not math.isfinite(self.values[0])
 
     @property
     def mean_abs(self) -> float:
-        return self.values[1] / max(self.numel, 1)
+        return self.values[int(self.slot.total)] / max(self.numel, 1)
 
     @property
     def zero_fraction(self) -> float:

@@ -171,7 +171,7 @@ class Monitor:
             r.name
             for r in self.rules
             if r.check in checks_
-            and (where is None or r.check != "nonfinite" or where in r["where"])
+            and (where is None or r.check != "nonfinite" or _nonfinite_applies(r, where, module))
             and r.matches(name, module)
         )
 
@@ -195,6 +195,9 @@ class Monitor:
             )
             if rules:
                 self._params.append((ParamInfo(name, owner, rules), param))
+        self._state_params = [
+            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
+        ]
         self._install_grad_hooks()
         if optimizer is not None:
             self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step()))
@@ -214,8 +217,10 @@ class Monitor:
             name,
             "forward",
             fwd,
+            total=any(r.check == "nonfinite" for r in watched),
             mean_abs=any(r.check == "activation" for r in watched),
             zeros=any(r.check == "dead_units" for r in watched),
+            nonnegative=type(module).__name__ in ("ReLU", "ReLU6"),
             retain=any(r.parks for r in watched),
         )
         back = Slot(name, "backward", bwd, retain=any(by_name[n].parks for n in bwd))
@@ -264,7 +269,9 @@ class Monitor:
         for rule, contract in shapes:
             self._check_shape(name, rule, contract, out)
         if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
-            stats = checks.activation_stats(out, mean_abs=slot.mean_abs, zeros=slot.zeros)
+            stats = checks.activation_stats(
+                out, total=slot.total, mean_abs=slot.mean_abs, zeros=slot.zeros, nonnegative=slot.nonnegative
+            )
             self._current.entries.append(
                 _Entry("forward", stats, slot, out.numel(), tensor=out if slot.retain else None)
             )
@@ -280,7 +287,7 @@ class Monitor:
     def _grad_hook(self, slot: Slot) -> Callable[[Any], None]:
         def hook(grad: Any) -> None:
             try:
-                stats = checks.activation_stats(grad, mean_abs=False, zeros=False)
+                stats = checks.activation_stats(grad)
                 tensor = grad if slot.retain else None
                 self._current.entries.append(
                     _Entry("backward", stats, slot, grad.numel(), tensor=tensor)
@@ -468,6 +475,12 @@ class Monitor:
             f"<breakpod.Monitor {state} rules={[r.name for r in self.rules]} step={self.step_count} "
             f"check_every={self.check_every} anomalies={len(self.anomalies)}>"
         )
+
+
+def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
+    if where not in rule["where"]:
+        return False
+    return where in ("param", "loss") or type(module).__name__ not in rule["skip_types"]
 
 
 def _claim(tensor: Any, attr: str, name: str) -> bool:
