@@ -125,7 +125,7 @@ class _Entry:
 class _Step:
     step: int
     entries: list[_Entry] = dataclasses.field(default_factory=list)
-    packed: dict[Any, Any] = dataclasses.field(default_factory=dict)
+    grads_done: bool = False
 
 
 class Monitor:
@@ -228,9 +228,24 @@ class Monitor:
         self._handles.append(module.register_forward_hook(hook))
 
     def _install_grad_hooks(self) -> None:
-        for _, param in self._params:
-            if hasattr(param, "register_post_accumulate_grad_hook"):
-                self._handles.append(param.register_post_accumulate_grad_hook(self._on_param_grad))
+        """One hook on the model's output queues the end-of-backward gradient norms.
+
+        (The model's output gradient is the first one a backward computes.) When
+        no backward passes through it, :meth:`step` collects the norms instead.
+        """
+        if self._params:
+            self._handles.append(self.model.register_forward_hook(self._on_model_output))
+
+    def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
+        out = checks.first_tensor(output)
+        if out is not None and out.requires_grad:
+            out.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: Any) -> None:
+        try:
+            self._queue_backward_end()
+        except Exception as e:
+            self._fail("output gradient hook", e)
 
     # ------------------------------------------------------------------ hooks (hot path)
     def _forward_hook(
@@ -298,12 +313,6 @@ class Monitor:
 
         return hook
 
-    def _on_param_grad(self, param: Any) -> None:
-        try:
-            self._queue_backward_end()
-        except Exception as e:
-            self._fail("parameter hook", e)
-
     def _queue_backward_end(self) -> None:
         if self._backward_queued or not self._params:
             return
@@ -314,6 +323,7 @@ class Monitor:
 
     def _on_backward_end(self) -> None:
         self._backward_queued = False
+        self._current.grads_done = True
         try:
             self._collect_grads()
         except Exception as e:
@@ -379,13 +389,13 @@ class Monitor:
     def _end_step(self, loss: Any) -> None:
         if loss is not None:
             self.record_loss(loss)
+        if not self._current.grads_done and self._params:
+            self._collect_grads()  # no backward ran through the model's output hook
         done, self._current = self._current, _Step(self.step_count + 1)
         self.step_count += 1
         self._pending.append(done)
         if self.step_count % self.check_every == 0:
             self._read(done)
-        else:
-            _pack(done)
         self._evaluate_landed(wait=False)
 
     def flush(self) -> list[Anomaly]:
@@ -402,13 +412,7 @@ class Monitor:
         """Start the host copy of every pending step (with the state checks on ``last``)."""
         self._add_state_checks(last)
         steps, self._pending = self._pending, []
-        for s in steps:
-            _pack(s)
-        blocks: dict[Any, list[Any]] = {}
-        for s in steps:
-            for device, tensor in s.packed.items():
-                blocks.setdefault(device, []).append(tensor)
-        copies = {device: _to_host(parts) for device, parts in blocks.items()}
+        copies = {device: _to_host(t) for device, t in _pack([e for s in steps for e in s.entries]).items()}
         self._inflight.append((_event(copies), copies, steps))
         self.reads += 1
 
@@ -439,9 +443,8 @@ class Monitor:
                 return  # not landed yet: the next boundary looks again
             self._inflight.pop(0)
             values = {device: host.tolist() for device, host in copies.items()}
-            offsets = dict.fromkeys(values, 0)
             for step in steps:
-                self._report(self._detector.run(_decode(step, values, offsets)))
+                self._report(self._detector.run(_decode(step, values)))
 
     def _report(self, found: list[tuple[Anomaly, Rule]]) -> None:
         self.anomalies.extend(a for a, _ in found)
@@ -505,36 +508,35 @@ def _by_device(items: Sequence[Any], tensor_of: Callable[[Any], Any]) -> dict[An
     return groups
 
 
-def _pack(step: _Step) -> None:
-    """Stack a step's new stats into one tensor per device (one or two kernels each).
+def _pack(entries: list[_Entry]) -> dict[Any, Any]:
+    """Stack many steps' stats into one tensor per device (one or two kernels each).
 
     Each entry's ``vec`` becomes ``(device, offset, length)`` into that tensor.
     """
     import torch
 
-    fresh = [e for e in step.entries if not isinstance(e.vec, list)]
-    for device, entries in _by_device(fresh, _first_tensor).items():
-        before = step.packed.get(device)
-        offset = 0 if before is None else before.numel()
-        scalars = [t for e in entries if isinstance(e.vec, tuple) for t in e.vec]
-        vectors = [e.vec for e in entries if not isinstance(e.vec, tuple)]
-        parts = ([before] if before is not None else []) + ([torch.stack(scalars)] if scalars else [])
-        block = torch.cat([*parts, *vectors]) if len(parts) + len(vectors) > 1 else (parts or vectors)[0]
-        step.packed[device] = block
-        for e in sorted(entries, key=lambda e: not isinstance(e.vec, tuple)):
+    packed = {}
+    for device, group in _by_device(entries, _first_tensor).items():
+        scalars = [e for e in group if isinstance(e.vec, tuple)]
+        vectors = [e for e in group if not isinstance(e.vec, tuple)]
+        parts = [torch.stack([t for e in scalars for t in e.vec])] if scalars else []
+        parts += [e.vec for e in vectors]
+        packed[device] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        offset = 0
+        for e in scalars + vectors:
             n = len(e.vec) if isinstance(e.vec, tuple) else e.vec.numel()
-            e.vec = [device, offset, n]
+            e.vec = (device, offset, n)
             offset += n
+    return packed
 
 
 def _first_tensor(entry: _Entry) -> Any:
     return entry.vec[0] if isinstance(entry.vec, tuple) else entry.vec
 
 
-def _to_host(parts: list[Any]) -> Any:
+def _to_host(tensor: Any) -> Any:
     import torch
 
-    tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
     if tensor.device.type != "cuda":
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -552,15 +554,12 @@ def _event(copies: dict[Any, Any]) -> Any:
     return event
 
 
-def _decode(step: _Step, values: dict[Any, list[float]], bases: dict[Any, int]) -> StepData:
-    """Split the host copy back into what each entry described; ``bases`` run across steps."""
+def _decode(step: _Step, values: dict[Any, list[float]]) -> StepData:
+    """Split the host copy back into what each of the step's entries described."""
     data = StepData(step.step)
     for e in step.entries:
         device, offset, n = e.vec
-        start = bases[device] + offset
-        _place(data, e, values[device][start : start + n])
-    for device, tensor in step.packed.items():
-        bases[device] += tensor.numel()
+        _place(data, e, values[device][offset : offset + n])
     return data
 
 
