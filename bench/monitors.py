@@ -26,10 +26,9 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import breakpod
 import torch
 from torch import nn
-
-import breakpod
 
 TARGETS = {"disabled": 1.01, "check_every=1": 1.10, "check_every=10": 1.05}
 
@@ -44,7 +43,9 @@ class Block(nn.Module):
         self.bn2 = nn.BatchNorm2d(c_out)
         self.skip = nn.Sequential()
         if stride != 1 or c_in != c_out:
-            self.skip = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+            self.skip = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.relu(self.bn1(self.conv1(x)))
@@ -117,7 +118,9 @@ class Breakpod(Setup):
         os.environ["BREAKPOD_MONITOR"] = "1" if enabled else "0"
         self.monitor = breakpod.watch(model, check_every=check_every)
         os.environ.pop("BREAKPOD_MONITOR")
-        self.name = f"breakpod default rules, check_every={check_every}" if enabled else "breakpod disabled"
+        self.name = (
+            f"breakpod default rules, check_every={check_every}" if enabled else "breakpod disabled"
+        )
         self.key = f"check_every={check_every}" if enabled else "disabled"
 
     def after(self, loss: torch.Tensor) -> None:
@@ -197,7 +200,7 @@ Result = tuple[Setup, float, float]
 
 
 def measure(build: Callable[[], Any], rounds: int, per_round: int, warmup: int) -> list[Result]:
-    """Per setup: median over rounds of (its step time / the baseline's in that round), reads/step."""
+    """Per setup: median over rounds of (step time / baseline step time that round), reads/step."""
     data = build()[1]
     runs = list(setups(build))
     with _quiet_warnings():
@@ -254,7 +257,9 @@ def verdicts(results: dict[str, list[Result]]) -> list[str]:
         anomaly = ratio["DetectAnomaly"] - 1
         mine = ratio["check_every=1"] - 1
         ok = "ok" if mine < anomaly / 5 else "MISSED"
-        out.append(f"{name}: overhead {mine:+.1%} vs detect_anomaly {anomaly:+.1%} (target < 1/5) {ok}")
+        out.append(
+            f"{name}: overhead {mine:+.1%} vs detect_anomaly {anomaly:+.1%} (target < 1/5) {ok}"
+        )
     return out
 
 

@@ -24,7 +24,9 @@ class Poison(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, d_in: int = 8, hidden: int = 16, d_out: int = 4, act: type = nn.ReLU) -> None:
+    def __init__(
+        self, d_in: int = 8, hidden: int = 16, d_out: int = 4, act: type = nn.ReLU
+    ) -> None:
         super().__init__()
         self.fc1 = nn.Linear(d_in, hidden)
         self.act1 = act()
@@ -38,7 +40,9 @@ class Net(nn.Module):
         return self.fc3(self.act2(self.fc2(x)))
 
 
-def batch(step: int, n: int = 32, d_in: int = 8, d_out: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int, n: int = 32, d_in: int = 8, d_out: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(n, d_in, generator=g), torch.randint(0, d_out, (n,), generator=g)
 

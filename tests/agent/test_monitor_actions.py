@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 
+import breakpod
 import pytest
 import torch
-
-import breakpod
 from breakpod import events
+
 from tests.agent.nets import Net, train
 
 BREAK_SCRIPT = """
@@ -47,7 +47,10 @@ def test_break_parks_with_the_anomaly_in_scope_and_training_goes_on(spawn, pdb_c
     assert "-> return  # parked" in banner
     stat = client.command("tstat tensor")
     assert re.search(r"tensor\[32,16\] f32 cpu 2.0Kb nan=0 inf=512", stat), stat
-    assert client.command("p step, rule, type(module).__name__").strip() == "(3, 'nan-break', 'Poison')"
+    assert (
+        client.command("p step, rule, type(module).__name__").strip()
+        == "(3, 'nan-break', 'Poison')"
+    )
     assert "poison: ([32, 16]) -> [32, 16]" in client.command("tshape monitor")
     assert "reported: step 3 forward poison" in client.command("tnan monitor")
     assert "fc1.weight: |grad|=" in client.command("tgrad monitor")
@@ -84,7 +87,9 @@ def test_stop_raises_a_clear_error_into_the_training_loop():
 
 def test_stop_on_a_shape_contract_raises_from_the_forward_itself():
     model = Net()
-    rules = [{"name": "hid", "check": "shape", "modules": "fc1", "expect": "B,99", "action": "stop"}]
+    rules = [
+        {"name": "hid", "check": "shape", "modules": "fc1", "expect": "B,99", "action": "stop"}
+    ]
     monitor = breakpod.watch(model, rules)
     with pytest.raises(breakpod.AnomalyError, match="fc1"):
         model(torch.randn(2, 8))
@@ -116,7 +121,9 @@ def test_a_callable_action_and_a_failing_one_never_stop_training():
     def boom(anomaly: breakpod.Anomaly) -> None:
         raise RuntimeError("sink down")
 
-    rules = [{"name": "cb", "check": "nonfinite", "action": [lambda a: calls.append(a.module), boom]}]
+    rules = [
+        {"name": "cb", "check": "nonfinite", "action": [lambda a: calls.append(a.module), boom]}
+    ]
     monitor = breakpod.watch(model, rules)
     model.poison.mode = "forward"
     train(model, monitor, 2)

@@ -8,11 +8,11 @@ import subprocess
 import sys
 import warnings
 
+import breakpod
 import pytest
 import torch
 from torch import nn
 
-import breakpod
 from tests.agent.nets import Net, batch
 
 SYNCING = ("item", "__bool__", "cpu", "tolist", "numpy", "__float__", "__int__", "__index__")
@@ -27,7 +27,9 @@ def hook_dicts(model: nn.Module) -> list[dict]:
     return dicts
 
 
-@pytest.mark.parametrize("env", [{"BREAKPOD_MONITOR": "0"}, {"AI_DEBUG_MODE": "0"}, {"AI_DEBUG_MODE": "false"}])
+@pytest.mark.parametrize(
+    "env", [{"BREAKPOD_MONITOR": "0"}, {"AI_DEBUG_MODE": "0"}, {"AI_DEBUG_MODE": "false"}]
+)
 def test_disabled_installs_no_hook_at_all(monkeypatch, env):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -111,7 +113,9 @@ def test_the_enforcement_catches_a_hook_that_syncs(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_monitored_training_step_under_cuda_sync_debug_error(monkeypatch):
     monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.LazyLinear(10))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.LazyLinear(10)
+    )
     model = model.cuda()
     model(torch.randn(2, 3, 16, 16, device="cuda"))  # materialise the lazy layer first
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -181,7 +185,8 @@ def test_summary_is_one_line_and_never_prints_the_tensor():
 def test_import_breakpod_and_monitor_names_do_not_import_torch():
     code = (
         "import sys, breakpod\n"
-        "breakpod.watch, breakpod.Monitor, breakpod.Anomaly, breakpod.RuleError, breakpod.AnomalyError\n"
+        "breakpod.watch, breakpod.Monitor, breakpod.Anomaly\n"
+        "breakpod.RuleError, breakpod.AnomalyError\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)

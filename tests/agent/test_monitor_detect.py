@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 
+import breakpod
 import pytest
 import torch
 from torch import nn
 
-import breakpod
 from tests.agent.nets import Net, batch, train
 
 
@@ -145,7 +145,9 @@ def test_custom_dead_units_rule_on_a_linear_output():
         model.fc3.weight.zero_()
         model.fc3.bias.zero_()
     train(model, monitor, 3, lr=0.0)
-    assert [(a.rule, a.step) for a in monitor.anomalies if a.check == "dead_units"] == [("fc3-dead", 1)]
+    assert [(a.rule, a.step) for a in monitor.anomalies if a.check == "dead_units"] == [
+        ("fc3-dead", 1)
+    ]
 
 
 def test_activation_magnitude_and_loss_spike():
@@ -193,7 +195,12 @@ def test_nonfinite_parameter_is_reported_in_phase_param():
 def test_healthy_run_of_200_steps_reports_nothing():
     torch.manual_seed(1)
     model = nn.Sequential(
-        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
+        nn.Linear(8, 16),
+        nn.BatchNorm1d(16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.ReLU(),
+        nn.Linear(16, 4),
     )
     monitor = breakpod.watch(model, expect={"0": "B,16", "5": (None, 4)})
     train(model, monitor, 200)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import textwrap
 
+import breakpod
 import pytest
 import torch
-
-import breakpod
 from breakpod.checks import ShapeContract
 from breakpod.rules import default_rules, load_rules
+
 from tests.agent.nets import Net
 
 GOOD_YAML = """
@@ -45,7 +45,9 @@ def test_yaml_rules_file_adds_to_and_overrides_the_defaults(tmp_path):
     rules = load_rules(write(tmp_path, GOOD_YAML))
     by_name = {r.name: r for r in rules}
     assert set(by_name) == {r.name for r in default_rules()} | {"encoder-shape", "grads"}
-    assert by_name["dead_units"]["max_zero_fraction"] == 0.9 and by_name["dead_units"].consecutive == 5
+    assert (
+        by_name["dead_units"]["max_zero_fraction"] == 0.9 and by_name["dead_units"].consecutive == 5
+    )
     assert by_name["grads"].actions == ("log", "event") and by_name["grads"]["group"] == "param"
     assert by_name["encoder-shape"]["expect"] == ShapeContract.parse("B,16")
 
@@ -64,21 +66,50 @@ def test_watch_reads_a_config_file(tmp_path, monkeypatch):
 
 BAD = [
     ("- {name: n1, check: nan}", "rule 'n1': field 'check': 'nan' is not one of nonfinite"),
-    ("- {name: g, check: grad_norm, explode: 3}", "rule 'g': field 'explode': unknown for check 'grad_norm'"),
-    ("- {name: d, check: dead_units, consecutive: three}", "rule 'd': field 'consecutive': expected a positive"),
-    ("- {name: a, check: nonfinite, action: page}", "rule 'a': field 'action': 'page' is not one of log"),
-    ("- {name: s, check: shape, modules: fc1}", "rule 's': field 'expect': a shape check needs a shape"),
-    ("- {name: s, check: shape, expect: 'B,T,2.5'}", "rule 's': field 'expect': shape 'B,T,2.5': '2.5'"),
-    ("- {name: b, check: batchnorm, var_range: [5, 1]}", "rule 'b': field 'var_range': low 5 is above high 1"),
-    ("- {name: w, check: nonfinite, where: [weights]}", "rule 'w': field 'where': expected a list from"),
+    (
+        "- {name: g, check: grad_norm, explode: 3}",
+        "rule 'g': field 'explode': unknown for check 'grad_norm'",
+    ),
+    (
+        "- {name: d, check: dead_units, consecutive: three}",
+        "rule 'd': field 'consecutive': expected a positive",
+    ),
+    (
+        "- {name: a, check: nonfinite, action: page}",
+        "rule 'a': field 'action': 'page' is not one of log",
+    ),
+    (
+        "- {name: s, check: shape, modules: fc1}",
+        "rule 's': field 'expect': a shape check needs a shape",
+    ),
+    (
+        "- {name: s, check: shape, expect: 'B,T,2.5'}",
+        "rule 's': field 'expect': shape 'B,T,2.5': '2.5'",
+    ),
+    (
+        "- {name: b, check: batchnorm, var_range: [5, 1]}",
+        "rule 'b': field 'var_range': low 5 is above high 1",
+    ),
+    (
+        "- {name: w, check: nonfinite, where: [weights]}",
+        "rule 'w': field 'where': expected a list from",
+    ),
     ("- {name: m, check: nonfinite, modules: 3}", "rule 'm': field 'modules': expected a glob"),
-    ("- {check: dead_units, max_zero_fraction: 2}", "rule #1: field 'max_zero_fraction': expected a fraction"),
-    ("- {check: nonfinite}\n- {check: nonfinite}", "rule 'nonfinite': field 'name': used by two rules"),
+    (
+        "- {check: dead_units, max_zero_fraction: 2}",
+        "rule #1: field 'max_zero_fraction': expected a fraction",
+    ),
+    (
+        "- {check: nonfinite}\n- {check: nonfinite}",
+        "rule 'nonfinite': field 'name': used by two rules",
+    ),
     ("- just-a-string", "rule #1: expected a mapping"),
 ]
 
 
-@pytest.mark.parametrize(("rules", "message"), BAD, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(BAD)])
+@pytest.mark.parametrize(
+    ("rules", "message"), BAD, ids=[m.split(":")[0] + str(i) for i, (_, m) in enumerate(BAD)]
+)
 def test_bad_rules_file_fails_at_watch_time_naming_rule_and_field(tmp_path, rules, message):
     path = write(tmp_path, "rules:\n" + textwrap.indent(rules, "  ") + "\n")
     model = Net()

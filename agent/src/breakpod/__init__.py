@@ -6,7 +6,7 @@ neither torch nor debugpy, and each name below is imported on first use.
     PYTHONBREAKPOINT=breakpod.set_trace    # breakpoint() parks on a socket when headless
     breakpod.init_remote_debugger()        # a pdb or debugpy listener, when enabled
     breakpod.install_excepthook()          # post-mortem on crashes (BREAKPOD_POST_MORTEM=1)
-    monitor = breakpod.watch(model)        # tensor monitors: NaN/Inf, shapes, grad norms, dead units
+    monitor = breakpod.watch(model)        # tensor monitors: NaN/Inf, shapes, grads, dead units
 """
 
 from __future__ import annotations
@@ -39,22 +39,22 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
+    from breakpod.anomaly import Anomaly as Anomaly
     from breakpod.config import Settings as Settings
     from breakpod.debugger import Endpoint as Endpoint
     from breakpod.debugger import init_remote_debugger as init_remote_debugger
+    from breakpod.errors import AnomalyError as AnomalyError
     from breakpod.errors import AttachError as AttachError
     from breakpod.errors import BreakpodError as BreakpodError
     from breakpod.errors import ConfigError as ConfigError
     from breakpod.errors import InsecureBindError as InsecureBindError
     from breakpod.errors import ListenerError as ListenerError
-    from breakpod.shim import install_excepthook as install_excepthook
-    from breakpod.shim import post_mortem as post_mortem
-    from breakpod.shim import set_trace as set_trace
-    from breakpod.anomaly import Anomaly as Anomaly
-    from breakpod.errors import AnomalyError as AnomalyError
     from breakpod.errors import RuleError as RuleError
     from breakpod.monitor import Monitor as Monitor
     from breakpod.monitor import watch as watch
+    from breakpod.shim import install_excepthook as install_excepthook
+    from breakpod.shim import post_mortem as post_mortem
+    from breakpod.shim import set_trace as set_trace
     from breakpod.summaries import summary as summary
 
 

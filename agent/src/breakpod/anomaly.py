@@ -82,7 +82,8 @@ def _report_once(ctx: ActionContext, action: str, error: Exception) -> None:
     if action not in ctx.failed:
         ctx.failed.add(action)
         announce(
-            f"monitor action {action!r} failed ({type(error).__name__}: {error}); further failures are silent"
+            f"monitor action {action!r} failed ({type(error).__name__}: {error}); "
+            "further failures are silent"
         )
 
 

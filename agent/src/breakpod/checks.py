@@ -105,7 +105,7 @@ def first_tensor(value: Any) -> torch.Tensor | None:
 
 @dataclasses.dataclass(frozen=True)
 class ShapeContract:
-    """An expected shape: ints, ``None``/``*`` (any), names (equal within the shape), one ``...``."""
+    """An expected shape: ints, ``None``/``*`` (any), names (equal within a shape), one ``...``."""
 
     dims: tuple[int | str | None, ...]
     text: str

@@ -146,9 +146,14 @@ class Detector:
     def _activation(self, rule: Rule, data: StepData) -> Iterator[Found]:
         limit = rule["max_mean_abs"]
         for s in data.forward:
-            if _watched(rule, s) and self._fires((rule.name, s.slot.module), s.mean_abs > limit, rule):
+            if _watched(rule, s) and self._fires(
+                (rule.name, s.slot.module), s.mean_abs > limit, rule
+            ):
                 summary = f"output mean |x| = {s.mean_abs:.4g} above max_mean_abs {limit:g}"
-                yield _anomaly(rule, data, s.slot.module, "forward", summary, s.mean_abs, s.tensor), rule
+                yield (
+                    _anomaly(rule, data, s.slot.module, "forward", summary, s.mean_abs, s.tensor),
+                    rule,
+                )
 
     def _dead_units(self, rule: Rule, data: StepData) -> Iterator[Found]:
         limit = rule["max_zero_fraction"]

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from breakpod import checks
-from breakpod.anomaly import ActionContext, Anomaly, dispatch
 from breakpod.announce import announce
+from breakpod.anomaly import ActionContext, Anomaly, dispatch
 from breakpod.compiled import apply_compile_policy, unwrap_compiled
 from breakpod.config import parse_bool
 from breakpod.detect import Detector, ParamInfo, Sample, Slot, StepData
@@ -129,7 +129,7 @@ class _Step:
 
 
 class Monitor:
-    """Hooks on one model; read :attr:`anomalies`, call :meth:`step` once per step, :meth:`close`."""
+    """Hooks on one model: :meth:`step` once per step, then :attr:`anomalies`; :meth:`close`."""
 
     def __init__(
         self,
@@ -239,7 +239,7 @@ class Monitor:
     def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
         out = checks.first_tensor(output)
         if out is not None and out.requires_grad:
-            out.register_hook(self._on_output_grad)
+            out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
 
     def _on_output_grad(self, grad: Any) -> None:
         try:
@@ -285,7 +285,11 @@ class Monitor:
             self._check_shape(name, rule, contract, out)
         if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
             stats = checks.activation_stats(
-                out, total=slot.total, mean_abs=slot.mean_abs, zeros=slot.zeros, nonnegative=slot.nonnegative
+                out,
+                total=slot.total,
+                mean_abs=slot.mean_abs,
+                zeros=slot.zeros,
+                nonnegative=slot.nonnegative,
             )
             self._current.entries.append(
                 _Entry("forward", stats, slot, out.numel(), tensor=out if slot.retain else None)
@@ -297,7 +301,7 @@ class Monitor:
                     and x.requires_grad
                     and _claim(x, "_breakpod_bwd", name)
                 ):
-                    x.register_hook(grad_hook)
+                    x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
 
     def _grad_hook(self, slot: Slot) -> Callable[[Any], None]:
         def hook(grad: Any) -> None:
@@ -333,7 +337,7 @@ class Monitor:
         """One fused norm over every watched gradient; a later backward in the step replaces it."""
         have = [(i, p.grad) for i, (_, p) in enumerate(self._params) if p.grad is not None]
         self._current.entries = [e for e in self._current.entries if e.kind != "grads"]
-        for device, group in _by_device(have, lambda item: item[1]).items():
+        for group in _by_device(have, lambda item: item[1]).values():
             keys = [i for i, _ in group]
             self._current.entries.append(
                 _Entry("grads", checks.norms([g for _, g in group]), keys=keys)
@@ -370,7 +374,8 @@ class Monitor:
             return
         import torch
 
-        value = torch.as_tensor(loss).detach().float().mean().reshape(1)
+        value = torch.as_tensor(loss).detach().float()
+        value = value.reshape(1) if value.numel() == 1 else value.mean().reshape(1)
         self._current.entries = [e for e in self._current.entries if e.kind != "loss"]
         kept = loss.detach() if isinstance(loss, torch.Tensor) else value
         self._current.entries.append(_Entry("loss", value, tensor=kept))
@@ -412,7 +417,10 @@ class Monitor:
         """Start the host copy of every pending step (with the state checks on ``last``)."""
         self._add_state_checks(last)
         steps, self._pending = self._pending, []
-        copies = {device: _to_host(t) for device, t in _pack([e for s in steps for e in s.entries]).items()}
+        copies = {
+            device: _to_host(t)
+            for device, t in _pack([e for s in steps for e in s.entries]).items()
+        }
         self._inflight.append((_event(copies), copies, steps))
         self.reads += 1
 
@@ -475,7 +483,8 @@ class Monitor:
     def __repr__(self) -> str:
         state = "on" if self.enabled else "off"
         return (
-            f"<breakpod.Monitor {state} rules={[r.name for r in self.rules]} step={self.step_count} "
+            f"<breakpod.Monitor {state} rules={[r.name for r in self.rules]} "
+            f"step={self.step_count} "
             f"check_every={self.check_every} anomalies={len(self.anomalies)}>"
         )
 
@@ -549,7 +558,7 @@ def _event(copies: dict[Any, Any]) -> Any:
         return None
     import torch
 
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record()
     return event
 

@@ -28,12 +28,13 @@ RELU_LIKE = ("ReLU", "ReLU6", "Threshold", "Hardtanh")
 # already covers them, so nonfinite skips them and halves its cost on
 # conv-bn-relu stacks. ``skip_types: []`` checks every module.
 PASS_THROUGH = (
-    "Sequential", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LayerNorm", "GroupNorm",
-    "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "RMSNorm",
-    "ReLU", "ReLU6", "LeakyReLU", "Hardtanh", "Sigmoid", "Tanh", "Dropout", "Dropout1d", "Dropout2d",
-    "Dropout3d", "AlphaDropout", "Identity", "Flatten", "Unflatten", "MaxPool1d", "MaxPool2d",
-    "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d", "AdaptiveAvgPool1d", "AdaptiveAvgPool2d",
-    "AdaptiveAvgPool3d", "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
+    "Sequential", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LayerNorm",
+    "GroupNorm", "InstanceNorm1d", "InstanceNorm2d", "InstanceNorm3d", "RMSNorm",
+    "ReLU", "ReLU6", "LeakyReLU", "Hardtanh", "Sigmoid", "Tanh", "Dropout", "Dropout1d",
+    "Dropout2d", "Dropout3d", "AlphaDropout", "Identity", "Flatten", "Unflatten",
+    "MaxPool1d", "MaxPool2d", "MaxPool3d", "AvgPool1d", "AvgPool2d", "AvgPool3d",
+    "AdaptiveAvgPool1d", "AdaptiveAvgPool2d", "AdaptiveAvgPool3d",
+    "AdaptiveMaxPool1d", "AdaptiveMaxPool2d", "AdaptiveMaxPool3d",
 )  # fmt: skip
 COMMON = ("name", "check", "modules", "module_types", "consecutive", "action")
 

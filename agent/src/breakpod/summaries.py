@@ -52,7 +52,8 @@ def nonfinite_counts(t: Any) -> dict[str, int]:
 def _tensor(t: Any) -> str:
     x = t.detach()
     dtype = DTYPES.get(str(x.dtype).removeprefix("torch."), str(x.dtype).removeprefix("torch."))
-    head = f"tensor[{','.join(map(str, x.shape))}] {dtype} {x.device} {_size(x.numel() * x.element_size())}"
+    size = _size(x.numel() * x.element_size())
+    head = f"tensor[{','.join(map(str, x.shape))}] {dtype} {x.device} {size}"
     parts = [head, *_values(x)]
     if t.requires_grad:
         parts.append("grad")

@@ -23,7 +23,7 @@ def _eval(debugger: pdb.Pdb, expr: str) -> Any:
         raise ValueError("an expression is needed, e.g. tstat tensor")
     frame = debugger.curframe
     assert frame is not None
-    return eval(expr, frame.f_globals, debugger.curframe_locals)  # noqa: S307 - the user's pdb input
+    return eval(expr, frame.f_globals, debugger.curframe_locals)
 
 
 def _model(debugger: pdb.Pdb, expr: str) -> Any:
@@ -38,7 +38,7 @@ def _model(debugger: pdb.Pdb, expr: str) -> Any:
 
 @command("tstat")
 def tstat(debugger: pdb.Pdb, arg: str) -> None:
-    """tstat EXPR: one-line summary of a tensor (shape, dtype, device, size, range, mean, std, nan/inf)."""
+    """tstat EXPR: one line per tensor: shape, dtype, device, size, range, mean, std, nan/inf."""
     value = _eval(debugger, arg)
     if isinstance(value, dict):
         for key, item in value.items():
