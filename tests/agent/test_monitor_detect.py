@@ -207,6 +207,8 @@ def test_healthy_run_of_200_steps_reports_nothing():
     monitor.flush()
     assert monitor.anomalies == []
     assert monitor.errors == 0 and monitor.step_count == 200 and monitor.reads == 200
+    assert set(monitor.shapes) == {name for name, _ in model.named_modules()}  # for tshape
+    assert monitor.shapes["1"] == ([(32, 16)], (32, 16))
 
 
 def test_check_every_reads_the_host_once_per_n_steps():

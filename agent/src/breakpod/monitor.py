@@ -210,6 +210,7 @@ class Monitor:
             (r, r["expect"]) for r in self.rules if r.check == "shape" and r.matches(name, module)
         ]
         if not (fwd or bwd or shapes):
+            self._handles.append(module.register_forward_hook(self._shape_hook(name)))
             return
         by_name = {r.name: r for r in self.rules}
         watched = [by_name[n] for n in fwd]
@@ -263,6 +264,16 @@ class Monitor:
 
         return hook
 
+    def _shape_hook(self, name: str) -> Callable[..., None]:
+        """Shapes only (host metadata), for ``tshape`` on modules no rule watches."""
+
+        def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            out = checks.first_tensor(output)
+            if out is not None:
+                self.shapes[name] = (_shapes(inputs), tuple(out.shape))
+
+        return hook
+
     def _on_forward(
         self,
         name: str,
@@ -277,10 +288,7 @@ class Monitor:
         out = checks.first_tensor(output)
         if out is None:
             return
-        self.shapes[name] = (
-            [tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor)],
-            tuple(out.shape),
-        )
+        self.shapes[name] = (_shapes(inputs), tuple(out.shape))
         for rule, contract in shapes:
             self._check_shape(name, rule, contract, out)
         if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
@@ -487,6 +495,10 @@ class Monitor:
             f"step={self.step_count} "
             f"check_every={self.check_every} anomalies={len(self.anomalies)}>"
         )
+
+
+def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
+    return [tuple(x.shape) for x in inputs if hasattr(x, "shape")]
 
 
 def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
