@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="steps of each setup per round (CNN)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    big_rounds = max(3, args.rounds // 3)
+    big_rounds = max(3, 2 * args.rounds // 3)
     results = {
         "resnet": measure(resnet, args.rounds, args.steps, warmup=3),
         "transformer": measure(transformer, big_rounds, 1, warmup=2),

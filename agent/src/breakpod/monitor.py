@@ -20,7 +20,6 @@ is reported once and swallowed; only ``action: stop`` raises into training.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import weakref
@@ -33,9 +32,10 @@ from breakpod.announce import announce
 from breakpod.anomaly import ActionContext, Anomaly, dispatch
 from breakpod.compiled import apply_compile_policy, unwrap_compiled
 from breakpod.config import parse_bool
-from breakpod.detect import Detector, ParamInfo, Sample, Slot, StepData
+from breakpod.detect import Detector, ParamInfo, Slot
 from breakpod.errors import AnomalyError, ConfigError, RuleError
 from breakpod.rules import Rule, load_rules, parse_rule
+from breakpod.stats import Entry, StepRecord, by_device, copy_event, decode, pack, to_host
 
 log = logging.getLogger(__name__)
 
@@ -109,25 +109,6 @@ def _merge_rules(settings: dict[str, Any], rules: Any, expect: Mapping[str, Any]
     return merged
 
 
-@dataclasses.dataclass
-class _Entry:
-    """One small stats tensor produced during a step, and what it describes."""
-
-    kind: str  # forward | backward | grads | loss | params | batchnorm
-    vec: Any
-    slot: Slot | None = None
-    numel: int = 0
-    keys: Sequence[Any] = ()
-    tensor: Any = None
-
-
-@dataclasses.dataclass
-class _Step:
-    step: int
-    entries: list[_Entry] = dataclasses.field(default_factory=list)
-    grads_done: bool = False
-
-
 class Monitor:
     """Hooks on one model: :meth:`step` once per step, then :attr:`anomalies`; :meth:`close`."""
 
@@ -153,9 +134,9 @@ class Monitor:
         self._ctx = ctx or ActionContext(model=model, snapshot_dir=Path("breakpod-snapshots"))
         self._ctx.monitor = self
         self._handles: list[Any] = []
-        self._current = _Step(0)
-        self._pending: list[_Step] = []
-        self._inflight: list[tuple[Any, dict[Any, Any], list[_Step]]] = []
+        self._current = StepRecord(0)
+        self._pending: list[StepRecord] = []
+        self._inflight: list[tuple[Any, dict[Any, Any], list[StepRecord]]] = []
         self._backward_queued = False
         self._shape_active: set[tuple[str, str]] = set()
         self._failed: set[str] = set()
@@ -176,7 +157,6 @@ class Monitor:
         )
 
     def _install(self, optimizer: Any) -> None:
-        self._params: list[tuple[ParamInfo, Any]] = []
         batchnorm: dict[str, frozenset[str]] = {}
         self._bn_modules: list[tuple[str, Any]] = []
         for name, module in self.model.named_modules():
@@ -185,6 +165,18 @@ class Monitor:
             if bn and getattr(module, "running_var", None) is not None:
                 batchnorm[name] = bn
                 self._bn_modules.append((name, module))
+        self._params = self._watched_params()
+        self._state_params = [
+            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
+        ]
+        self._install_grad_hooks()
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step()))
+        self._detector = Detector(self.rules, [info for info, _ in self._params], batchnorm)
+
+    def _watched_params(self) -> list[tuple[ParamInfo, Any]]:
+        """Parameters whose owning module some gradient or parameter rule watches."""
+        watched = []
         for name, param in self.model.named_parameters():
             owner = name.rpartition(".")[0]
             module = self.model.get_submodule(owner)
@@ -194,14 +186,8 @@ class Monitor:
                 | self._rules_for(("nonfinite",), owner, module, "param")
             )
             if rules:
-                self._params.append((ParamInfo(name, owner, rules), param))
-        self._state_params = [
-            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
-        ]
-        self._install_grad_hooks()
-        if optimizer is not None:
-            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step()))
-        self._detector = Detector(self.rules, [info for info, _ in self._params], batchnorm)
+                watched.append((ParamInfo(name, owner, rules), param))
+        return watched
 
     def _watch_module(self, name: str, module: Any) -> None:
         fwd = self._rules_for(ACTIVATION_CHECKS, name, module, "activation")
@@ -238,9 +224,12 @@ class Monitor:
             self._handles.append(self.model.register_forward_hook(self._on_model_output))
 
     def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
-        out = checks.first_tensor(output)
-        if out is not None and out.requires_grad:
-            out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
+        try:
+            out = checks.first_tensor(output)
+            if out is not None and out.requires_grad:
+                out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
+        except Exception as e:
+            self._fail("model output hook", e)
 
     def _on_output_grad(self, grad: Any) -> None:
         try:
@@ -283,8 +272,6 @@ class Monitor:
         inputs: tuple[Any, ...],
         output: Any,
     ) -> None:
-        import torch
-
         out = checks.first_tensor(output)
         if out is None:
             return
@@ -292,24 +279,32 @@ class Monitor:
         for rule, contract in shapes:
             self._check_shape(name, rule, contract, out)
         if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
-            stats = checks.activation_stats(
-                out,
-                total=slot.total,
-                mean_abs=slot.mean_abs,
-                zeros=slot.zeros,
-                nonnegative=slot.nonnegative,
-            )
-            self._current.entries.append(
-                _Entry("forward", stats, slot, out.numel(), tensor=out if slot.retain else None)
-            )
-        if grad_hook is not None and torch.is_grad_enabled():
-            for x in inputs:
-                if (
-                    isinstance(x, torch.Tensor)
-                    and x.requires_grad
-                    and _claim(x, "_breakpod_bwd", name)
-                ):
-                    x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
+            self._record_output(slot, out)
+        if grad_hook is not None:
+            self._hook_inputs(name, grad_hook, inputs)
+
+    def _record_output(self, slot: Slot, out: Any) -> None:
+        stats = checks.activation_stats(
+            out,
+            total=slot.total,
+            mean_abs=slot.mean_abs,
+            zeros=slot.zeros,
+            nonnegative=slot.nonnegative,
+        )
+        kept = out if slot.retain else None
+        self._current.entries.append(Entry("forward", stats, slot, out.numel(), tensor=kept))
+
+    def _hook_inputs(
+        self, name: str, grad_hook: Callable[[Any], None], inputs: tuple[Any, ...]
+    ) -> None:
+        """The gradient w.r.t. a module's input is what its backward produced: check it there."""
+        import torch
+
+        if not torch.is_grad_enabled():
+            return
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.requires_grad and _claim(x, "_breakpod_bwd", name):
+                x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
 
     def _grad_hook(self, slot: Slot) -> Callable[[Any], None]:
         def hook(grad: Any) -> None:
@@ -317,7 +312,7 @@ class Monitor:
                 stats = checks.activation_stats(grad)
                 tensor = grad if slot.retain else None
                 self._current.entries.append(
-                    _Entry("backward", stats, slot, grad.numel(), tensor=tensor)
+                    Entry("backward", stats, slot, grad.numel(), tensor=tensor)
                 )
                 self._queue_backward_end()
             except Exception as e:
@@ -345,10 +340,10 @@ class Monitor:
         """One fused norm over every watched gradient; a later backward in the step replaces it."""
         have = [(i, p.grad) for i, (_, p) in enumerate(self._params) if p.grad is not None]
         self._current.entries = [e for e in self._current.entries if e.kind != "grads"]
-        for group in _by_device(have, lambda item: item[1]).values():
+        for group in by_device(have, lambda item: item[1]).values():
             keys = [i for i, _ in group]
             self._current.entries.append(
-                _Entry("grads", checks.norms([g for _, g in group]), keys=keys)
+                Entry("grads", checks.norms([g for _, g in group]), keys=keys)
             )
 
     def _check_shape(self, name: str, rule: Rule, contract: checks.ShapeContract, out: Any) -> None:
@@ -362,17 +357,9 @@ class Monitor:
         self._shape_active.add(key)
         summary = f"output shape {list(out.shape)} breaks the contract {contract.text}: {why}"
         details = {"expected": contract.text, "actual": list(out.shape)}
-        anomaly = Anomaly(
-            rule.name,
-            "shape",
-            name,
-            self.step_count,
-            "forward",
-            summary,
-            float(out.dim()),
-            details,
-            out,
-        )
+        value = float(out.dim())
+        anomaly = Anomaly(rule.name, "shape", name, self.step_count, "forward", summary, value)
+        anomaly.details, anomaly.tensor = details, out
         self._report([(anomaly, rule)])
 
     # ------------------------------------------------------------------ step boundary
@@ -386,7 +373,7 @@ class Monitor:
         value = value.reshape(1) if value.numel() == 1 else value.mean().reshape(1)
         self._current.entries = [e for e in self._current.entries if e.kind != "loss"]
         kept = loss.detach() if isinstance(loss, torch.Tensor) else value
-        self._current.entries.append(_Entry("loss", value, tensor=kept))
+        self._current.entries.append(Entry("loss", value, tensor=kept))
 
     def step(self, loss: Any = None) -> None:
         """End a training step: stats are packed, and read every ``check_every`` steps."""
@@ -404,7 +391,7 @@ class Monitor:
             self.record_loss(loss)
         if not self._current.grads_done and self._params:
             self._collect_grads()  # no backward ran through the model's output hook
-        done, self._current = self._current, _Step(self.step_count + 1)
+        done, self._current = self._current, StepRecord(self.step_count + 1)
         self.step_count += 1
         self._pending.append(done)
         if self.step_count % self.check_every == 0:
@@ -421,29 +408,28 @@ class Monitor:
         self._evaluate_landed(wait=True)
         return self.anomalies[before:]
 
-    def _read(self, last: _Step) -> None:
+    def _read(self, last: StepRecord) -> None:
         """Start the host copy of every pending step (with the state checks on ``last``)."""
         self._add_state_checks(last)
         steps, self._pending = self._pending, []
         copies = {
-            device: _to_host(t)
-            for device, t in _pack([e for s in steps for e in s.entries]).items()
+            device: to_host(t) for device, t in pack([e for s in steps for e in s.entries]).items()
         }
-        self._inflight.append((_event(copies), copies, steps))
+        self._inflight.append((copy_event(copies), copies, steps))
         self.reads += 1
 
-    def _add_state_checks(self, step: _Step) -> None:
+    def _add_state_checks(self, step: StepRecord) -> None:
         """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
         params = [
             (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
         ]
-        for _, group in _by_device(params, lambda item: item[1]).items():
+        for _, group in by_device(params, lambda item: item[1]).items():
             step.entries.append(
-                _Entry("params", checks.norms([p for _, p in group]), keys=[i for i, _ in group])
+                Entry("params", checks.norms([p for _, p in group]), keys=[i for i, _ in group])
             )
-        for _, group in _by_device(self._bn_modules, lambda item: item[1].running_var).items():
+        for _, group in by_device(self._bn_modules, lambda item: item[1].running_var).items():
             step.entries.append(
-                _Entry(
+                Entry(
                     "batchnorm",
                     checks.batchnorm_stats([m for _, m in group]),
                     keys=[n for n, _ in group],
@@ -460,7 +446,7 @@ class Monitor:
             self._inflight.pop(0)
             values = {device: host.tolist() for device, host in copies.items()}
             for step in steps:
-                self._report(self._detector.run(_decode(step, values)))
+                self._report(self._detector.run(decode(step, values)))
 
     def _report(self, found: list[tuple[Anomaly, Rule]]) -> None:
         self.anomalies.extend(a for a, _ in found)
@@ -508,7 +494,11 @@ def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
 
 
 def _claim(tensor: Any, attr: str, name: str) -> bool:
-    """Check a tensor once: a container skips what one of its submodules already took."""
+    """Check a tensor once: a container skips what one of its submodules already took.
+
+    The mark is an attribute on the tensor object, so it lives exactly as long
+    as the tensor (an id() table could confuse a freed tensor with a new one).
+    """
     owner = tensor.__dict__.get(attr)
     if owner is not None and (name == "" or owner.startswith(name + ".") or owner == name):
         return False
@@ -520,83 +510,6 @@ def _watches_params(info: ParamInfo, rules: list[Rule]) -> bool:
     return any(
         r.name in info.rules and r.check == "nonfinite" and "param" in r["where"] for r in rules
     )
-
-
-def _by_device(items: Sequence[Any], tensor_of: Callable[[Any], Any]) -> dict[Any, list[Any]]:
-    groups: dict[Any, list[Any]] = {}
-    for item in items:
-        groups.setdefault(tensor_of(item).device, []).append(item)
-    return groups
-
-
-def _pack(entries: list[_Entry]) -> dict[Any, Any]:
-    """Stack many steps' stats into one tensor per device (one or two kernels each).
-
-    Each entry's ``vec`` becomes ``(device, offset, length)`` into that tensor.
-    """
-    import torch
-
-    packed = {}
-    for device, group in _by_device(entries, _first_tensor).items():
-        scalars = [e for e in group if isinstance(e.vec, tuple)]
-        vectors = [e for e in group if not isinstance(e.vec, tuple)]
-        parts = [torch.stack([t for e in scalars for t in e.vec])] if scalars else []
-        parts += [e.vec for e in vectors]
-        packed[device] = torch.cat(parts) if len(parts) > 1 else parts[0]
-        offset = 0
-        for e in scalars + vectors:
-            n = len(e.vec) if isinstance(e.vec, tuple) else e.vec.numel()
-            e.vec = (device, offset, n)
-            offset += n
-    return packed
-
-
-def _first_tensor(entry: _Entry) -> Any:
-    return entry.vec[0] if isinstance(entry.vec, tuple) else entry.vec
-
-
-def _to_host(tensor: Any) -> Any:
-    import torch
-
-    if tensor.device.type != "cuda":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
-
-
-def _event(copies: dict[Any, Any]) -> Any:
-    """A CUDA event after the copies, polled later; None when everything is on the CPU."""
-    if not any(getattr(device, "type", "") == "cuda" for device in copies):
-        return None
-    import torch
-
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record()
-    return event
-
-
-def _decode(step: _Step, values: dict[Any, list[float]]) -> StepData:
-    """Split the host copy back into what each of the step's entries described."""
-    data = StepData(step.step)
-    for e in step.entries:
-        device, offset, n = e.vec
-        _place(data, e, values[device][offset : offset + n])
-    return data
-
-
-def _place(data: StepData, e: _Entry, chunk: list[float]) -> None:
-    if e.kind in ("forward", "backward"):
-        assert e.slot is not None
-        getattr(data, e.kind).append(Sample(e.slot, chunk, e.numel, e.tensor))
-    elif e.kind == "grads":
-        data.grads.update(zip(e.keys, chunk, strict=True))
-    elif e.kind == "params":
-        data.params = {**(data.params or {}), **dict(zip(e.keys, chunk, strict=True))}
-    elif e.kind == "batchnorm":
-        rows = {k: chunk[4 * i : 4 * i + 4] for i, k in enumerate(e.keys)}
-        data.batchnorm = {**(data.batchnorm or {}), **rows}
-    else:
-        data.loss, data.loss_tensor = chunk[0], e.tensor
 
 
 __all__ = ["Monitor", "RuleError", "monitor_enabled", "watch"]
