@@ -73,9 +73,9 @@ def watch(
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ConfigError(f"check_every={every!r}: expected a positive integer (1 = every step)")
     merged = _merge_rules(settings, rules, {**settings.get("expect", {}), **(expect or {})})
+    apply_compile_policy()  # explicit in the environment, so honoured even when disabled
     enabled = monitor_enabled()
     if enabled:
-        apply_compile_policy()
         model = unwrap_compiled(model)
     folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
     ctx = ActionContext(model=model, snapshot_dir=folder, sink=sink)
