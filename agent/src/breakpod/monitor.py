@@ -303,7 +303,7 @@ class Monitor:
         if not torch.is_grad_enabled():
             return
         for x in inputs:
-            if isinstance(x, torch.Tensor) and x.requires_grad and _claim(x, "_breakpod_bwd", name):
+            if isinstance(x, torch.Tensor) and x.requires_grad and _first_claim(x, name):
                 x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
 
     def _grad_hook(self, slot: Slot) -> Callable[[Any], None]:
@@ -503,6 +503,14 @@ def _claim(tensor: Any, attr: str, name: str) -> bool:
     if owner is not None and (name == "" or owner.startswith(name + ".") or owner == name):
         return False
     setattr(tensor, attr, name)
+    return True
+
+
+def _first_claim(tensor: Any, name: str) -> bool:
+    """One gradient hook per tensor: its gradient is the same whichever consumer hooks it."""
+    if "_breakpod_bwd" in tensor.__dict__:
+        return False
+    tensor._breakpod_bwd = name
     return True
 
 
