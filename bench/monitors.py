@@ -7,9 +7,10 @@ with check_every=1 and 10, the per-layer ``.item()`` checks tutorials paste
 into training loops, and ``torch.autograd.detect_anomaly()``.
 
 The setups run interleaved (a few steps of each, round after round) so that
-drift on a shared machine hits them all alike; each ratio is the median
-step time over the median baseline step time. ``torch.set_num_threads(1)``
-keeps the ratios stable on busy cores. "host reads/step" counts the
+drift on a shared machine hits them all alike; each ratio is the median, over
+rounds, of a setup's step time over the baseline's in the same round (the
+fastest of the round's few steps each, as preemption only ever adds time).
+``torch.set_num_threads(1)`` keeps the ratios stable on busy cores. "host reads/step" counts the
 device-to-host reads (syncs on a GPU) each approach performs per step.
 
     python bench/monitors.py [--rounds N]
@@ -200,7 +201,11 @@ Result = tuple[Setup, float, float]
 
 
 def measure(build: Callable[[], Any], rounds: int, per_round: int, warmup: int) -> list[Result]:
-    """Per setup: median over rounds of (step time / baseline step time that round), reads/step."""
+    """Per setup: median over rounds of its step time / the baseline's that round; reads/step.
+
+    Within a round each setup's fastest of ``per_round`` steps is taken: other
+    processes on a shared machine only ever add time, and do so to every setup.
+    """
     data = build()[1]
     runs = list(setups(build))
     with _quiet_warnings():
@@ -212,7 +217,7 @@ def measure(build: Callable[[], Any], rounds: int, per_round: int, warmup: int) 
         for r in range(rounds):
             times = {}
             for s in runs[r % len(runs) :] + runs[: r % len(runs)]:
-                times[id(s)] = statistics.median(s.step(*data()) for _ in range(per_round))
+                times[id(s)] = min(s.step(*data()) for _ in range(per_round))
             for s in runs:
                 ratios[id(s)].append(times[id(s)] / times[id(runs[0])])
     steps = rounds * per_round
@@ -276,8 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(
         f"torch {torch.__version__}, CPU, 1 thread; ratio = median over interleaved rounds of "
-        f"step time / baseline step time in the same round ({args.rounds}x{args.steps} CNN steps, "
-        f"{big_rounds} transformer steps per setup, after warm-up)"
+        f"step time / baseline step time in the same round (CNN: {args.rounds} rounds, best of "
+        f"{args.steps} steps each; transformer: {big_rounds} rounds of 1 step; after warm-up)"
     )
     print(table(results))
     print("\n".join(verdicts(results)))
