@@ -237,3 +237,14 @@ def test_optimizer_hook_ends_steps_and_record_loss_feeds_the_loss_checks():
 
 def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out.squeeze(-1), y.float())
+
+
+def test_corrupt_parameter_of_a_skipped_layer_is_named_in_the_report():
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    monitor = breakpod.watch(model)
+    with torch.no_grad():
+        model[1].weight[0] = math.nan  # BatchNorm is a pass-through layer: not checked itself
+    monitor.step(model(batch(0)[0]).sum())  # no update, so only that parameter is bad
+    (a,) = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert (a.step, a.module, a.phase) == (0, "3", "forward")
+    assert a.details["nonfinite_params"] == ["1.weight"]

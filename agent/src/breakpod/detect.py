@@ -112,6 +112,11 @@ class Detector:
     def _nonfinite(self, rule: Rule, data: StepData) -> Iterator[Found]:
         first = next((a for a in self._nonfinite_sites(rule, data) if a is not None), None)
         if self._fires((rule.name,), first is not None, rule) and first is not None:
+            params = [
+                self.params[i].name for i, n in (data.params or {}).items() if not math.isfinite(n)
+            ]
+            if params and first.phase != "param":  # a corrupt parameter may be the cause
+                first.details["nonfinite_params"] = params[:10]
             yield first, rule
 
     def _nonfinite_sites(self, rule: Rule, data: StepData) -> Iterator[Anomaly | None]:

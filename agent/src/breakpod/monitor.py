@@ -182,7 +182,7 @@ class Monitor:
             module = self.model.get_submodule(owner)
             rules = (
                 self._rules_for(("grad_norm",), owner, module)
-                | self._rules_for(("nonfinite",), owner, module, "gradient")
+                | self._rules_for(("nonfinite",), owner, module, "param-gradient")
                 | self._rules_for(("nonfinite",), owner, module, "param")
             )
             if rules:
@@ -488,6 +488,9 @@ def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
 
 
 def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
+    """``skip_types`` spares pass-through modules' tensors, never parameters or their grads."""
+    if where == "param-gradient":
+        return "gradient" in rule["where"]
     if where not in rule["where"]:
         return False
     return where in ("param", "loss") or type(module).__name__ not in rule["skip_types"]
