@@ -192,3 +192,14 @@ def test_import_breakpod_and_monitor_names_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert out.stdout.strip() == "False", out.stderr
     assert callable(breakpod.summary)
+
+
+def test_watching_a_model_again_replaces_the_previous_monitor(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    model = Net()
+    first = breakpod.watch(model)
+    hooks = len(model.fc1._forward_hooks)
+    second = breakpod.watch(model)
+    assert not first.enabled and second.enabled
+    assert len(model.fc1._forward_hooks) == hooks
+    second.close()

@@ -141,6 +141,10 @@ class Monitor:
         self._shape_active: set[tuple[str, str]] = set()
         self._failed: set[str] = set()
         if enabled:
+            previous = MONITORS.get(model)
+            if previous is not None:  # two monitors would double every hook and report
+                announce("watch(): this model was already watched; closing the previous monitor")
+                previous.close()
             self._install(optimizer)
             MONITORS[model] = self
 
