@@ -6,6 +6,7 @@ neither torch nor debugpy, and each name below is imported on first use.
     PYTHONBREAKPOINT=breakpod.set_trace    # breakpoint() parks on a socket when headless
     breakpod.init_remote_debugger()        # a pdb or debugpy listener, when enabled
     breakpod.install_excepthook()          # post-mortem on crashes (BREAKPOD_POST_MORTEM=1)
+    monitor = breakpod.watch(model)        # tensor monitors: NaN/Inf, shapes, grads, dead units
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ _EXPORTS = {
     "InsecureBindError": "breakpod.errors",
     "ListenerError": "breakpod.errors",
     "AttachError": "breakpod.errors",
+    "watch": "breakpod.monitor",
+    "Monitor": "breakpod.monitor",
+    "Anomaly": "breakpod.anomaly",
+    "summary": "breakpod.summaries",
+    "RuleError": "breakpod.errors",
+    "AnomalyError": "breakpod.errors",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -37,19 +44,25 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 if TYPE_CHECKING:
     from typing import Any
 
+    from breakpod.anomaly import Anomaly as Anomaly
     from breakpod.config import Settings as Settings
     from breakpod.debugger import Endpoint as Endpoint
     from breakpod.debugger import init_remote_debugger as init_remote_debugger
+    from breakpod.errors import AnomalyError as AnomalyError
     from breakpod.errors import AttachError as AttachError
     from breakpod.errors import BreakpodError as BreakpodError
     from breakpod.errors import ConfigError as ConfigError
     from breakpod.errors import InsecureBindError as InsecureBindError
     from breakpod.errors import ListenerError as ListenerError
+    from breakpod.errors import RuleError as RuleError
+    from breakpod.monitor import Monitor as Monitor
+    from breakpod.monitor import watch as watch
     from breakpod.shim import install_excepthook as install_excepthook
     from breakpod.shim import post_mortem as post_mortem
     from breakpod.shim import set_trace as set_trace
     from breakpod.watchdog import heartbeat as heartbeat
     from breakpod.watchdog import watch_stalls as watch_stalls
+    from breakpod.summaries import summary as summary
 
 
 def __getattr__(name: str) -> Any:

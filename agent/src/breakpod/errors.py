@@ -6,10 +6,17 @@
     ├── ListenerError        a listener could not be started or reached
     │   └── AttachError      the CLI could not attach to a listener
     └── BrokerError          the broker could not be reached or refused a request
+    │   ├── InsecureBindError  a non-loopback bind without the required opt-in
+    │   └── RuleError        a monitor rule is invalid (names the rule and the field)
+    ├── AnomalyError         a monitor rule with ``action: stop`` fired
+    └── ListenerError        a listener could not be started or reached
+        └── AttachError      the CLI could not attach to a listener
 
 Inside the training process breakpod never lets these escape from a
 ``breakpoint()`` or a hook; they reach callers only from explicit API calls
-(``init_remote_debugger(...)``) and from the CLI.
+(``init_remote_debugger(...)``, ``watch(...)``) and from the CLI; the one
+deliberate exception is :class:`AnomalyError`, raised into the training
+loop by a rule whose action is ``stop``.
 """
 
 from __future__ import annotations
@@ -41,3 +48,15 @@ class BrokerError(BreakpodError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class RuleError(ConfigError):
+    """A monitor rule is invalid; the message names the rule and the field."""
+
+
+class AnomalyError(BreakpodError, RuntimeError):
+    """A monitor rule with ``action: stop`` fired; ``.anomaly`` says what and where."""
+
+    def __init__(self, anomaly: object) -> None:
+        super().__init__(f"breakpod stopped training: {anomaly}")
+        self.anomaly = anomaly

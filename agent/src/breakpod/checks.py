@@ -1,0 +1,160 @@
+"""On-device reductions and host-side shape contracts.
+
+Everything here that touches tensor *values* returns a small tensor on the
+tensor's own device and never reads it on the host: no ``.item()``,
+``bool(tensor)``, ``.cpu()`` or ``.tolist()``. The monitor concatenates these
+small tensors and reads them every ``check_every`` steps.
+
+The reductions are chosen for cost (measured; on CPU the slow paths are
+easy to hit): a plain ``sum`` is the cheapest full pass torch has (2-3x
+cheaper than ``aminmax``, far cheaper than ``isnan(x).any()``) and is
+non-finite exactly when the tensor holds a NaN or an Inf (or, for float32,
+values near 1e38 whose sum overflows: an anomaly too). NaN vs +Inf vs -Inf
+is read from the sum's value; exact counts are taken later from kept
+tensors. ``sum |x|`` and the zero count (``numel - sum |sign x|``, several
+times faster than ``count_nonzero``) run only where a rule needs them.
+Results stay 0-d tensors: stacking them in the hook would cost a kernel per
+hook; the monitor stacks a whole step at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+ANY = ("*", "_", "?", "")
+NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
+
+
+def activation_stats(
+    x: torch.Tensor,
+    *,
+    total: bool = True,
+    mean_abs: bool = False,
+    zeros: bool = False,
+    nonnegative: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """``([sum x], [sum |x|], [count of zeros])`` as float32 0-d tensors on ``x``'s device.
+
+    ``nonnegative`` (a ReLU's output) lets the zero count skip ``abs``.
+    """
+    x = x.detach()
+    parts = [_sum(x)] if total else []
+    if mean_abs:
+        parts.append(_sum(x.abs()))
+    if zeros:
+        parts.append(x.numel() - _nonzeros(x, nonnegative))
+    return tuple(parts)
+
+
+TINY = 1e-30
+
+
+def _nonzeros(x: torch.Tensor, nonnegative: bool) -> torch.Tensor:
+    """Count of non-zero values; for a float32 ReLU output ``sum(min(x, 1e-30)) * 1e30``
+    is one cheap pass (values below 1e-30 count as zero)."""
+    import torch
+
+    if nonnegative and x.dtype == torch.float32:
+        return x.clamp(max=TINY).sum() * (1 / TINY)
+    return _sum(x.sign().abs())
+
+
+def _sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum accumulated and returned in float32 (half sums overflow at 65504)."""
+    import torch
+
+    return x.sum() if x.dtype == torch.float32 else x.sum(dtype=torch.float32)
+
+
+def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of each tensor, fused where torch can (one kernel per device on CUDA)."""
+    import torch
+
+    return torch.stack(torch._foreach_norm([t.detach() for t in tensors])).float()
+
+
+def batchnorm_stats(modules: Sequence[Any]) -> torch.Tensor:
+    """``[min mean, max mean, min var, max var]`` of each BatchNorm's running stats."""
+    import torch
+
+    rows = [
+        torch.stack([*torch.aminmax(m.running_mean), *torch.aminmax(m.running_var)])
+        for m in modules
+    ]
+    return torch.cat(rows).float()
+
+
+def first_tensor(value: Any) -> torch.Tensor | None:
+    """The tensor a module produced: itself, or the first one in a tuple/list/dict."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        return next((t for t in map(first_tensor, value) if t is not None), None)
+    if isinstance(value, dict):
+        return first_tensor(list(value.values()))
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeContract:
+    """An expected shape: ints, ``None``/``*`` (any), names (equal within a shape), one ``...``."""
+
+    dims: tuple[int | str | None, ...]
+    text: str
+
+    @classmethod
+    def parse(cls, spec: Any) -> ShapeContract:
+        if isinstance(spec, ShapeContract):
+            return spec
+        if isinstance(spec, str):
+            raw: list[Any] = (
+                [d.strip() for d in spec.strip("()[] ").split(",")] if spec.strip() else []
+            )
+        elif isinstance(spec, (tuple, list)):
+            raw = list(spec)
+        else:
+            raise ValueError(f"expected a shape like 'B,T,256' or (None, 10), got {spec!r}")
+        dims = tuple(_dim(d, spec) for d in raw)
+        if dims.count("...") > 1:
+            raise ValueError(f"shape {spec!r} has more than one '...'")
+        return cls(dims, "(" + ", ".join("*" if d is None else str(d) for d in dims) + ")")
+
+    def mismatch(self, shape: Sequence[int]) -> str | None:
+        """Why ``shape`` breaks the contract, or ``None`` when it holds."""
+        dims = self._expand(len(shape))
+        if dims is None:
+            return f"has {len(shape)} dims, expected {self.text}"
+        bound: dict[str, int] = {}
+        for i, (want, got) in enumerate(zip(dims, shape, strict=True)):
+            if isinstance(want, int) and want != got:
+                return f"dim {i} is {got}, expected {want}"
+            if isinstance(want, str) and bound.setdefault(want, got) != got:
+                return f"dim {i} is {got}, but {want}={bound[want]} earlier in the shape"
+        return None
+
+    def _expand(self, ndim: int) -> tuple[int | str | None, ...] | None:
+        if "..." not in self.dims:
+            return self.dims if len(self.dims) == ndim else None
+        fixed = len(self.dims) - 1
+        if ndim < fixed:
+            return None
+        i = self.dims.index("...")
+        return (*self.dims[:i], *([None] * (ndim - fixed)), *self.dims[i + 1 :])
+
+
+def _dim(value: Any, spec: Any) -> int | str | None:
+    if value is None or value in ANY:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str) and (value.isdigit() or value == "..." or NAME.match(value)):
+        return int(value) if value.isdigit() else value
+    raise ValueError(f"shape {spec!r}: {value!r} is not a size, a name, None/'*' or '...'")

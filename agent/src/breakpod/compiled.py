@@ -1,0 +1,52 @@
+"""The ``torch.compile`` interaction.
+
+Dynamo traces a module's hooks when it compiles, so hooks added *after*
+``torch.compile(model)`` are not seen by the compiled graph. breakpod's
+debug mode therefore turns compilation off: ``BREAKPOD_DISABLE_COMPILE=1``
+exports ``TORCH_COMPILE_DISABLE=1`` (read by dynamo when it is imported)
+and, if dynamo is already loaded, flips its ``disable`` switch too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Any
+
+from breakpod.config import parse_bool
+
+ENV = "BREAKPOD_DISABLE_COMPILE"
+
+
+def apply_compile_policy(environ: dict[str, str] | None = None) -> bool:
+    """Disable ``torch.compile`` when ``BREAKPOD_DISABLE_COMPILE`` is true; True if it did."""
+    env = os.environ if environ is None else environ
+    try:
+        wanted = parse_bool(ENV, env.get(ENV, "0"))
+    except ValueError:
+        return False
+    if not wanted:
+        return False
+    env["TORCH_COMPILE_DISABLE"] = "1"
+    config = sys.modules.get("torch._dynamo.config")
+    if config is not None:
+        config.disable = True  # type: ignore[attr-defined]
+    return True
+
+
+def unwrap_compiled(model: Any) -> Any:
+    """The original module of a ``torch.compile``-d one, with a warning that explains why."""
+    original = getattr(model, "_orig_mod", None)
+    if original is None or type(model).__name__ != "OptimizedModule":
+        return model
+    warnings.warn(
+        "breakpod.watch() got a torch.compile()-d module: hooks added after compilation are "
+        "ignored by the compiled graph, so the monitors would see nothing. breakpod watches the "
+        "original module instead, which only runs when compilation is off: set "
+        "BREAKPOD_DISABLE_COMPILE=1 (or TORCH_COMPILE_DISABLE=1) before torch.compile, or call "
+        "watch() before compiling and accept graph breaks at every hook.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return original

@@ -1,0 +1,530 @@
+"""``breakpod.watch(model)``: tensor monitors with no host-device sync on the hot path.
+
+How a step flows:
+
+* forward hooks reduce each watched module's output on its device
+  (:mod:`breakpod.checks`) and register a gradient hook on its inputs;
+  shape contracts are checked from metadata, on the host, at once;
+* at the end of each backward, one fused ``_foreach_norm`` gives every
+  parameter's gradient norm;
+* at the step boundary (:meth:`Monitor.step`, or the optimizer's step hook)
+  the step's small stats tensors are concatenated into one per device;
+* every ``check_every`` steps the host reads them (a non-blocking copy to
+  pinned memory on CUDA, evaluated at the next boundary once it landed) and
+  :mod:`breakpod.detect` turns them into :class:`~breakpod.anomaly.Anomaly`
+  records, handed to each rule's actions.
+
+Nothing in a hook reads a tensor on the host. A failure inside the monitor
+is reported once and swallowed; only ``action: stop`` raises into training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from breakpod import checks
+from breakpod.announce import announce
+from breakpod.anomaly import ActionContext, Anomaly, dispatch
+from breakpod.compiled import apply_compile_policy, unwrap_compiled
+from breakpod.config import parse_bool
+from breakpod.detect import Detector, ParamInfo, Slot
+from breakpod.errors import AnomalyError, ConfigError, RuleError
+from breakpod.rules import Rule, load_rules, parse_rule
+from breakpod.stats import Entry, StepRecord, by_device, copy_event, decode, pack, to_host
+
+log = logging.getLogger(__name__)
+
+ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
+MONITORS: weakref.WeakKeyDictionary[Any, Monitor] = weakref.WeakKeyDictionary()
+
+
+def monitor_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """False when ``BREAKPOD_MONITOR`` or ``AI_DEBUG_MODE`` is set to a false value."""
+    env = os.environ if environ is None else environ
+    return all(
+        parse_bool(var, env[var]) for var in ("BREAKPOD_MONITOR", "AI_DEBUG_MODE") if var in env
+    )
+
+
+def watch(
+    model: Any,
+    rules: Any = None,
+    *,
+    check_every: int | None = None,
+    config: Any = None,
+    optimizer: Any = None,
+    expect: Mapping[str, Any] | None = None,
+    sink: Callable[[Anomaly], Any] | None = None,
+    snapshot_dir: str | os.PathLike[str] | None = None,
+) -> Monitor:
+    """Watch ``model`` with the default rules plus ``rules``; see the README's "Tensor monitors".
+
+    ``config`` is a mapping or YAML file with any of ``rules``, ``defaults``,
+    ``check_every``, ``expect`` and ``snapshot_dir``; explicit arguments win.
+    With ``BREAKPOD_MONITOR=0`` (or ``AI_DEBUG_MODE=0``) nothing is installed.
+    """
+    settings = _config(config)
+    every = check_every if check_every is not None else settings.get("check_every", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"check_every={every!r}: expected a positive integer (1 = every step)")
+    merged = _merge_rules(settings, rules, {**settings.get("expect", {}), **(expect or {})})
+    apply_compile_policy()  # explicit in the environment, so honoured even when disabled
+    enabled = monitor_enabled()
+    if enabled:
+        model = unwrap_compiled(model)
+    folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
+    ctx = ActionContext(model=model, snapshot_dir=folder, sink=sink)
+    return Monitor(model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled)
+
+
+def _config(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, (str, os.PathLike)):
+        from breakpod.rules import _read_yaml
+
+        config = _read_yaml(Path(config))
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            f"config: expected a mapping or a YAML file path, got {type(config).__name__}"
+        )
+    unknown = set(config) - {"rules", "defaults", "check_every", "expect", "snapshot_dir"}
+    if unknown:
+        raise ConfigError(f"config: unknown key(s) {sorted(unknown)}")
+    return dict(config)
+
+
+def _merge_rules(settings: dict[str, Any], rules: Any, expect: Mapping[str, Any]) -> list[Rule]:
+    """Defaults, then the config's rules, then ``rules=``; ``expect`` adds shape rules."""
+    defaults = bool(settings.get("defaults", True))
+    merged = load_rules(settings.get("rules"), rules, defaults=defaults)
+    for i, (glob, shape) in enumerate(expect.items()):
+        spec = {"name": f"shape:{glob}", "check": "shape", "modules": glob, "expect": shape}
+        merged.append(parse_rule(spec, i))
+    return merged
+
+
+class Monitor:
+    """Hooks on one model: :meth:`step` once per step, then :attr:`anomalies`; :meth:`close`."""
+
+    def __init__(
+        self,
+        model: Any,
+        rules: list[Rule],
+        *,
+        check_every: int = 1,
+        optimizer: Any = None,
+        ctx: ActionContext | None = None,
+        enabled: bool = True,
+    ) -> None:
+        self.model = model
+        self.rules = rules
+        self.check_every = check_every
+        self.enabled = enabled
+        self.anomalies: list[Anomaly] = []
+        self.step_count = 0
+        self.reads = 0
+        self.errors = 0
+        self.shapes: dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]] = {}
+        self._ctx = ctx or ActionContext(model=model, snapshot_dir=Path("breakpod-snapshots"))
+        self._ctx.monitor = self
+        self._handles: list[Any] = []
+        self._current = StepRecord(0)
+        self._pending: list[StepRecord] = []
+        self._inflight: list[tuple[Any, dict[Any, Any], list[StepRecord]]] = []
+        self._backward_queued = False
+        self._shape_active: set[tuple[str, str]] = set()
+        self._failed: set[str] = set()
+        if enabled:
+            previous = MONITORS.get(model)
+            if previous is not None:  # two monitors would double every hook and report
+                announce("watch(): this model was already watched; closing the previous monitor")
+                previous.close()
+            self._install(optimizer)
+            MONITORS[model] = self
+
+    # ------------------------------------------------------------------ setup
+    def _rules_for(
+        self, checks_: Sequence[str], name: str, module: Any, where: str | None = None
+    ) -> frozenset[str]:
+        return frozenset(
+            r.name
+            for r in self.rules
+            if r.check in checks_
+            and (where is None or r.check != "nonfinite" or _nonfinite_applies(r, where, module))
+            and r.matches(name, module)
+        )
+
+    def _install(self, optimizer: Any) -> None:
+        batchnorm: dict[str, frozenset[str]] = {}
+        self._bn_modules: list[tuple[str, Any]] = []
+        for name, module in self.model.named_modules():
+            self._watch_module(name, module)
+            bn = self._rules_for(("batchnorm",), name, module)
+            if bn and getattr(module, "running_var", None) is not None:
+                batchnorm[name] = bn
+                self._bn_modules.append((name, module))
+        self._params = self._watched_params()
+        self._state_params = [
+            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
+        ]
+        self._install_grad_hooks()
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step()))
+        self._detector = Detector(self.rules, [info for info, _ in self._params], batchnorm)
+
+    def _watched_params(self) -> list[tuple[ParamInfo, Any]]:
+        """Parameters whose owning module some gradient or parameter rule watches."""
+        watched = []
+        for name, param in self.model.named_parameters():
+            owner = name.rpartition(".")[0]
+            module = self.model.get_submodule(owner)
+            rules = (
+                self._rules_for(("grad_norm",), owner, module)
+                | self._rules_for(("nonfinite",), owner, module, "param-gradient")
+                | self._rules_for(("nonfinite",), owner, module, "param")
+            )
+            if rules:
+                watched.append((ParamInfo(name, owner, rules), param))
+        return watched
+
+    def _watch_module(self, name: str, module: Any) -> None:
+        fwd = self._rules_for(ACTIVATION_CHECKS, name, module, "activation")
+        bwd = self._rules_for(("nonfinite",), name, module, "gradient")
+        shapes = [
+            (r, r["expect"]) for r in self.rules if r.check == "shape" and r.matches(name, module)
+        ]
+        if not (fwd or bwd or shapes):
+            self._handles.append(module.register_forward_hook(self._shape_hook(name)))
+            return
+        by_name = {r.name: r for r in self.rules}
+        watched = [by_name[n] for n in fwd]
+        slot = Slot(
+            name,
+            "forward",
+            fwd,
+            total=any(r.check == "nonfinite" for r in watched),
+            mean_abs=any(r.check == "activation" for r in watched),
+            zeros=any(r.check == "dead_units" for r in watched),
+            nonnegative=type(module).__name__ in ("ReLU", "ReLU6"),
+            retain=any(r.parks for r in watched),
+        )
+        back = Slot(name, "backward", bwd, retain=any(by_name[n].parks for n in bwd))
+        hook = self._forward_hook(name, slot if fwd else None, back if bwd else None, shapes)
+        self._handles.append(module.register_forward_hook(hook))
+
+    def _install_grad_hooks(self) -> None:
+        """One hook on the model's output queues the end-of-backward gradient norms.
+
+        (The model's output gradient is the first one a backward computes.) When
+        no backward passes through it, :meth:`step` collects the norms instead.
+        """
+        if self._params:
+            self._handles.append(self.model.register_forward_hook(self._on_model_output))
+
+    def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
+        try:
+            out = checks.first_tensor(output)
+            if out is not None and out.requires_grad:
+                out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
+        except Exception as e:
+            self._fail("model output hook", e)
+
+    def _on_output_grad(self, grad: Any) -> None:
+        try:
+            self._queue_backward_end()
+        except Exception as e:
+            self._fail("output gradient hook", e)
+
+    # ------------------------------------------------------------------ hooks (hot path)
+    def _forward_hook(
+        self, name: str, slot: Slot | None, back: Slot | None, shapes: list[tuple[Rule, Any]]
+    ) -> Callable[..., None]:
+        grad_hook = self._grad_hook(back) if back is not None else None
+
+        def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            try:
+                self._on_forward(name, slot, grad_hook, shapes, inputs, output)
+            except AnomalyError:
+                raise
+            except Exception as e:
+                self._fail("forward hook", e)
+
+        return hook
+
+    def _shape_hook(self, name: str) -> Callable[..., None]:
+        """Shapes only (host metadata), for ``tshape`` on modules no rule watches."""
+
+        def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            out = checks.first_tensor(output)
+            if out is not None:
+                self.shapes[name] = (_shapes(inputs), tuple(out.shape))
+
+        return hook
+
+    def _on_forward(
+        self,
+        name: str,
+        slot: Slot | None,
+        grad_hook: Callable[[Any], None] | None,
+        shapes: list[tuple[Rule, Any]],
+        inputs: tuple[Any, ...],
+        output: Any,
+    ) -> None:
+        out = checks.first_tensor(output)
+        if out is None:
+            return
+        self.shapes[name] = (_shapes(inputs), tuple(out.shape))
+        for rule, contract in shapes:
+            self._check_shape(name, rule, contract, out)
+        if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
+            self._record_output(slot, out)
+        if grad_hook is not None:
+            self._hook_inputs(name, grad_hook, inputs)
+
+    def _record_output(self, slot: Slot, out: Any) -> None:
+        stats = checks.activation_stats(
+            out,
+            total=slot.total,
+            mean_abs=slot.mean_abs,
+            zeros=slot.zeros,
+            nonnegative=slot.nonnegative,
+        )
+        kept = out if slot.retain else None
+        self._current.entries.append(Entry("forward", stats, slot, out.numel(), tensor=kept))
+
+    def _hook_inputs(
+        self, name: str, grad_hook: Callable[[Any], None], inputs: tuple[Any, ...]
+    ) -> None:
+        """The gradient w.r.t. a module's input is what its backward produced: check it there."""
+        import torch
+
+        if not torch.is_grad_enabled():
+            return
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.requires_grad and _first_claim(x, name):
+                x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
+
+    def _grad_hook(self, slot: Slot) -> Callable[[Any], None]:
+        def hook(grad: Any) -> None:
+            try:
+                stats = checks.activation_stats(grad)
+                tensor = grad if slot.retain else None
+                self._current.entries.append(
+                    Entry("backward", stats, slot, grad.numel(), tensor=tensor)
+                )
+                self._queue_backward_end()
+            except Exception as e:
+                self._fail("gradient hook", e)
+
+        return hook
+
+    def _queue_backward_end(self) -> None:
+        if self._backward_queued or not self._params:
+            return
+        from torch.autograd import Variable
+
+        Variable._execution_engine.queue_callback(self._on_backward_end)
+        self._backward_queued = True
+
+    def _on_backward_end(self) -> None:
+        self._backward_queued = False
+        self._current.grads_done = True
+        try:
+            self._collect_grads()
+        except Exception as e:
+            self._fail("gradient norms", e)
+
+    def _collect_grads(self) -> None:
+        """One fused norm over every watched gradient; a later backward in the step replaces it."""
+        have = [(i, p.grad) for i, (_, p) in enumerate(self._params) if p.grad is not None]
+        self._current.entries = [e for e in self._current.entries if e.kind != "grads"]
+        for group in by_device(have, lambda item: item[1]).values():
+            keys = [i for i, _ in group]
+            self._current.entries.append(
+                Entry("grads", checks.norms([g for _, g in group]), keys=keys)
+            )
+
+    def _check_shape(self, name: str, rule: Rule, contract: checks.ShapeContract, out: Any) -> None:
+        why = contract.mismatch(tuple(out.shape))
+        key = (rule.name, name)
+        if why is None:
+            self._shape_active.discard(key)
+            return
+        if key in self._shape_active:
+            return
+        self._shape_active.add(key)
+        summary = f"output shape {list(out.shape)} breaks the contract {contract.text}: {why}"
+        details = {"expected": contract.text, "actual": list(out.shape)}
+        value = float(out.dim())
+        anomaly = Anomaly(rule.name, "shape", name, self.step_count, "forward", summary, value)
+        anomaly.details, anomaly.tensor = details, out
+        self._report([(anomaly, rule)])
+
+    # ------------------------------------------------------------------ step boundary
+    def record_loss(self, loss: Any) -> None:
+        """Check this step's loss (when the optimizer hook ends steps, call this before it)."""
+        if not self.enabled:
+            return
+        import torch
+
+        value = torch.as_tensor(loss).detach().float()
+        value = value.reshape(1) if value.numel() == 1 else value.mean().reshape(1)
+        self._current.entries = [e for e in self._current.entries if e.kind != "loss"]
+        kept = loss.detach() if isinstance(loss, torch.Tensor) else value
+        self._current.entries.append(Entry("loss", value, tensor=kept))
+
+    def step(self, loss: Any = None) -> None:
+        """End a training step: stats are packed, and read every ``check_every`` steps."""
+        if not self.enabled:
+            return
+        try:
+            self._end_step(loss)
+        except AnomalyError:
+            raise
+        except Exception as e:
+            self._fail("step boundary", e)
+
+    def _end_step(self, loss: Any) -> None:
+        if loss is not None:
+            self.record_loss(loss)
+        if not self._current.grads_done and self._params:
+            self._collect_grads()  # no backward ran through the model's output hook
+        done, self._current = self._current, StepRecord(self.step_count + 1)
+        self.step_count += 1
+        self._pending.append(done)
+        if self.step_count % self.check_every == 0:
+            self._read(done)
+        self._evaluate_landed(wait=False)
+
+    def flush(self) -> list[Anomaly]:
+        """Read and evaluate everything now (a host sync); returns the new anomalies."""
+        if not self.enabled:
+            return []
+        before = len(self.anomalies)
+        if self._pending:
+            self._read(self._pending[-1])
+        self._evaluate_landed(wait=True)
+        return self.anomalies[before:]
+
+    def _read(self, last: StepRecord) -> None:
+        """Start the host copy of every pending step (with the state checks on ``last``)."""
+        self._add_state_checks(last)
+        steps, self._pending = self._pending, []
+        copies = {
+            device: to_host(t) for device, t in pack([e for s in steps for e in s.entries]).items()
+        }
+        self._inflight.append((copy_event(copies), copies, steps))
+        self.reads += 1
+
+    def _add_state_checks(self, step: StepRecord) -> None:
+        """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
+        params = [
+            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
+        ]
+        for _, group in by_device(params, lambda item: item[1]).items():
+            step.entries.append(
+                Entry("params", checks.norms([p for _, p in group]), keys=[i for i, _ in group])
+            )
+        for _, group in by_device(self._bn_modules, lambda item: item[1].running_var).items():
+            step.entries.append(
+                Entry(
+                    "batchnorm",
+                    checks.batchnorm_stats([m for _, m in group]),
+                    keys=[n for n, _ in group],
+                )
+            )
+
+    def _evaluate_landed(self, *, wait: bool) -> None:
+        while self._inflight:
+            event, copies, steps = self._inflight[0]
+            if event is not None and wait:
+                event.synchronize()
+            elif event is not None and not event.query():
+                return  # not landed yet: the next boundary looks again
+            self._inflight.pop(0)
+            values = {device: host.tolist() for device, host in copies.items()}
+            for step in steps:
+                self._report(self._detector.run(decode(step, values)))
+
+    def _report(self, found: list[tuple[Anomaly, Rule]]) -> None:
+        self.anomalies.extend(a for a, _ in found)
+        for anomaly, rule in found:
+            dispatch(anomaly, rule.actions, self._ctx)
+
+    # ------------------------------------------------------------------ lifecycle
+    def _fail(self, where: str, error: Exception) -> None:
+        self.errors += 1
+        if where not in self._failed:
+            self._failed.add(where)
+            announce(f"monitor {where} failed ({type(error).__name__}: {error}); the job continues")
+
+    def close(self) -> None:
+        """Remove every hook; the monitor keeps its anomalies for inspection."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.enabled = False
+        MONITORS.pop(self.model, None)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "on" if self.enabled else "off"
+        return (
+            f"<breakpod.Monitor {state} rules={[r.name for r in self.rules]} "
+            f"step={self.step_count} "
+            f"check_every={self.check_every} anomalies={len(self.anomalies)}>"
+        )
+
+
+def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
+    return [tuple(x.shape) for x in inputs if hasattr(x, "shape")]
+
+
+def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
+    """``skip_types`` spares pass-through modules' tensors, never parameters or their grads."""
+    if where == "param-gradient":
+        return "gradient" in rule["where"]
+    if where not in rule["where"]:
+        return False
+    return where in ("param", "loss") or type(module).__name__ not in rule["skip_types"]
+
+
+def _claim(tensor: Any, attr: str, name: str) -> bool:
+    """Check a tensor once: a container skips what one of its submodules already took.
+
+    The mark is an attribute on the tensor object, so it lives exactly as long
+    as the tensor (an id() table could confuse a freed tensor with a new one).
+    """
+    owner = tensor.__dict__.get(attr)
+    if owner is not None and (name == "" or owner.startswith(name + ".") or owner == name):
+        return False
+    setattr(tensor, attr, name)
+    return True
+
+
+def _first_claim(tensor: Any, name: str) -> bool:
+    """One gradient hook per tensor: its gradient is the same whichever consumer hooks it."""
+    if "_breakpod_bwd" in tensor.__dict__:
+        return False
+    tensor._breakpod_bwd = name
+    return True
+
+
+def _watches_params(info: ParamInfo, rules: list[Rule]) -> bool:
+    return any(
+        r.name in info.rules and r.check == "nonfinite" and "param" in r["where"] for r in rules
+    )
+
+
+__all__ = ["Monitor", "RuleError", "monitor_enabled", "watch"]

@@ -1,0 +1,205 @@
+"""Zero cost when disabled, no host sync in hooks, torch.compile, summaries, cheap import."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+import warnings
+
+import breakpod
+import pytest
+import torch
+from torch import nn
+
+from tests.agent.nets import Net, batch
+
+SYNCING = ("item", "__bool__", "cpu", "tolist", "numpy", "__float__", "__int__", "__index__")
+
+
+def hook_dicts(model: nn.Module) -> list[dict]:
+    dicts = []
+    for m in model.modules():
+        dicts += [m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks]
+    for p in model.parameters():
+        dicts += [p._backward_hooks or {}, getattr(p, "_post_accumulate_grad_hooks", None) or {}]
+    return dicts
+
+
+@pytest.mark.parametrize(
+    "env", [{"BREAKPOD_MONITOR": "0"}, {"AI_DEBUG_MODE": "0"}, {"AI_DEBUG_MODE": "false"}]
+)
+def test_disabled_installs_no_hook_at_all(monkeypatch, env):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = breakpod.watch(model, optimizer=optimizer, expect={"fc1": "B,16"})
+    assert not monitor.enabled
+    assert all(not d for d in hook_dicts(model))
+    assert not optimizer._optimizer_step_post_hooks
+    model.poison.mode = "forward"
+    loss = model(batch(0)[0]).sum()
+    monitor.step(loss)
+    assert monitor.anomalies == [] and monitor.flush() == []
+
+
+def test_close_removes_every_hook(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = breakpod.watch(model, optimizer=optimizer)
+    assert any(hook_dicts(model)) and optimizer._optimizer_step_post_hooks
+    monitor.close()
+    assert all(not d for d in hook_dicts(model)) and not optimizer._optimizer_step_post_hooks
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Make every host read of a tensor raise, as a CUDA sync would under sync-debug 'error'."""
+    saved = {name: getattr(torch.Tensor, name) for name in SYNCING}
+
+    def forbid(name: str):
+        def raiser(self, *args, **kwargs):
+            raise AssertionError(f"host read Tensor.{name}() inside a hook")
+
+        return raiser
+
+    for name in SYNCING:
+        setattr(torch.Tensor, name, forbid(name))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def test_hooks_never_read_tensors_on_the_host(monkeypatch):
+    """Forward, backward and the optimizer run with host reads forbidden; only step() reads."""
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), Net(16, 16, 4))
+    rules = [{"name": "big", "check": "activation", "max_mean_abs": 1e6}]
+    monitor = breakpod.watch(model, rules, expect={"0": "B,16"}, check_every=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(4):
+        model[3].poison.mode = "forward" if step == 2 else None
+        x, y = batch(step)
+        with no_host_reads():
+            loss = nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        monitor.step(loss)
+    assert monitor.errors == 0  # a host read in a hook would have been caught and counted
+    (a,) = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert (a.step, a.module) == (2, "3.poison")
+
+
+def test_the_enforcement_catches_a_hook_that_syncs(monkeypatch):
+    """The test above can fail: a hook calling .item() is counted as a monitor error."""
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    model = Net()
+    monitor = breakpod.watch(model)
+    model.fc1.register_forward_hook(lambda m, i, o: o.sum().item())
+    with no_host_reads(), pytest.raises(AssertionError, match=r"Tensor.item\(\) inside a hook"):
+        model(batch(0)[0])
+    monitor.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_monitored_training_step_under_cuda_sync_debug_error(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.LazyLinear(10)
+    )
+    model = model.cuda()
+    model(torch.randn(2, 3, 16, 16, device="cuda"))  # materialise the lazy layer first
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = breakpod.watch(model, expect={"4": (None, 10)}, check_every=2)
+    x = torch.randn(4, 3, 16, 16, device="cuda")
+    y = torch.randint(0, 10, (4,), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(4):
+            loss = nn.functional.cross_entropy(model(x if step < 3 else x * float("nan")), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            monitor.step(loss)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    monitor.flush()
+    assert monitor.errors == 0
+    bad = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert bad and bad[0].step == 3 and bad[0].module == "0"
+
+
+def test_compiled_module_warns_and_watches_the_original(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    monkeypatch.setenv("BREAKPOD_DISABLE_COMPILE", "1")
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    model = Net()
+    compiled = torch.compile(model)
+    with pytest.warns(RuntimeWarning, match="hooks added after compilation are ignored"):
+        monitor = breakpod.watch(compiled)
+    try:
+        import os
+
+        assert os.environ["TORCH_COMPILE_DISABLE"] == "1"
+        assert monitor.model is model and model.fc1._forward_hooks
+        model.poison.mode = "forward"
+        compiled(batch(0)[0]).sum()  # compile disabled: runs eagerly, hooks fire
+        monitor.step()
+        assert monitor.anomalies[0].module == "poison"
+    finally:
+        import torch._dynamo.config as dynamo_config
+
+        dynamo_config.disable = False
+        monitor.close()
+
+
+def test_plain_module_does_not_warn(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        breakpod.watch(Net()).close()
+
+
+def test_summary_is_one_line_and_never_prints_the_tensor():
+    t = torch.randn(16, 64, 32, 32, requires_grad=True)
+    with torch.no_grad():
+        t.view(-1)[:3] = float("nan")
+    line = breakpod.summary(t)
+    pattern = r"tensor\[16,64,32,32\] f32 cpu 4\.0Mb x∈\[-\S+, \S+\] μ=\S+ σ=\S+ nan=3 inf=0 grad"
+    assert re.fullmatch(pattern, line), line
+    assert breakpod.summary(torch.tensor([float("inf"), -float("inf")])).endswith("nan=0 inf=2")
+    assert breakpod.summary(torch.zeros(3, dtype=torch.bool)) == "tensor[3] bool cpu 3b true=0"
+    assert len(breakpod.summary(list(range(10_000)))) <= 120
+
+
+def test_import_breakpod_and_monitor_names_do_not_import_torch():
+    code = (
+        "import sys, breakpod\n"
+        "breakpod.watch, breakpod.Monitor, breakpod.Anomaly\n"
+        "breakpod.RuleError, breakpod.AnomalyError\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.stdout.strip() == "False", out.stderr
+    assert callable(breakpod.summary)
+
+
+def test_watching_a_model_again_replaces_the_previous_monitor(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    model = Net()
+    first = breakpod.watch(model)
+    hooks = len(model.fc1._forward_hooks)
+    second = breakpod.watch(model)
+    assert not first.enabled and second.enabled
+    assert len(model.fc1._forward_hooks) == hooks
+    second.close()

@@ -1,0 +1,250 @@
+"""Each check catches its fault on a real model, at the right step and module."""
+
+from __future__ import annotations
+
+import math
+
+import breakpod
+import pytest
+import torch
+from torch import nn
+
+from tests.agent.nets import Net, batch, train
+
+
+@pytest.fixture(autouse=True)
+def _enabled(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+    torch.manual_seed(0)
+
+
+def poison_at(model: Net, step: int, mode: str):
+    def before(s: int) -> None:
+        model.poison.mode = mode if s == step else None
+
+    return before
+
+
+@pytest.mark.parametrize("check_every", [1, 3])
+def test_forward_nan_names_the_first_module_and_step(check_every):
+    model = Net()
+    monitor = breakpod.watch(model, check_every=check_every)
+    train(model, monitor, 7, before=poison_at(model, 4, "forward"))
+    monitor.flush()
+    bad = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert len(bad) == 1, bad  # reported once, not at every later step
+    (a,) = bad
+    assert (a.rule, a.step, a.module, a.phase) == ("nonfinite", 4, "poison", "forward")
+    assert "-inf" in a.summary and "output of poison" in a.summary
+    assert monitor.errors == 0
+
+
+def test_backward_nan_names_the_module_whose_backward_made_it():
+    model = Net()
+    monitor = breakpod.watch(model)
+    train(model, monitor, 6, before=poison_at(model, 3, "backward"))
+    bad = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert bad, monitor.anomalies
+    a = bad[0]
+    assert (a.step, a.module, a.phase) == (3, "poison", "backward"), a
+    assert "gradient w.r.t. the input of poison" in a.summary
+
+
+def test_loss_nan_without_any_module_fault_is_reported_as_loss():
+    model = Net()
+    monitor = breakpod.watch(model)
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y) * torch.log(torch.zeros(()))
+
+    train(model, monitor, 1, loss_fn=loss_fn)
+    a = monitor.anomalies[0]
+    assert (a.step, a.phase, a.module) == (0, "loss", "")
+
+
+def test_shape_contract_violation_names_module_expected_and_actual():
+    model = Net()
+    monitor = breakpod.watch(model, expect={"fc2": "B,32", "fc3": (None, 4)})
+    train(model, monitor, 3)
+    shape = [a for a in monitor.anomalies if a.check == "shape"]
+    assert len(shape) == 1, monitor.anomalies  # once, not every step
+    a = shape[0]
+    assert (a.rule, a.module, a.step) == ("shape:fc2", "fc2", 0)
+    assert "(B, 32)" in a.summary and "[32, 16]" in a.summary and "dim 1 is 16" in a.summary
+
+
+def test_shape_rule_from_a_rules_list_with_symbols():
+    model = Net()
+    rules = [{"name": "hidden", "check": "shape", "modules": ["fc1", "fc2"], "expect": "N,16"}]
+    monitor = breakpod.watch(model, rules)
+    train(model, monitor, 2)
+    assert [a for a in monitor.anomalies if a.check == "shape"] == []
+
+
+def test_exploding_gradient_from_a_large_learning_rate():
+    model = Net(d_out=1)
+    monitor = breakpod.watch(model)
+    optimizer = train(model, monitor, 6, loss_fn=_mse, lr=0.01)
+    for group in optimizer.param_groups:
+        group["lr"] = 5.0
+    for step in range(6, 14):
+        x, y = batch(step)
+        loss = _mse(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        monitor.step(loss)
+    exploding = [a for a in monitor.anomalies if a.details.get("kind") == "exploding"]
+    assert exploding, monitor.anomalies
+    a = exploding[0]
+    assert a.rule == "grad_norm" and a.phase == "backward" and a.step >= 6
+    assert "x its baseline" in a.summary and math.isfinite(a.value)
+    first_nan = [b.step for b in monitor.anomalies if b.check == "nonfinite"]
+    assert not first_nan or a.step < first_nan[0]  # caught before it turned into NaN
+
+
+def test_vanishing_gradient_when_tanh_saturates():
+    model = Net(act=nn.Tanh)
+    monitor = breakpod.watch(model)
+
+    def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch(step)
+        return (x * 1e4 if step >= 8 else x), y
+
+    train(model, monitor, 10, inputs=inputs)
+    vanishing = [a for a in monitor.anomalies if a.details.get("kind") == "vanishing"]
+    assert vanishing, monitor.anomalies
+    assert {a.step for a in vanishing} == {8}
+    assert "fc1" in {a.module for a in vanishing}
+    assert all(a.rule == "grad_norm" for a in vanishing)
+
+
+def test_dead_relu_three_steps_in_a_row():
+    model = Net()
+    monitor = breakpod.watch(model)
+
+    def before(step: int) -> None:
+        if step == 10:
+            with torch.no_grad():
+                model.fc2.bias.fill_(-1e3)  # every pre-activation negative: act2 outputs zeros
+
+    train(model, monitor, 14, before=before, lr=0.0)
+    dead = [a for a in monitor.anomalies if a.check == "dead_units"]
+    assert len(dead) == 1, monitor.anomalies
+    a = dead[0]
+    assert (a.rule, a.module, a.step, a.phase) == ("dead_units", "act2", 12, "forward")
+    assert a.value == 1.0 and "3 steps in a row" in a.summary
+
+
+def test_custom_dead_units_rule_on_a_linear_output():
+    model = Net()
+    rules = [{"name": "fc3-dead", "check": "dead_units", "modules": "fc3", "consecutive": 2}]
+    monitor = breakpod.watch(model, rules)
+    with torch.no_grad():
+        model.fc3.weight.zero_()
+        model.fc3.bias.zero_()
+    train(model, monitor, 3, lr=0.0)
+    assert [(a.rule, a.step) for a in monitor.anomalies if a.check == "dead_units"] == [
+        ("fc3-dead", 1)
+    ]
+
+
+def test_activation_magnitude_and_loss_spike():
+    model = Net(d_out=1)
+    rules = [{"name": "big", "check": "activation", "modules": "fc2", "max_mean_abs": 50}]
+    monitor = breakpod.watch(model, rules)
+
+    def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch(step)
+        return (x * 1000 if step == 15 else x), y
+
+    train(model, monitor, 16, inputs=inputs, loss_fn=_mse, lr=0.001)
+    found = {(a.rule, a.step, a.module) for a in monitor.anomalies}
+    assert ("big", 15, "fc2") in found
+    assert ("loss_spike", 15, "") in found
+
+
+def test_batchnorm_running_stats_out_of_range():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    rules = [{"name": "bn", "check": "batchnorm", "mean_range": [-5, 5]}]
+    monitor = breakpod.watch(model, rules)
+
+    def inputs(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch(step)
+        return (x * 1e3 if step >= 4 else x), y
+
+    train(model, monitor, 6, inputs=inputs, lr=0.0)
+    bn = [a for a in monitor.anomalies if a.rule == "bn"]
+    assert len(bn) == 1 and bn[0].module == "1" and bn[0].phase == "param" and bn[0].step == 4
+
+
+def test_nonfinite_parameter_is_reported_in_phase_param():
+    model = Net()
+    rules = [{"name": "params", "check": "nonfinite", "where": ["param"]}]
+    monitor = breakpod.watch(model, rules)
+    train(model, monitor, 2)
+    with torch.no_grad():
+        model.fc3.bias[0] = float("inf")
+    monitor.step()  # parameters are state: checked at each read, no forward needed
+    params = [a for a in monitor.anomalies if a.rule == "params"]
+    assert params and params[0].phase == "param" and params[0].module == "fc3"
+    assert params[0].details["param"] == "fc3.bias"
+
+
+def test_healthy_run_of_200_steps_reports_nothing():
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Linear(8, 16),
+        nn.BatchNorm1d(16),
+        nn.ReLU(),
+        nn.Linear(16, 16),
+        nn.ReLU(),
+        nn.Linear(16, 4),
+    )
+    monitor = breakpod.watch(model, expect={"0": "B,16", "5": (None, 4)})
+    train(model, monitor, 200)
+    monitor.flush()
+    assert monitor.anomalies == []
+    assert monitor.errors == 0 and monitor.step_count == 200 and monitor.reads == 200
+    assert set(monitor.shapes) == {name for name, _ in model.named_modules()}  # for tshape
+    assert monitor.shapes["1"] == ([(32, 16)], (32, 16))
+
+
+def test_check_every_reads_the_host_once_per_n_steps():
+    model = Net()
+    monitor = breakpod.watch(model, check_every=5)
+    train(model, monitor, 12)
+    assert monitor.reads == 2
+    monitor.flush()
+    assert monitor.reads == 3
+
+
+def test_optimizer_hook_ends_steps_and_record_loss_feeds_the_loss_checks():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = breakpod.watch(model, optimizer=optimizer)
+    for step in range(3):
+        x, y = batch(step)
+        loss = nn.functional.cross_entropy(model(x), y) * (math.nan if step == 2 else 1)
+        monitor.record_loss(loss)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert monitor.step_count == 3
+    assert any(a.step == 2 and a.check == "nonfinite" for a in monitor.anomalies)
+
+
+def _mse(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out.squeeze(-1), y.float())
+
+
+def test_corrupt_parameter_of_a_skipped_layer_is_named_in_the_report():
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    monitor = breakpod.watch(model)
+    with torch.no_grad():
+        model[1].weight[0] = math.nan  # BatchNorm is a pass-through layer: not checked itself
+    monitor.step(model(batch(0)[0]).sum())  # no update, so only that parameter is bad
+    (a,) = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert (a.step, a.module, a.phase) == (0, "3", "forward")
+    assert a.details["nonfinite_params"] == ["1.weight"]
