@@ -27,9 +27,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import breakpod
 import torch
 from torch import nn
+
+import breakpod
 
 TARGETS = {"disabled": 1.01, "check_every=1": 1.10, "check_every=10": 1.05}
 

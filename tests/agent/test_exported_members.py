@@ -22,6 +22,12 @@ EXPECTED = {
     "set_trace",
     "heartbeat",
     "watch_stalls",
+    "watch",
+    "Monitor",
+    "Anomaly",
+    "AnomalyError",
+    "RuleError",
+    "summary",
 }
 
 

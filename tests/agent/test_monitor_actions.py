@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 
-import breakpod
 import pytest
 import torch
-from breakpod import events
 
+import breakpod
+from breakpod import events
 from tests.agent.nets import Net, train
 
 BREAK_SCRIPT = """

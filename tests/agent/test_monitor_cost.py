@@ -8,11 +8,11 @@ import subprocess
 import sys
 import warnings
 
-import breakpod
 import pytest
 import torch
 from torch import nn
 
+import breakpod
 from tests.agent.nets import Net, batch
 
 SYNCING = ("item", "__bool__", "cpu", "tolist", "numpy", "__float__", "__int__", "__index__")

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 
-import breakpod
 import pytest
 import torch
 from torch import nn
 
+import breakpod
 from tests.agent.nets import Net, batch, train
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import textwrap
 
-import breakpod
 import pytest
 import torch
+
+import breakpod
 from breakpod.checks import ShapeContract
 from breakpod.rules import default_rules, load_rules
-
 from tests.agent.nets import Net
 
 GOOD_YAML = """

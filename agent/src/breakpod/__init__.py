@@ -60,9 +60,9 @@ if TYPE_CHECKING:
     from breakpod.shim import install_excepthook as install_excepthook
     from breakpod.shim import post_mortem as post_mortem
     from breakpod.shim import set_trace as set_trace
+    from breakpod.summaries import summary as summary
     from breakpod.watchdog import heartbeat as heartbeat
     from breakpod.watchdog import watch_stalls as watch_stalls
-    from breakpod.summaries import summary as summary
 
 
 def __getattr__(name: str) -> Any:

@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+from types import FrameType
 from typing import Any
 
 from breakpod import events, identity
@@ -94,12 +95,13 @@ def request_break() -> None:
     _break.set()
 
 
-def break_if_requested() -> None:
-    """Call at a step boundary: parks in the caller when a ``break`` command arrived."""
+def break_if_requested(frame: FrameType | None = None) -> None:
+    """Call at a step boundary: parks in ``frame`` (default: the caller) on a ``break``."""
     if pending_break():
         from breakpod import shim
 
-        shim.set_trace(frame=sys._getframe(1), header="break requested through the broker")
+        frame = frame if frame is not None else sys._getframe(1)
+        shim.set_trace(frame=frame, header="break requested through the broker")
 
 
 class Emitter:

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from breakpod import checks
+from breakpod import checks, emitter, watchdog
 from breakpod.announce import announce
 from breakpod.anomaly import ActionContext, Anomaly, dispatch
 from breakpod.compiled import apply_compile_policy, unwrap_compiled
@@ -77,6 +78,7 @@ def watch(
     enabled = monitor_enabled()
     if enabled:
         model = unwrap_compiled(model)
+        emitter.ensure_started()  # anomaly events and broker commands, when a broker is set
     folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
     ctx = ActionContext(model=model, snapshot_dir=folder, sink=sink)
     return Monitor(model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled)
@@ -389,6 +391,8 @@ class Monitor:
             raise
         except Exception as e:
             self._fail("step boundary", e)
+        watchdog.heartbeat(self.step_count)
+        emitter.break_if_requested(sys._getframe(1))  # a `breakpod send ID break`
 
     def _end_step(self, loss: Any) -> None:
         if loss is not None:

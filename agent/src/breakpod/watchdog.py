@@ -20,7 +20,7 @@ import time
 import traceback
 from types import FrameType
 
-from breakpod import events
+from breakpod import emitter, events
 from breakpod.announce import announce
 
 ACTIONS = ("dump", "inspect")
@@ -87,6 +87,7 @@ def watch_stalls(timeout: float, *, action: str = "dump") -> Watchdog:
         _active.stop()
     _active = Watchdog(timeout, action)
     _active._thread.start()
+    emitter.ensure_started()  # stall events reach the broker when one is set
     return _active
 
 
