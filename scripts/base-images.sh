@@ -17,7 +17,7 @@ trap 'rm -rf "$work"' EXIT
 have() { docker image inspect "$1" >/dev/null 2>&1; }
 
 if ! have "$ROOTFS_IMAGE"; then
-  command -v debootstrap >/dev/null || apt-get install -y -q debootstrap >/dev/null
+  command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap; } >/dev/null
   echo "base-images: debootstrap bookworm -> $ROOTFS_IMAGE"
   debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
     bookworm "$work/rootfs" http://deb.debian.org/debian >/dev/null

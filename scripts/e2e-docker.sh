@@ -10,7 +10,7 @@ engine_up() { docker info >/dev/null 2>&1; }
 
 if ! engine_up; then
   if ! command -v dockerd >/dev/null || ! command -v docker-compose >/dev/null; then
-    apt-get install -y -qq docker.io docker-compose >/dev/null 2>&1 || true
+    { apt-get update -qq && apt-get install -y -qq docker.io docker-compose debootstrap; } >/dev/null 2>&1 || true
   fi
   if command -v dockerd >/dev/null; then
     echo "e2e-docker: starting dockerd (log: /tmp/breakpod-dockerd.log)"
