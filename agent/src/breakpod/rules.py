@@ -57,6 +57,9 @@ CHECKS: dict[str, dict[str, Any]] = {
 }
 
 Action = str | Callable[..., Any]
+# Logged, and published on the event hub (free without sinks; the broker's
+# emitter is one when BREAKPOD_BROKER_URL is set).
+DEFAULT_ACTIONS: tuple[Action, ...] = ("log", "event")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +69,7 @@ class Rule:
     modules: tuple[str, ...] = ("*",)
     module_types: tuple[str, ...] = ()
     consecutive: int = 1
-    actions: tuple[Action, ...] = ("log",)
+    actions: tuple[Action, ...] = DEFAULT_ACTIONS
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def matches(self, name: str, module: object) -> bool:
@@ -186,7 +189,7 @@ def parse_rule(spec: Any, index: int) -> Rule:
         modules=_globs(label, "modules", spec.get("modules", "*")),
         module_types=_globs(label, "module_types", spec.get("module_types", [])),
         consecutive=_positive_int(label, "consecutive", spec.get("consecutive", 1)),
-        actions=_actions(label, spec.get("action", "log")),
+        actions=_actions(label, spec.get("action", list(DEFAULT_ACTIONS))),
         params=params,
     )
 
