@@ -1,83 +1,144 @@
-"""`make demo`: run the NaN training job headless and show how breakpod parks it.
+"""`make demo`: a headless training job hits a NaN; breakpod parks it, the
+broker lists it, and an engineer attaches by session id.
 
-Without DEMO_AUTOATTACH the job waits for you: attach from another terminal
-with the command it prints. With DEMO_AUTOATTACH=1 a scripted client attaches,
-prints `loss` and the input's shape, and continues, so the demo runs unattended.
+1. a broker with its embedded Redis on a free 127.0.0.1 port (tokens made here);
+2. examples/train_nan.py with stdin=/dev/null and PYTHONBREAKPOINT=breakpod.set_trace;
+3. once it parks, `breakpod sessions` shows it;
+4. `breakpod attach SESSION`: you type (the command is printed), or, with
+   DEMO_AUTOATTACH=1, a scripted engineer prints `loss`, the input's shape and
+   a tensor summary, then continues; the job finishes and exits 0.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).parent
-PARK = re.compile(r"waiting .* on (\S+):(\d+)")
-SCRIPT = ["p loss", "p x.shape", "p torch.isnan(x).nonzero().tolist()", "c"]
+BIN = Path(sys.executable).parent
+PARK = re.compile(r"waiting .* for a debugger on (\S+):(\d+)")
+SCRIPT = "p loss\np x.shape\ntstat x\ntnan model\nc\n"
+TOKENS = {role: secrets.token_hex(8) for role in ("agent", "viewer", "admin")}
 
 
 def main() -> int:
-    env = {**os.environ, "PYTHONBREAKPOINT": "breakpod.set_trace", "PYTHONUNBUFFERED": "1"}
+    auto = os.environ.get("DEMO_AUTOATTACH") == "1"
+    with tempfile.TemporaryDirectory(prefix="breakpod-demo-") as data:
+        url = f"http://127.0.0.1:{free_port()}"
+        broker = start_broker(url, data)
+        try:
+            return run_job(url, auto)
+        finally:
+            broker.terminate()
+            broker.wait(timeout=20)
+
+
+def start_broker(url: str, data: str) -> subprocess.Popen[bytes]:
+    port = url.rsplit(":", 1)[1]
+    tokens = ",".join(f"{role}:{token}" for role, token in TOKENS.items())
+    say(f"1/4 broker on {url} (embedded Redis, data in {data})")
+    broker = subprocess.Popen(
+        [str(BIN / "breakpod-broker"), "serve", "--port", port, "--data-dir", data],
+        env={**os.environ, "BREAKPOD_BROKER_TOKENS": tokens},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_healthy(url)
+    return broker
+
+
+def run_job(url: str, auto: bool) -> int:
+    env = {
+        **os.environ,
+        "PYTHONBREAKPOINT": "breakpod.set_trace",
+        "PYTHONUNBUFFERED": "1",
+        "BREAKPOD_BROKER_URL": url,
+        "BREAKPOD_TOKEN": TOKENS["agent"],
+    }
     env.setdefault("BREAKPOD_PORT", "0")
+    say("2/4 training job, headless (stdin=/dev/null), watched by breakpod.watch(model)")
     job = subprocess.Popen(
         [sys.executable, str(HERE / "train_nan.py")],
+        env=env,
+        text=True,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
-        env=env,
-        text=True,
     )
     assert job.stdout is not None
-    auto = os.environ.get("DEMO_AUTOATTACH") == "1"
-    print(f"[demo] training job pid {job.pid}, stdin=/dev/null (headless)")
     for line in job.stdout:
         print(f"[job] {line}", end="", flush=True)
-        match = PARK.search(line)
-        if match and auto:
-            host, port = match.group(1), int(match.group(2))
-            threading.Thread(target=scripted_client, args=(host, port), daemon=True).start()
-        elif match:
-            print(
-                f"[demo] attach from another terminal: .venv/bin/breakpod attach {address(match)}"
-            )
+        if PARK.search(line):
+            threading.Thread(target=engineer, args=(url, auto), daemon=True).start()
     status = job.wait()
-    print(f"[demo] training job exited with status {status}")
+    say(f"training job exited with status {status}; its events at the broker:")
+    print(cli("events", "--broker", url, "--token", TOKENS["viewer"]), flush=True)
     return status
 
 
-def address(match: re.Match[str]) -> str:
-    return f"{match.group(1)}:{match.group(2)}"
+def engineer(url: str, auto: bool) -> None:
+    """What an engineer does once the job parks: find it, then attach."""
+    session = parked_session(url)
+    say("3/4 the broker knows the parked job:")
+    print(cli("sessions", "--broker", url, "--token", TOKENS["viewer"]), flush=True)
+    attach = ["attach", session, "--broker", url, "--broker-token", TOKENS["viewer"]]
+    if not auto:
+        command = " ".join([str(BIN / "breakpod"), *attach])
+        say(f"4/4 attach from another terminal:\n    {command}")
+        return
+    say(f"4/4 scripted engineer: breakpod attach {session}")
+    for line in cli(*attach, stdin=SCRIPT).splitlines():
+        print(f"[engineer] {line}", flush=True)
 
 
-def scripted_client(host: str, port: int) -> None:
-    """What an engineer would type, sent over a plain socket (like nc)."""
-    with socket.create_connection((host, port), timeout=30) as sock:
-        reader = sock.makefile("r", encoding="utf-8", errors="replace", newline="")
-        print("[demo] scripted client attached", flush=True)
-        for command in SCRIPT:
-            show(read_prompt(reader))
-            print(f"[client] (Pdb) {command}", flush=True)
-            sock.sendall(f"{command}\n".encode())
-        show(reader.read())
+def parked_session(url: str, timeout: float = 30) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        listed = json.loads(cli("sessions", "--json", "--broker", url, "--token", TOKENS["viewer"]))
+        parked = [s["id"] for s in listed if s.get("state") == "parked"]
+        if parked:
+            return str(parked[0])
+        time.sleep(0.2)
+    raise TimeoutError("the job never showed up as parked at the broker")
 
 
-def read_prompt(reader: object) -> str:
-    text = ""
-    while not text.endswith("(Pdb) "):
-        char = reader.read(1)  # type: ignore[attr-defined]
-        if not char:
-            break
-        text += char
-    return text.removesuffix("(Pdb) ")
+def cli(*args: str, stdin: str = "") -> str:
+    done = subprocess.run(
+        [str(BIN / "breakpod"), *args], input=stdin, text=True, capture_output=True, timeout=120
+    )
+    return done.stdout + done.stderr
 
 
-def show(text: str) -> None:
-    for line in text.splitlines():
-        print(f"[client] {line}", flush=True)
+def wait_healthy(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/healthz", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(f"the broker at {url} did not become healthy")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def say(message: str) -> None:
+    print(f"[demo] {message}", flush=True)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,10 @@ def _read(prompt: str, read_line: Callable[[str], str], out: TextIO) -> str | No
     """One line typed by the engineer; None on EOF (Ctrl-D) = detach."""
     while True:
         try:
-            return read_line(prompt)
+            line = read_line(prompt)
+            if read_line is input and not sys.stdin.isatty():
+                out.write(line + "\n")  # scripted input: keep the transcript readable
+            return line
         except KeyboardInterrupt:
             out.write("\n")
         except EOFError:
