@@ -80,7 +80,7 @@ def test_a_parked_child_is_listed_attached_by_id_then_resumed_and_finished(broke
 
     attached = cli(broker, "attach", session["id"], stdin="p x\nc\n")
     assert attached.returncode == 0, attached.stderr
-    assert "(Pdb) 41" in attached.stdout and "-> x += 1" in attached.stdout
+    assert "(Pdb) p x\n41" in attached.stdout and "-> x += 1" in attached.stdout
     assert child.wait() == 0 and "finished 42" in child.stdout()
     wait_until(lambda: only_session(broker, "finished"))
     assert kinds(broker, session["id"]) == ["parked", "attached", "detached", "resumed", "finished"]
@@ -153,7 +153,7 @@ def test_attach_to_a_kubernetes_session_runs_port_forward_first(broker, spawn, t
     attached = cli(broker, "attach", session["id"], stdin="p x\nc\n", env={"PATH": path})
     assert attached.returncode == 0, attached.stderr
     assert "kubectl port-forward -n ml pod/train-0" in attached.stderr
-    assert "(Pdb) 41" in attached.stdout
+    assert "(Pdb) p x\n41" in attached.stdout
     assert child.wait() == 0
 
 
