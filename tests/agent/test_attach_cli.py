@@ -10,9 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from tests.agent.test_breakpoint import SCRIPT, _first_non_loopback_ipv4
+from tests.agent.test_breakpoint import SCRIPT, TOKEN_ENV
 
 BREAKPOD = shutil.which("breakpod", path=str(Path(sys.executable).parent)) or "breakpod"
 
@@ -47,12 +45,12 @@ def test_eof_on_the_terminal_detaches_and_the_program_continues(spawn):
 
 
 def test_attach_sends_the_token_when_the_listener_asks(spawn):
-    host = _first_non_loopback_ipv4()
-    if host is None:
-        pytest.skip("no non-loopback IPv4 address on this machine")
-    child = spawn(SCRIPT, env={"BREAKPOD_HOST": host, "BREAKPOD_TOKEN": "s3cret"})
+    child = spawn(SCRIPT, env=TOKEN_ENV)
     result = run_cli(
-        "attach", f"{host}:{child.park_port()}", stdin="p x\nc\n", env={"BREAKPOD_TOKEN": "s3cret"}
+        "attach",
+        f"127.0.0.1:{child.park_port()}",
+        stdin="p x\nc\n",
+        env={"BREAKPOD_TOKEN": "s3cret"},
     )
     assert "41" in result.stdout and "token required" not in result.stdout
     assert child.wait() == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pty
 import select
-import socket
 import subprocess
 import sys
 import time
@@ -101,14 +100,7 @@ def test_second_client_is_refused_with_one_line(spawn, pdb_client):
     assert child.wait() == 0
 
 
-def _first_non_loopback_ipv4() -> str | None:
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))  # no packet is sent for UDP connect
-            address = s.getsockname()[0]
-    except OSError:
-        return None
-    return None if address.startswith("127.") else address
+TOKEN_ENV = {"BREAKPOD_TOKEN": "s3cret", "BREAKPOD_REQUIRE_TOKEN": "1"}
 
 
 def test_non_loopback_bind_without_token_is_refused(spawn):
@@ -120,14 +112,12 @@ def test_non_loopback_bind_without_token_is_refused(spawn):
 
 @pytest.fixture
 def tokened_child(spawn):
-    host = _first_non_loopback_ipv4()
-    if host is None:
-        pytest.skip("no non-loopback IPv4 address on this machine")
-    child = spawn(SCRIPT, env={"BREAKPOD_HOST": host, "BREAKPOD_TOKEN": "s3cret"})
-    return child, host, child.park_port()
+    """Token required as on a non-loopback bind, without leaving loopback."""
+    child = spawn(SCRIPT, env=TOKEN_ENV)
+    return child, "127.0.0.1", child.park_port()
 
 
-def test_token_required_on_non_loopback_bind(tokened_child, pdb_client):
+def test_token_required_when_asked(tokened_child, pdb_client):
     child, host, port = tokened_child
     client = pdb_client(port, host)
     assert "token required" in client.read_until("\n")
@@ -149,6 +139,23 @@ def test_wrong_token_is_refused(tokened_child, pdb_client):
     good.read_until()
     good.send("c")
     assert child.wait() == 0
+
+
+def test_a_silent_client_does_not_hold_up_the_next_one(tokened_child, pdb_client):
+    child, host, port = tokened_child
+    silent = pdb_client(port, host)
+    assert "token required" in silent.read_until("\n")  # ... and never answers
+    good = pdb_client(port, host)
+    good.read_until("\n")
+    good.send("s3cret")
+    assert "attached" in good.read_until()  # within the client's 10 s timeout
+    good.send("c")
+    assert child.wait() == 0
+
+
+def test_require_token_without_a_token_is_a_clear_error(spawn):
+    child = spawn(SCRIPT, env={"BREAKPOD_REQUIRE_TOKEN": "1"})
+    child.wait_for("BREAKPOD_REQUIRE_TOKEN=1 needs BREAKPOD_TOKEN to be set; using defaults")
 
 
 def test_nobody_attaching_continues_after_the_hold_time(spawn):

@@ -24,6 +24,7 @@ ENV: dict[str, str] = {
     "port": "BREAKPOD_PORT",
     "local_rank": "LOCAL_RANK",
     "token": "BREAKPOD_TOKEN",
+    "require_token": "BREAKPOD_REQUIRE_TOKEN",
     "allow_insecure": "BREAKPOD_ALLOW_INSECURE",
     "backend": "BREAKPOD_BACKEND",
     "on_detach": "BREAKPOD_ON_DETACH",
@@ -94,6 +95,7 @@ PARSERS: dict[str, Callable[[str, str], Any]] = {
     "port": parse_port,
     "local_rank": parse_int,
     "token": parse_str,
+    "require_token": parse_bool,
     "allow_insecure": parse_bool,
     "backend": parse_choice("auto", "pdb", "debugpy"),
     "on_detach": parse_choice("continue", "wait"),
@@ -113,6 +115,7 @@ class Settings:
     port: int = DEFAULT_PORT
     local_rank: int = 0
     token: str | None = None
+    require_token: bool = False  # also on loopback: other users of a shared host reach it
     allow_insecure: bool = False
     backend: str = "auto"
     on_detach: str = "continue"
@@ -131,6 +134,15 @@ class Settings:
                 values[field] = PARSERS[field](var, env[var])
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.port and self.port + self.local_rank > 65535:
+            raise ConfigError(
+                f"BREAKPOD_PORT={self.port} + LOCAL_RANK={self.local_rank} is past 65535: "
+                "use a lower base port"
+            )
+        if self.require_token and not self.token:
+            raise ConfigError("BREAKPOD_REQUIRE_TOKEN=1 needs BREAKPOD_TOKEN to be set")
 
     @property
     def listen_port(self) -> int:

@@ -68,7 +68,12 @@ def pdb_listener(settings: Settings) -> Listener:
                 token=settings.token,
                 allow_insecure=settings.allow_insecure,
             )
-            _State.pdb = Listener(settings.host, settings.listen_port, token=settings.token)
+            _State.pdb = Listener(
+                settings.host,
+                settings.listen_port,
+                token=settings.token,
+                require_token=settings.require_token,
+            )
         return _State.pdb
 
 

@@ -16,13 +16,15 @@ import queue
 import select
 import socket
 import threading
+import time
 
 from breakpod import net
 
 log = logging.getLogger(__name__)
 
 TOKEN_PROMPT = "breakpod: token required: send BREAKPOD_TOKEN as the first line\n"
-HANDSHAKE_SECONDS = 10.0
+HANDSHAKE_SECONDS = 10.0  # in all, however slowly the client sends
+MAX_HANDSHAKES = 4
 
 
 class ClientIO:
@@ -84,10 +86,13 @@ class ClientIO:
 class Listener:
     """A bound socket plus the acceptor thread that guards its single slot."""
 
-    def __init__(self, host: str, port: int, *, token: str | None = None) -> None:
+    def __init__(
+        self, host: str, port: int, *, token: str | None = None, require_token: bool = False
+    ) -> None:
         self._sock = net.bind(host, port)
         self.host, self.port = self._sock.getsockname()[:2]
-        self._token = None if net.is_loopback(host) else token
+        self._token = token if require_token or not net.is_loopback(host) else None
+        self._handshakes = threading.BoundedSemaphore(MAX_HANDSHAKES)
         self._handoff: queue.Queue[socket.socket | None] = queue.Queue(maxsize=1)
         self._owner: socket.socket | None = None
         self._lock = threading.Lock()
@@ -103,6 +108,7 @@ class Listener:
     def wait_for_client(self, timeout: float | None) -> socket.socket | None:
         """The next live client; ``None`` after ``timeout`` seconds or :meth:`interrupt`."""
         self._waiting, self.interrupted = True, False
+        _drop_stale_interrupt(self._handoff)
         try:
             while True:
                 try:
@@ -154,37 +160,56 @@ class Listener:
                 conn, _ = self._sock.accept()
             except OSError:
                 return
-            try:
+            if self._token is None:
                 self._admit(conn)
-            except OSError:
-                conn.close()
+            elif self._handshakes.acquire(blocking=False):
+                # A slow or silent client must not hold up everyone else's accept.
+                threading.Thread(
+                    target=self._authenticate,
+                    args=(conn, self._token),
+                    name="breakpod-handshake",
+                    daemon=True,
+                ).start()
+            else:
+                _refuse(conn, "too many clients are authenticating; try again later")
+
+    def _authenticate(self, conn: socket.socket, token: str) -> None:
+        try:
+            if _check_token(conn, token):
+                self._admit(conn)
+            else:
+                _refuse(conn, "wrong or missing token; set BREAKPOD_TOKEN to the job's token")
+        finally:
+            self._handshakes.release()
 
     def _admit(self, conn: socket.socket) -> None:
-        with self._lock:
-            owner = self._owner
-            if owner is not None and _alive(owner):
-                _refuse(conn, "another debugger client is already attached; try again later")
-                return
-            self._owner = conn
-        if self._token is not None and not _check_token(conn, self._token):
-            self.release(conn)
-            _refuse(conn, "wrong or missing token; set BREAKPOD_TOKEN to the job's token")
-            return
-        _drain(self._handoff)
-        self._handoff.put(conn)
+        """Give ``conn`` the slot, or refuse it when a live client holds it."""
+        try:
+            with self._lock:
+                owner = self._owner
+                if owner is not None and _alive(owner):
+                    _refuse(conn, "another debugger client is already attached; try again later")
+                    return
+                self._owner = conn
+            _drain(self._handoff)
+            self._handoff.put(conn)
+        except OSError:
+            conn.close()
 
 
 def _check_token(conn: socket.socket, token: str) -> bool:
-    conn.sendall(TOKEN_PROMPT.encode())
-    conn.settimeout(HANDSHAKE_SECONDS)
+    """Read the first line within HANDSHAKE_SECONDS in all, and compare it in constant time."""
+    deadline = time.monotonic() + HANDSHAKE_SECONDS
     line = b""
     try:
+        conn.sendall(TOKEN_PROMPT.encode())
         while b"\n" not in line and len(line) < 4096:
+            conn.settimeout(max(deadline - time.monotonic(), 0.001))
             chunk = conn.recv(4096)
             if not chunk:
                 break
             line += chunk
-    except OSError:
+    except OSError:  # includes the timeout
         return False
     finally:
         conn.settimeout(None)
@@ -195,10 +220,9 @@ def _check_token(conn: socket.socket, token: str) -> bool:
 
 
 def _refuse(conn: socket.socket, why: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         conn.sendall(f"breakpod: refused: {why} (pid {os.getpid()})\n".encode())
-    finally:
-        conn.close()
+    conn.close()
 
 
 def _alive(sock: socket.socket) -> bool:
@@ -214,6 +238,14 @@ def _alive(sock: socket.socket) -> bool:
         return True
     except OSError:
         return False
+
+
+def _drop_stale_interrupt(q: queue.Queue[socket.socket | None]) -> None:
+    """An interrupt() that raced with the end of the previous wait must not end this one."""
+    with q.mutex:
+        if q.queue and q.queue[0] is None:
+            q.queue.popleft()
+            q.not_full.notify()
 
 
 def _drain(q: queue.Queue[socket.socket | None]) -> None:
