@@ -47,7 +47,7 @@ def collected():
         watchdog._active = None
 
 
-def test_stall_then_recovery_emit_events(collected):
+def test_stall_then_recovery_emit_stall_and_resumed(collected):
     dog = watchdog.watch_stalls(0.2)
     watchdog.heartbeat(7)
     deadline = time.monotonic() + 5
@@ -56,7 +56,7 @@ def test_stall_then_recovery_emit_events(collected):
     stall = next(e for e in collected if e.kind == "stall")
     assert stall.fields["step"] == 7 and 'Thread "MainThread"' in stall.fields["stacks"]
     watchdog.heartbeat(8)
-    assert collected[-1].kind == "recovered" and dog.stalls == 1
+    assert collected[-1].kind == "resumed" and dog.stalls == 1
 
 
 def test_no_watchdog_means_no_thread_and_a_free_heartbeat():
@@ -70,3 +70,20 @@ def test_no_watchdog_means_no_thread_and_a_free_heartbeat():
 def test_bad_arguments_are_clear(timeout, action):
     with pytest.raises(ValueError, match="stall"):
         watchdog.Watchdog(timeout, action)
+
+
+def test_a_parked_process_is_not_a_stalled_one(spawn):
+    child = spawn(
+        """
+        import breakpod
+        breakpod.watch_stalls(0.3)
+        breakpod.heartbeat(1)
+        breakpoint()  # parked for the hold time, longer than the stall timeout
+        breakpod.heartbeat(2)
+        print("done", flush=True)
+        """,
+        env={"BREAKPOD_HOLD_SECONDS": "1.5"},
+    )
+    assert child.wait() == 0
+    assert "nobody attached within 1.5s" in child.stderr
+    assert "stall:" not in child.stderr

@@ -15,7 +15,7 @@ import socket
 import sys
 from types import FrameType, TracebackType
 
-from breakpod import events
+from breakpod import events, watchdog
 from breakpod.listener import ClientIO, Listener
 from breakpod.pdb_commands import CommandsMixin, load_builtin_commands
 
@@ -39,12 +39,15 @@ class RemoteSession:
         self.on_detach = on_detach
         self.io = ClientIO()
         self._client: socket.socket | None = None
+        self._holding = False
 
     def wait(self) -> bool:
         """Wait up to the hold time for a client; True when one attached."""
+        self._hold(True)  # a parked or attached process is not a stalled one
         timeout = None if self.hold_seconds == float("inf") else self.hold_seconds
         sock = self.listener.wait_for_client(timeout)
         if sock is None:
+            self._hold(False)
             return False
         self._client = sock
         self.io.attach(sock)
@@ -53,6 +56,7 @@ class RemoteSession:
         return True
 
     def end(self, why: str) -> None:
+        self._hold(False)
         if self._client is None:
             return
         self.io.write(f"breakpod: {why}\n")
@@ -60,6 +64,11 @@ class RemoteSession:
         self.listener.release(self._client)
         self._client = None
         events.emit("detached", address=self.listener.address, why=why)
+
+    def _hold(self, holding: bool) -> None:
+        if holding != self._holding:
+            self._holding = holding
+            (watchdog.suspend if holding else watchdog.resume)()
 
 
 class RemotePdb(CommandsMixin):

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
-from breakpod import debugger, emitter, events, net
+from breakpod import debugger, emitter, events, net, watchdog
 from breakpod.announce import announce
 from breakpod.config import Settings
 from breakpod.pdb_commands import CommandsMixin, load_builtin_commands
@@ -93,16 +93,29 @@ def park(frame: FrameType, settings: Settings, reason: str, *, hold_seconds: flo
 
 
 def _prepare_debugpy(frame: FrameType, reason: str) -> Start | None:
+    if not _wait_for_dap_client(reason, env_settings().hold_seconds):
+        return None
+    return lambda: debugger.debugpy_stop_at(frame)
+
+
+def _wait_for_dap_client(reason: str, hold: float) -> bool:
+    """Announce a debugpy park and wait up to ``hold``; the events match the pdb path."""
     endpoint = debugger.debugpy_endpoint()
     assert endpoint is not None
-    hold = env_settings().hold_seconds
     emitter.ensure_started()
     announce(f"{reason}: waiting up to {_seconds(hold)} for a DAP client on {endpoint.address}")
     events.emit("parked", backend="debugpy", address=endpoint.address, reason=reason)
-    if not debugger.wait_for_debugpy_client(hold):
+    watchdog.suspend()
+    try:
+        attached = debugger.wait_for_debugpy_client(hold)
+    finally:
+        watchdog.resume()
+    if not attached:
         announce(f"nobody attached within {_seconds(hold)}; continuing")
-        return None
-    return lambda: debugger.debugpy_stop_at(frame)
+        events.emit("resumed", address=endpoint.address, why="hold time passed")
+        return False
+    events.emit("attached", address=endpoint.address, reason=reason)
+    return True
 
 
 def open_session(settings: Settings, reason: str, hold_seconds: float) -> RemoteSession | None:
@@ -173,17 +186,9 @@ def _post_mortem_debugpy(
     exc: BaseException | None, tb: TracebackType, reason: str, hold: float
 ) -> None:
     """Show ``tb`` to a DAP client (as an unhandled exception), waiting up to ``hold``."""
-    endpoint = debugger.debugpy_endpoint()
-    assert endpoint is not None
-    announce(f"{reason}: waiting up to {_seconds(hold)} for a DAP client on {endpoint.address}")
-    events.emit("parked", backend="debugpy", address=endpoint.address, reason=reason)
-    if not debugger.wait_for_debugpy_client(hold):
-        announce(f"nobody attached within {_seconds(hold)}; continuing")
-        events.emit("resumed", address=endpoint.address, why="hold time passed")
-        return
-    events.emit("attached", address=endpoint.address, reason=reason)
-    debugger.debugpy_post_mortem(exc, tb)
-    events.emit("detached", address=endpoint.address, why="post-mortem session over")
+    if _wait_for_dap_client(reason, hold):
+        debugger.debugpy_post_mortem(exc, tb)
+        events.emit("detached", why="post-mortem session over")
 
 
 def install_excepthook() -> None:

@@ -7,7 +7,7 @@ timeout it prints every thread's Python stack, emits a ``stall`` event, and
 so an engineer can look at the locals of whatever is stuck: an NCCL
 collective, a dataloader ``get``, a CUDA wait. The stuck thread itself cannot
 be stopped from outside, so the session is for inspection; ``c`` ends it.
-When beats resume, a ``recovered`` event follows.
+When beats resume, a ``resumed`` event follows (the session is running again).
 
 Disabled (no watchdog started) a heartbeat costs one global lookup.
 """
@@ -50,7 +50,7 @@ class Watchdog:
         if self._stalled:
             self._stalled = False
             announce(f"heartbeat resumed at step {self.step}; the stall is over")
-            events.emit("recovered", step=self.step)
+            events.emit("resumed", step=self.step, why="heartbeat resumed after a stall")
 
     def stop(self) -> None:
         self._stop.set()
@@ -59,7 +59,7 @@ class Watchdog:
         interval = min(self.timeout / 4, 5.0)
         while not self._stop.wait(interval):
             silent = time.monotonic() - self.last_beat
-            if silent > self.timeout and not self._stalled:
+            if silent > self.timeout and not self._stalled and not _suspended:
                 self._stalled = True
                 self.stalls += 1
                 try:
@@ -78,6 +78,24 @@ class Watchdog:
 
 
 _active: Watchdog | None = None
+_suspended = 0  # debugger sessions holding the process: a park is not a stall
+_suspend_lock = threading.Lock()
+
+
+def suspend() -> None:
+    """A debugger holds the process (parked or attached): stop counting silence."""
+    global _suspended
+    with _suspend_lock:
+        _suspended += 1
+
+
+def resume() -> None:
+    """The debugger let go: count silence again, from now."""
+    global _suspended
+    with _suspend_lock:
+        _suspended = max(0, _suspended - 1)
+    if _active is not None:
+        _active.last_beat = time.monotonic()
 
 
 def watch_stalls(timeout: float, *, action: str = "dump") -> Watchdog:
