@@ -6,6 +6,8 @@ import json
 import threading
 import time
 
+import pytest
+
 from breakpod import emitter, identity
 from breakpod.emitter import Emitter, _encode
 
@@ -132,3 +134,12 @@ def test_a_process_whose_broker_is_down_still_exits_promptly(spawn):
     assert child.wait() == 0
     printed = float(child.stdout().split()[1])
     assert time.monotonic() - printed < 1.5  # finish() did not wait for the dead broker
+
+
+def test_a_token_read_from_a_file_keeps_working_and_a_garbled_one_is_refused():
+    from breakpod.broker_client import BrokerClient
+    from breakpod.errors import BrokerError
+
+    assert BrokerClient("http://127.0.0.1:9", "s3cret\n").token == "s3cret"
+    with pytest.raises(BrokerError, match="control characters"):
+        BrokerClient("http://127.0.0.1:9", "s3c\x00ret")

@@ -30,7 +30,7 @@ class BrokerClient:
         self.base = parts.path.rstrip("/")
         self._https = parts.scheme == "https"
         self._host, self._port = parts.hostname, parts.port
-        self.token = token
+        self.token = _clean_token(token)
         self.timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
 
@@ -139,3 +139,13 @@ def _sse_events(response: http.client.HTTPResponse) -> Iterator[tuple[str, dict[
             kind = line[6:].strip()
         elif line.startswith("data:"):
             data += line[5:].strip()
+
+
+def _clean_token(token: str | None) -> str | None:
+    """Tokens often come from files with a trailing newline; anything else is refused."""
+    if token is None:
+        return None
+    token = token.strip()
+    if not token.isprintable() or " " in token:
+        raise BrokerError("the broker token contains spaces or control characters: check it")
+    return token or None

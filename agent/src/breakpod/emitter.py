@@ -132,7 +132,7 @@ class Emitter:
         self._wake, self._stop, self._idle = threading.Event(), threading.Event(), threading.Event()
         self._registered = threading.Event()
         self._next_beat = 0.0
-        self._reachable = True  # the last call reached the broker
+        self._reachable = False  # the last call reached the broker (none has yet)
         self._warned: set[str] = set()
         self._client = BrokerClient(url, token, timeout=5.0)
         self._poller = (
@@ -227,9 +227,13 @@ class Emitter:
             except BrokerError as e:
                 self._reachable = e.status is not None
                 self._warn_once("send", f"broker unreachable, events queued ({e})")
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, MAX_BACKOFF)
-                self._wake.set()
+            except Exception as e:  # a bug here must not kill reporting, nor the job
+                self._warn_once("send-bug", f"reporting failed ({type(e).__name__}: {e})")
+            else:
+                continue
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF)
+            self._wake.set()
 
     def _register_or_beat(self) -> None:
         now = time.monotonic()
@@ -252,7 +256,6 @@ class Emitter:
         """Send one batch; False when the queue is empty."""
         batch, body = self._take()
         if not batch:
-            self._idle.set()
             return False
         try:
             self._client.request("POST", "/v1/events", body)
@@ -273,6 +276,9 @@ class Emitter:
         the training thread's emit() never waits for JSON encoding."""
         with self._qlock:
             batch = [self._queue.popleft() for _ in range(min(BATCH_EVENTS, len(self._queue)))]
+            if not batch:
+                self._idle.set()  # under the lock: an emit() right now clears it again
+                return [], b""
         parts: list[bytes] = []
         size = 0
         for doc in batch:
@@ -306,10 +312,12 @@ class Emitter:
                 for command in reply["commands"]:
                     self._run(path, command)
                 backoff = 0.25
-            except (BrokerError, KeyError, TypeError) as e:
+            except Exception as e:  # never let the poller die: commands would stop
                 if isinstance(e, BrokerError) and e.status == 404:
                     self._registered.clear()
                     self._wake.set()
+                elif not isinstance(e, BrokerError):
+                    self._warn_once("poll-bug", f"command poll failed ({type(e).__name__}: {e})")
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, MAX_BACKOFF)
 
