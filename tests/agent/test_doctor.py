@@ -63,12 +63,19 @@ def test_non_loopback_bind_without_token_fails_with_the_fix():
 
 
 def test_json_output_and_a_token_make_the_bind_a_warning():
-    result = run_doctor("--json", env={"BREAKPOD_HOST": "0.0.0.0", "BREAKPOD_TOKEN": "s3cret"})
+    env = {"BREAKPOD_HOST": "0.0.0.0", "BREAKPOD_TOKEN": "s3cret", "BREAKPOD_BACKEND": "pdb"}
+    result = run_doctor("--json", env=env)
     checks = {c["name"]: c for c in json.loads(result.stdout)}
     assert checks["bind"]["status"] == "warn" and "token set" in checks["bind"]["found"]
     assert checks["torch"]["status"] == "ok"
     assert checks["torch.compile"]["status"] == "warn"
     assert result.returncode == 0
+
+
+def test_auto_backend_warns_that_init_remote_debugger_would_pick_debugpy():
+    result = run_doctor(env={"BREAKPOD_HOST": "0.0.0.0", "BREAKPOD_TOKEN": "s3cret"})
+    bind = line(result.stdout, "bind")
+    assert bind.startswith("warn") and "picks debugpy" in bind and "BREAKPOD_BACKEND=pdb" in bind
 
 
 # -- single checks, in process --------------------------------------------------------

@@ -109,7 +109,7 @@ def init_remote_debugger(
     if not settings.enabled:
         return None
     emitter.ensure_started()  # reports to the broker when BREAKPOD_BROKER_URL is set
-    chosen = _choose_backend(settings.backend)
+    chosen = choose_backend(settings.backend)
     net.check_bind(
         settings.host, backend=chosen, token=settings.token, allow_insecure=settings.allow_insecure
     )
@@ -123,7 +123,7 @@ def init_remote_debugger(
     return endpoint
 
 
-def _choose_backend(requested: str) -> str:
+def choose_backend(requested: str) -> str:
     if requested not in {"auto", "pdb", "debugpy"}:
         raise ConfigError(f"backend={requested!r} is not one of: auto, pdb, debugpy")
     if requested != "auto":

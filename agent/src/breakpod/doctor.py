@@ -18,7 +18,7 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from breakpod import hosting, net, notice, shim
+from breakpod import debugger, hosting, net, notice, shim
 from breakpod.config import ENV, Settings, parse_bool
 from breakpod.errors import BreakpodError
 from breakpod.runner import BROKER_URL
@@ -175,13 +175,22 @@ def check_bind(ctx: Context) -> Iterator[Check]:
             "docker exec or a 127.0.0.1-published port",
         )
         return
-    backends = ["pdb", "debugpy"] if s.backend == "debugpy" else ["pdb"]
-    for backend in backends:
+    chosen = debugger.choose_backend(s.backend)  # what init_remote_debugger() would start
+    for backend in dict.fromkeys(["pdb", chosen]):
         try:
             net.check_bind(s.host, backend=backend, token=s.token, allow_insecure=s.allow_insecure)
         except BreakpodError:
             found, fix = BIND_FIXES[backend]
-            yield Check("bind", FAIL, f"{s.host} is {found}", fix)
+            if backend == "pdb" or s.backend == "debugpy":
+                yield Check("bind", FAIL, f"{s.host} is {found}", fix)
+                return
+            yield Check(
+                "bind",
+                WARN,
+                f"{s.host}: init_remote_debugger() picks debugpy "
+                "(BREAKPOD_BACKEND=auto) and would refuse it",
+                f"{fix}, or set BREAKPOD_BACKEND=pdb",
+            )
             return
     token = "token set" if s.token else "no token"
     yield Check("bind", WARN, f"{s.host} is not loopback ({token}): anyone who reaches it may try")
