@@ -6,8 +6,11 @@ import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from tests.agent.test_breakpoint import SCRIPT, TOKEN_ENV
@@ -77,3 +80,43 @@ def test_vscode_prints_a_launch_json_for_debugpy():
     assert config["type"] == "debugpy" and config["request"] == "attach"
     assert config["connect"] == {"host": "127.0.0.1", "port": 5678}
     assert config["pathMappings"][0]["remoteRoot"] == "/workspace"
+
+
+def _serve_once(script) -> int:
+    """A one-connection TCP server on 127.0.0.1 running ``script(conn)``; returns its port."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        with server:
+            conn, _ = server.accept()
+            script(conn)
+
+    threading.Thread(target=run, daemon=True).start()
+    return server.getsockname()[1]
+
+
+def test_a_character_split_across_reads_is_not_garbled():
+    def script(conn: socket.socket) -> None:
+        data = "x∈[-3.2, 4.1] μ=0.01\n(Pdb) ".encode()
+        cut = data.index("∈".encode()) + 1  # in the middle of the UTF-8 sequence
+        conn.sendall(data[:cut])
+        time.sleep(0.2)
+        conn.sendall(data[cut:])
+        conn.recv(100)
+        conn.close()
+
+    result = run_cli("attach", f"127.0.0.1:{_serve_once(script)}", stdin="c\n")
+    assert "x∈[-3.2, 4.1] μ=0.01" in result.stdout, result.stdout
+
+
+def test_a_reset_connection_is_a_clear_error():
+    def script(conn: socket.socket) -> None:
+        conn.sendall(b"breakpod: attached\n")
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        time.sleep(0.2)
+        conn.close()  # RST instead of FIN
+
+    result = run_cli("attach", f"127.0.0.1:{_serve_once(script)}")
+    assert result.returncode == 2
+    assert "the connection to the debugger broke" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -6,6 +6,7 @@ client reads a line locally (readline: editing and history) and sends it.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
 import os
@@ -51,32 +52,38 @@ def _session(
     sock: socket.socket, token: str | None, out: TextIO, read_line: Callable[[str], str]
 ) -> None:
     sock.settimeout(None)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # ∈ μ σ split by recv
     pending = ""
-    while True:
-        data = sock.recv(65536)
-        if not data:
-            out.write(pending)
-            out.write("\nbreakpod: the remote side closed the session\n")
-            return
-        pending += data.decode(errors="replace")
-        if pending.endswith(TOKEN_PROMPT):
-            sock.sendall((_token(token) + "\n").encode())
-            pending = pending[: -len(TOKEN_PROMPT)]
-            continue
-        prompt = next((p for p in PROMPTS if pending.endswith(p)), None)
-        if prompt is None:
-            keep = _partial_prompt_length(pending)
-            out.write(pending[: len(pending) - keep])
-            out.flush()
-            pending = pending[len(pending) - keep :]
-            continue
-        out.write(pending[: -len(prompt)])
-        out.flush()
-        pending = ""
-        line = _read(prompt, read_line, out)
-        if line is None:
-            return
-        sock.sendall((line + "\n").encode())
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                out.write(pending + "\nbreakpod: the remote side closed the session\n")
+                return
+            pending = _show(pending + decoder.decode(data), out)
+            if pending.endswith(TOKEN_PROMPT):
+                sock.sendall((_token(token) + "\n").encode())
+                pending = ""
+            elif pending in PROMPTS:
+                line = _read(pending, read_line, out)
+                if line is None:
+                    return
+                sock.sendall((line + "\n").encode())
+                pending = ""
+    except OSError as e:
+        raise AttachError(f"the connection to the debugger broke: {e.strerror or e}") from e
+
+
+def _show(text: str, out: TextIO) -> str:
+    """Print what arrived; keep back a prompt (or the start of one) to handle it."""
+    if text.endswith(TOKEN_PROMPT):
+        out.write(text[: -len(TOKEN_PROMPT)])
+        return TOKEN_PROMPT
+    prompt = next((p for p in PROMPTS if text.endswith(p)), None)
+    keep = len(prompt) if prompt else _partial_prompt_length(text)
+    out.write(text[: len(text) - keep])
+    out.flush()
+    return text[len(text) - keep :]
 
 
 def _read(prompt: str, read_line: Callable[[str], str], out: TextIO) -> str | None:

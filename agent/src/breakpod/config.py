@@ -58,6 +58,11 @@ def parse_seconds(name: str, raw: str) -> float:
     return math.inf if seconds < 0 else seconds
 
 
+def format_seconds(seconds: float) -> str:
+    """The inverse of :func:`parse_seconds`, for messages."""
+    return "forever" if math.isinf(seconds) else f"{seconds:g}s"
+
+
 def parse_port(name: str, raw: str) -> int:
     try:
         port = int(raw)

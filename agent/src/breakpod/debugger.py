@@ -20,7 +20,7 @@ from typing import Any
 
 from breakpod import emitter, events, net
 from breakpod.announce import announce
-from breakpod.config import Settings
+from breakpod.config import Settings, format_seconds
 from breakpod.errors import BreakpodError, ConfigError
 from breakpod.listener import Listener
 
@@ -171,16 +171,13 @@ def _start_debugpy(settings: Settings) -> Endpoint:
 
 
 def _wait_for_client(endpoint: Endpoint, settings: Settings, frame: FrameType) -> None:
-    if endpoint.backend == "debugpy":
-        attached = wait_for_debugpy_client(settings.wait_timeout)
-    else:
+    if endpoint.backend == "pdb":
         from breakpod import shim
 
-        attached = shim.park(
-            frame, settings, "init_remote_debugger(wait=True)", hold_seconds=settings.wait_timeout
-        )
-    if not attached:
-        announce(f"nobody attached within {settings.wait_timeout:g}s; continuing")
+        reason = "init_remote_debugger(wait=True)"
+        shim.park(frame, settings, reason, hold_seconds=settings.wait_timeout)  # announces
+    elif not wait_for_debugpy_client(settings.wait_timeout):
+        announce(f"nobody attached within {format_seconds(settings.wait_timeout)}; continuing")
 
 
 def wait_for_debugpy_client(timeout: float) -> bool:

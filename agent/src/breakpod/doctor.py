@@ -18,8 +18,8 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from breakpod import debugger, hosting, net, notice, shim
-from breakpod.config import ENV, Settings, parse_bool
+from breakpod import debugger, hosting, net, shim
+from breakpod.config import ENV, Settings, format_seconds, parse_bool
 from breakpod.errors import BreakpodError
 from breakpod.runner import BROKER_URL
 
@@ -95,7 +95,7 @@ def check_tty(ctx: Context) -> Iterator[Check]:
             OK if ctx.tty else WARN,
             f"{why}: breakpoint() will park on a socket at "
             f"{s.host}:{s.listen_port or 'a free port'} and wait up to "
-            f"{notice.seconds(s.hold_seconds)} for a debugger",
+            f"{format_seconds(s.hold_seconds)} for a debugger",
             f"attach with: breakpod attach {_reachable(s.host)}:{s.listen_port or 'PORT'} "
             "(the process log names the address)",
         )

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import sys
 import time
 from typing import TextIO
 
+from breakpod.config import format_seconds
 from breakpod.hosting import Hosting, reach_hints
 
 WIDTH = 88
@@ -43,11 +43,7 @@ class Failure:
 
     @property
     def hold(self) -> str:
-        return seconds(self.hold_seconds)
-
-
-def seconds(value: float) -> str:
-    return "forever" if math.isinf(value) else f"{value:g}s"
+        return format_seconds(self.hold_seconds)
 
 
 def show(failure: Failure, hosting: Hosting) -> None:

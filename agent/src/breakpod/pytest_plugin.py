@@ -26,7 +26,15 @@ import pytest
 
 from breakpod import hosting, notice
 from breakpod.announce import announce
-from breakpod.config import DEFAULT_PORT, ENV, Settings, parse_bool, parse_port, parse_seconds
+from breakpod.config import (
+    DEFAULT_PORT,
+    ENV,
+    Settings,
+    format_seconds,
+    parse_bool,
+    parse_port,
+    parse_seconds,
+)
 from breakpod.errors import BreakpodError, ListenerError
 
 if TYPE_CHECKING:  # the debugger modules load only when a failure is held
@@ -104,7 +112,7 @@ class FailureHold:
         if self.hold <= 0:
             return "breakpod: failures are not held (hold 0 outside CI; --breakpod-hold SECONDS)"
         port = self.settings.listen_port or "any free port"
-        hold = notice.seconds(self.hold)
+        hold = format_seconds(self.hold)
         return f"breakpod: failures are held {hold} for a {self.backend} debugger (port {port})"
 
     @pytest.hookimpl(trylast=True)

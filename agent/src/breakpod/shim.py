@@ -14,14 +14,13 @@ the program continues.
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
 from breakpod import debugger, emitter, events, net, watchdog
 from breakpod.announce import announce
-from breakpod.config import Settings
+from breakpod.config import Settings, format_seconds
 from breakpod.pdb_commands import CommandsMixin, load_builtin_commands
 from breakpod.remote_pdb import SKIP, RemoteSession, post_mortem_remote, set_trace_remote
 
@@ -103,7 +102,9 @@ def _wait_for_dap_client(reason: str, hold: float) -> bool:
     endpoint = debugger.debugpy_endpoint()
     assert endpoint is not None
     emitter.ensure_started()
-    announce(f"{reason}: waiting up to {_seconds(hold)} for a DAP client on {endpoint.address}")
+    announce(
+        f"{reason}: waiting up to {format_seconds(hold)} for a DAP client on {endpoint.address}"
+    )
     events.emit("parked", backend="debugpy", address=endpoint.address, reason=reason)
     watchdog.suspend()
     try:
@@ -111,7 +112,7 @@ def _wait_for_dap_client(reason: str, hold: float) -> bool:
     finally:
         watchdog.resume()
     if not attached:
-        announce(f"nobody attached within {_seconds(hold)}; continuing")
+        announce(f"nobody attached within {format_seconds(hold)}; continuing")
         events.emit("resumed", address=endpoint.address, why="hold time passed")
         return False
     events.emit("attached", address=endpoint.address, reason=reason)
@@ -128,7 +129,7 @@ def open_session(settings: Settings, reason: str, hold_seconds: float) -> Remote
     emitter.ensure_started()  # reports the park to the broker when BREAKPOD_BROKER_URL is set
     target = net.local_address(listener.host, listener.port)
     announce(
-        f"{reason}: waiting up to {_seconds(hold_seconds)} for a debugger on {address}; "
+        f"{reason}: waiting up to {format_seconds(hold_seconds)} for a debugger on {address}; "
         f"attach with: breakpod attach {target}  (or: nc {target.replace(':', ' ')})"
     )
     events.emit("parked", backend="pdb", address=address, reason=reason)
@@ -137,7 +138,7 @@ def open_session(settings: Settings, reason: str, hold_seconds: float) -> Remote
     why = (
         "resume command"
         if listener.interrupted
-        else f"nobody attached within {_seconds(hold_seconds)}"
+        else f"nobody attached within {format_seconds(hold_seconds)}"
     )
     announce(f"{why}; continuing")
     events.emit("resumed", address=address, why=why)
@@ -223,10 +224,6 @@ def _last_frame(tb: TracebackType) -> FrameType:
     while tb.tb_next is not None:
         tb = tb.tb_next
     return tb.tb_frame
-
-
-def _seconds(seconds: float) -> str:
-    return "forever" if math.isinf(seconds) else f"{seconds:g}s"
 
 
 def env_settings() -> Settings:
