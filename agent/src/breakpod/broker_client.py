@@ -15,9 +15,10 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
+from breakpod.config import BROKER_URL_ENV
 from breakpod.errors import BrokerError
 
-ENV_URL = "BREAKPOD_BROKER_URL"
+ENV_URL = BROKER_URL_ENV
 ENV_TOKEN = "BREAKPOD_TOKEN"
 
 

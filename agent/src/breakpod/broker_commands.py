@@ -10,14 +10,11 @@ Each returns (ok, detail); the detail goes back in the acknowledgement.
 
 from __future__ import annotations
 
-import sys
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from breakpod import debugger
+from breakpod import debugger, watchdog
 from breakpod.config import Settings
 from breakpod.listener import Listener
 
@@ -68,18 +65,9 @@ def do_detach(emitter: Emitter) -> Result:
 
 
 def do_dump_stacks(emitter: Emitter) -> Result:
-    text = format_stacks()
+    text = watchdog.format_stacks()
     emitter.emit("log", {"message": "stacks of every thread", "stacks": text})
     return True, text[-MAX_DETAIL:]
-
-
-def format_stacks() -> str:
-    names = {t.ident: t.name for t in threading.enumerate()}
-    blocks = []
-    for ident, frame in sys._current_frames().items():
-        stack = "".join(traceback.format_stack(frame))
-        blocks.append(f"Thread {names.get(ident, '?')} ({ident}):\n{stack}")
-    return "\n".join(blocks)
 
 
 def _on_detach() -> str:

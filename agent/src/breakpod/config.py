@@ -15,6 +15,7 @@ from typing import Any
 from breakpod.errors import ConfigError
 
 DEFAULT_PORT = 5678
+BROKER_URL_ENV = "BREAKPOD_BROKER_URL"  # read by the emitter, the CLI, run and doctor
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off", ""})
 

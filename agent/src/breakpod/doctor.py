@@ -19,9 +19,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from breakpod import debugger, hosting, net, shim
-from breakpod.config import ENV, Settings, format_seconds, parse_bool
+from breakpod.config import BROKER_URL_ENV, ENV, Settings, format_seconds, parse_bool
 from breakpod.errors import BreakpodError
-from breakpod.runner import BROKER_URL
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 HTTP_TIMEOUT = 3.0
@@ -246,10 +245,12 @@ def _bind_error(host: str, port: int) -> OSError | None:
 
 
 def check_broker(ctx: Context) -> Iterator[Check]:
-    url = ctx.env.get(BROKER_URL, "").rstrip("/")
+    url = ctx.env.get(BROKER_URL_ENV, "").rstrip("/")
     if not url:
         yield Check(
-            "broker", INFO, f"none configured ({BROKER_URL}): parks are announced in the log only"
+            "broker",
+            INFO,
+            f"none configured ({BROKER_URL_ENV}): parks are announced in the log only",
         )
         return
     yield broker_check(url, ctx.settings.token)
@@ -260,7 +261,7 @@ def broker_check(url: str, token: str | None) -> Check:
     status, why = _http_get(f"{url}/healthz", None)
     if status != 200:
         return Check(
-            "broker", FAIL, f"{url} unreachable ({why})", f"check {BROKER_URL} and the network"
+            "broker", FAIL, f"{url} unreachable ({why})", f"check {BROKER_URL_ENV} and the network"
         )
     if not token:
         return Check("broker", FAIL, f"{url} is up, but no token is set", f"set {ENV['token']}")

@@ -28,11 +28,11 @@ from typing import Any
 
 from breakpod import events, identity
 from breakpod.announce import announce
+from breakpod.config import BROKER_URL_ENV
 from breakpod.errors import BreakpodError, BrokerError
 
 log = logging.getLogger(__name__)
 
-ENV_URL = "BREAKPOD_BROKER_URL"
 ENV_TOKEN = "BREAKPOD_TOKEN"
 ENV_QUEUE = "BREAKPOD_EMIT_QUEUE"
 KINDS = frozenset(
@@ -66,7 +66,7 @@ _break = threading.Event()
 def ensure_started() -> Emitter | None:
     """The process's emitter, started on first call; ``None`` when no broker is configured."""
     global _emitter, _start_failed
-    if _emitter is not None or _start_failed or not os.environ.get(ENV_URL):
+    if _emitter is not None or _start_failed or not os.environ.get(BROKER_URL_ENV):
         return _emitter
     with _lock:
         if _emitter is None and not _start_failed:
@@ -147,7 +147,7 @@ class Emitter:
             size = int(raw)
         except ValueError:
             raise BrokerError(f"{ENV_QUEUE}={raw!r} is not a number of events") from None
-        return cls(os.environ[ENV_URL], os.environ.get(ENV_TOKEN), queue_size=size)
+        return cls(os.environ[BROKER_URL_ENV], os.environ.get(ENV_TOKEN), queue_size=size)
 
     def start(self) -> Emitter:
         targets = [self._send_loop] + ([self._poll_loop] if self._poller is not None else [])

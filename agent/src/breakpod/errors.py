@@ -1,16 +1,13 @@
 """Errors raised by breakpod.
 
     BreakpodError
-    ├── ConfigError          a setting or argument has a value breakpod cannot use
-    │   └── InsecureBindError  a non-loopback bind without the required opt-in
-    ├── ListenerError        a listener could not be started or reached
-    │   └── AttachError      the CLI could not attach to a listener
-    └── BrokerError          the broker could not be reached or refused a request
+    ├── ConfigError            a setting or argument has a value breakpod cannot use
     │   ├── InsecureBindError  a non-loopback bind without the required opt-in
-    │   └── RuleError        a monitor rule is invalid (names the rule and the field)
-    ├── AnomalyError         a monitor rule with ``action: stop`` fired
-    └── ListenerError        a listener could not be started or reached
-        └── AttachError      the CLI could not attach to a listener
+    │   └── RuleError          a monitor rule is invalid (names the rule and the field)
+    ├── ListenerError          a listener could not be started or reached
+    │   └── AttachError        the CLI could not attach to a listener
+    ├── BrokerError            the broker could not be reached or refused a request
+    └── AnomalyError           a monitor rule with ``action: stop`` fired
 
 Inside the training process breakpod never lets these escape from a
 ``breakpoint()`` or a hook; they reach callers only from explicit API calls

@@ -148,7 +148,7 @@ def set_trace_remote(session: RemoteSession, frame: FrameType, *, quit_mode: str
 
 def post_mortem_remote(session: RemoteSession, tb: TracebackType, *, quit_mode: str) -> None:
     """Inspect ``tb`` over the session's client until it continues or detaches."""
-    _interact(session, None, tb, quit_mode, "post-mortem session over; the program exits")
+    _interact(session, None, tb, quit_mode, "post-mortem session over")
 
 
 def inspect_remote(session: RemoteSession, frame: FrameType, *, quit_mode: str) -> None:

@@ -15,10 +15,9 @@ import subprocess
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-from breakpod.config import ENV, parse_choice, parse_port, parse_seconds
+from breakpod.config import BROKER_URL_ENV, ENV, parse_choice, parse_port, parse_seconds
 from breakpod.errors import ConfigError
 
-BROKER_URL = "BREAKPOD_BROKER_URL"
 FORWARDED = frozenset(
     {
         signal.SIGINT,
@@ -59,7 +58,7 @@ def debug_env(
         ENV["port"]: port,
         ENV["host"]: host,
         ENV["backend"]: backend,
-        BROKER_URL: broker,
+        BROKER_URL_ENV: broker,
     }
     env.update({var: value for var, value in chosen.items() if value is not None})
     return env
