@@ -59,8 +59,8 @@ def test_stall_then_recovery_emit_stall_and_resumed(collected):
     assert collected[-1].kind == "resumed" and dog.stalls == 1
 
 
-def test_no_watchdog_means_no_thread_and_a_free_heartbeat():
-    assert watchdog._active is None
+def test_no_watchdog_means_no_thread_and_a_free_heartbeat(monkeypatch):
+    monkeypatch.setattr(watchdog, "_active", None)
     before = threading.active_count()
     watchdog.heartbeat(1)
     assert threading.active_count() == before
