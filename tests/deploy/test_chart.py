@@ -138,6 +138,7 @@ def test_rbac_is_read_only_pods() -> None:
         ({"broker": {"replicaCount": 0}, "webhook": {"enabled": True}}, "broker.replicaCount"),
         ({"redis": {"enabled": False}}, "redis.url"),
         ({"redis": {"url": "redis://r:6379/0"}}, "redis.enabled"),
+        ({"redis": {"enabled": False, "url": "redis://r", "existingSecret": "s"}}, "redis.existingSecret"),
         (
             {"webhook": {"enabled": True, "tls": {"certManager": {"enabled": False}}}},
             "webhook.tls.secretName",
