@@ -7,6 +7,7 @@ after Kubernetes' $(VAR) expansion."""
 
 from __future__ import annotations
 
+import base64
 import re
 import shutil
 import socket
@@ -168,3 +169,52 @@ def test_network_policies_by_default(docs: list[dict[str, Any]]) -> None:
 def test_network_policies_can_be_turned_off() -> None:
     docs = documents(render({"networkPolicy": {"enabled": False}}))
     assert not [d for d in docs if d["kind"] == "NetworkPolicy"]
+
+
+def test_no_kubernetes_api_access(docs: list[dict[str, Any]]) -> None:
+    kinds = {d["kind"] for d in docs}
+    assert not kinds & {"Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"}, kinds
+    assert find(docs, "ServiceAccount")["automountServiceAccountToken"] is False
+    for kind in ("Deployment", "StatefulSet"):
+        assert find(docs, kind)["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def token_command(notes: str, role_line: str) -> str:
+    """The $(...) command NOTES.txt gives on the line containing role_line."""
+    line = next(ln for ln in notes.splitlines() if role_line in ln)
+    match = re.search(r"\$\((kubectl .*)\)", line)
+    assert match, line
+    return match[1]
+
+
+def run_with_secret(command: str, secret_data: dict[str, str]) -> str:
+    """Run the command with `kubectl ... -o jsonpath='{.data.KEY}'` answered from secret_data."""
+    get, rest = command.split(" | ", 1)
+    key = re.fullmatch(r"kubectl -n \S+ get secret \S+ -o jsonpath='\{\.data\.([\w.-]+)\}'", get)
+    assert key, get
+    encoded = base64.b64encode(secret_data[key[1]].encode()).decode()
+    out = subprocess.run(
+        ["sh", "-c", f"printf %s {encoded} | {rest}"], capture_output=True, text=True, timeout=10
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_notes_read_the_right_tokens(existing: bool) -> None:
+    values = {"auth": {"existingSecret": "mine", "existingSecretKey": "list"}} if existing else {}
+    rendered = render(values)
+    notes = rendered["breakpod/templates/NOTES.txt"]
+    if existing:
+        secret = {"list": "admin:a-0000000000, viewer:v-0000000000,agent:g-0000000000"}
+        assert "get secret mine " in notes
+    else:
+        secret = secrets_of(documents(rendered))["bp-breakpod"]
+    viewer = run_with_secret(token_command(notes, "export BREAKPOD_TOKEN="), secret)
+    agent = run_with_secret(token_command(notes, "--from-literal="), secret)
+    expected = (
+        ("v-0000000000", "g-0000000000")
+        if existing
+        else (secret["viewer-token"], secret["agent-token"])
+    )
+    assert (viewer, agent) == expected

@@ -59,6 +59,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{/* The in-release Redis URL carries $(REDIS_PASSWORD), expanded by the kubelet. */}}
+{{/* NOTES.txt: a shell command printing the broker token of .role. An
+existingSecret holds only the role:token,... list, so the command picks the
+first entry of that role from it. */}}
+{{- define "breakpod.tokenCommand" -}}
+{{- $r := .root }}
+{{- $get := printf "kubectl -n %s get secret %s" $r.Release.Namespace (include "breakpod.tokenSecretName" $r) }}
+{{- if $r.Values.auth.existingSecret }}
+{{- printf "%s -o jsonpath='{.data.%s}' | base64 -d | tr , '\\n' | sed -n 's/^ *%s://p' | head -n 1" $get $r.Values.auth.existingSecretKey .role }}
+{{- else }}
+{{- printf "%s -o jsonpath='{.data.%s-token}' | base64 -d" $get .role }}
+{{- end }}
+{{- end }}
+
 {{- define "breakpod.redisUrl" -}}
 {{- if .Values.redis.enabled }}
 {{- printf "redis://:$(REDIS_PASSWORD)@%s-redis:6379/0" (include "breakpod.fullname" .) }}
