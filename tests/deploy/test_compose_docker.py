@@ -22,12 +22,23 @@ needs_compose = pytest.mark.skipif(
 )
 
 
-def compose_config(*files: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+TOKENS = {
+    "BREAKPOD_AGENT_TOKEN": "agent-token-0123",
+    "BREAKPOD_VIEWER_TOKEN": "viewer-token-0123",
+    "BREAKPOD_ADMIN_TOKEN": "admin-token-0123",
+}
+
+
+def run_config(files: tuple[str, ...], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     args = [str(COMPOSE)] + [a for f in files for a in ("-f", f)] + ["config"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("BREAKPOD_", "NVIDIA_"))}
-    out = subprocess.run(
-        args, cwd=ROOT, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=30
+    return subprocess.run(
+        args, cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=30
     )
+
+
+def compose_config(*files: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    out = run_config(files, {**TOKENS, **(env or {})})
     assert out.returncode == 0, out.stderr
     config: dict[str, Any] = yaml.safe_load(out.stdout)
     return config
@@ -53,10 +64,41 @@ def test_debug_overlay_merged() -> None:
     assert env["BREAKPOD_BROKER_URL"] == "http://broker:8765"
     assert env["BREAKPOD_POST_MORTEM"] == "1"
     assert env["TORCH_COMPILE_DISABLE"] == "1"
-    assert env["BREAKPOD_HOST"] == "0.0.0.0" and env["BREAKPOD_TOKEN"]  # token: see net.check_bind
+    assert env["BREAKPOD_HOST"] == "0.0.0.0"  # needs a token: see net.check_bind
+    assert env["BREAKPOD_TOKEN"] == TOKENS["BREAKPOD_AGENT_TOKEN"]  # pdb token = agent token
     assert train["depends_on"]["broker"]["condition"] == "service_healthy"
     assert config["services"]["broker"]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert config["services"]["redis"]["healthcheck"]["test"][-1] == "ping"
+
+
+@needs_compose
+@pytest.mark.parametrize("files", [("compose.yml",), ("compose.yml", "compose.debug.yml")])
+@pytest.mark.parametrize("missing", sorted(TOKENS))
+def test_no_stack_without_tokens(files: tuple[str, ...], missing: str) -> None:
+    env = {k: v for k, v in TOKENS.items() if k != missing}
+    out = run_config(files, env)
+    assert out.returncode != 0, "compose ran without " + missing
+    assert f"set {missing}" in out.stderr, out.stderr
+
+
+@needs_compose
+def test_broker_tokens_come_from_the_role_variables() -> None:
+    from breakpod_broker.auth import parse_token_pairs
+
+    env = compose_config("compose.yml")["services"]["broker"]["environment"]
+    principals = parse_token_pairs(env["BREAKPOD_BROKER_TOKENS"])
+    assert sorted(p.role.value for p in principals.values()) == ["admin", "agent", "viewer"]
+    assert env["BREAKPOD_BROKER_TOKENS"] == (
+        "agent:agent-token-0123,viewer:viewer-token-0123,admin:admin-token-0123"
+    )
+
+
+@needs_compose
+def test_only_the_broker_reaches_redis() -> None:
+    services = compose_config("compose.yml", "compose.debug.yml")["services"]
+    assert set(services["redis"]["networks"]) == {"backend"}
+    assert "backend" in services["broker"]["networks"]
+    assert "backend" not in services["train"].get("networks", {"default": None})
 
 
 @needs_compose
