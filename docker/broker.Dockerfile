@@ -16,17 +16,20 @@ FROM ${PYTHON_IMAGE}
 RUN useradd --system --uid 10001 --user-group --home-dir /data --create-home \
         --shell /usr/sbin/nologin breakpod
 COPY --from=build /opt/breakpod /opt/breakpod
-ENV PATH=/opt/breakpod/bin:$PATH \
-    PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1
-WORKDIR /data
-USER 10001:10001
-EXPOSE 8765
-HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8765/healthz', timeout=2)"]
 # 0.0.0.0: in a container the broker must listen on the container's address to
 # be reachable at all (compose network, Kubernetes Service); that is safe here
 # because every call but /healthz and /readyz needs a bearer token
 # (BREAKPOD_BROKER_TOKENS). Publish the port on 127.0.0.1 only, as compose.yml does.
+# Move the port with BREAKPOD_BROKER_PORT (not --port): the HEALTHCHECK reads it too.
+ENV PATH=/opt/breakpod/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    BREAKPOD_BROKER_HOST=0.0.0.0 \
+    BREAKPOD_BROKER_PORT=8765
+WORKDIR /data
+USER 10001:10001
+EXPOSE 8765
+HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
+    CMD ["python3", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('BREAKPOD_BROKER_PORT', '8765'), timeout=2)"]
 ENTRYPOINT ["breakpod-broker"]
-CMD ["serve", "--host", "0.0.0.0", "--port", "8765"]
+CMD ["serve"]

@@ -11,6 +11,12 @@ COPY agent/ /tmp/breakpod-agent/
 # static binary in its wheel, so no distribution package manager is needed.
 RUN ${PYTHON} -m pip install --no-cache-dir /tmp/breakpod-agent "debugpy>=1.8" "dumb-init==1.2.5.post1" \
  && rm -rf /tmp/breakpod-agent
+# No USER, on purpose: the layer keeps the base image's user. Training images
+# often run as root (GPU device nodes, /dev/shm for DataLoader workers, caches
+# they write), and the pip install above needs a user that may install (root in
+# the default base). breakpod itself needs no privilege and its files are
+# world-readable: to run the job as non-root, say so where it runs
+# (`docker run --user`, Kubernetes securityContext.runAsUser).
 ENV PYTHONBREAKPOINT=breakpod.set_trace \
     PYTHONUNBUFFERED=1 \
     BREAKPOD_PORT=5678

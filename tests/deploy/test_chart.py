@@ -125,19 +125,16 @@ def test_broker_pod_is_hardened_and_probed() -> None:
     assert hook["clientConfig"]["service"]["path"] == "/admission/mutate"
 
 
-def test_rbac_is_read_only_pods() -> None:
-    role = find(documents(render()), "Role")
-    assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
-    ]
-
-
 @pytest.mark.parametrize(
     ("values", "named"),
     [
         ({"broker": {"replicaCount": 0}, "webhook": {"enabled": True}}, "broker.replicaCount"),
         ({"redis": {"enabled": False}}, "redis.url"),
         ({"redis": {"url": "redis://r:6379/0"}}, "redis.enabled"),
+        (
+            {"redis": {"enabled": False, "url": "redis://r", "existingSecret": "s"}},
+            "redis.existingSecret",
+        ),
         (
             {"webhook": {"enabled": True, "tls": {"certManager": {"enabled": False}}}},
             "webhook.tls.secretName",

@@ -3,16 +3,20 @@ and both Dockerfiles through hadolint."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from breakpod_broker.redis_server import free_port
 from tests.deploy.conftest import ROOT
 
 COMPOSE = shutil.which("docker-compose")
@@ -22,12 +26,23 @@ needs_compose = pytest.mark.skipif(
 )
 
 
-def compose_config(*files: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+TOKENS = {
+    "BREAKPOD_AGENT_TOKEN": "agent-token-0123",
+    "BREAKPOD_VIEWER_TOKEN": "viewer-token-0123",
+    "BREAKPOD_ADMIN_TOKEN": "admin-token-0123",
+}
+
+
+def run_config(files: tuple[str, ...], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     args = [str(COMPOSE)] + [a for f in files for a in ("-f", f)] + ["config"]
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("BREAKPOD_", "NVIDIA_"))}
-    out = subprocess.run(
-        args, cwd=ROOT, env={**clean, **(env or {})}, capture_output=True, text=True, timeout=30
+    return subprocess.run(
+        args, cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=30
     )
+
+
+def compose_config(*files: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    out = run_config(files, {**TOKENS, **(env or {})})
     assert out.returncode == 0, out.stderr
     config: dict[str, Any] = yaml.safe_load(out.stdout)
     return config
@@ -53,10 +68,41 @@ def test_debug_overlay_merged() -> None:
     assert env["BREAKPOD_BROKER_URL"] == "http://broker:8765"
     assert env["BREAKPOD_POST_MORTEM"] == "1"
     assert env["TORCH_COMPILE_DISABLE"] == "1"
-    assert env["BREAKPOD_HOST"] == "0.0.0.0" and env["BREAKPOD_TOKEN"]  # token: see net.check_bind
+    assert env["BREAKPOD_HOST"] == "0.0.0.0"  # needs a token: see net.check_bind
+    assert env["BREAKPOD_TOKEN"] == TOKENS["BREAKPOD_AGENT_TOKEN"]  # pdb token = agent token
     assert train["depends_on"]["broker"]["condition"] == "service_healthy"
     assert config["services"]["broker"]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert config["services"]["redis"]["healthcheck"]["test"][-1] == "ping"
+
+
+@needs_compose
+@pytest.mark.parametrize("files", [("compose.yml",), ("compose.yml", "compose.debug.yml")])
+@pytest.mark.parametrize("missing", sorted(TOKENS))
+def test_no_stack_without_tokens(files: tuple[str, ...], missing: str) -> None:
+    env = {k: v for k, v in TOKENS.items() if k != missing}
+    out = run_config(files, env)
+    assert out.returncode != 0, "compose ran without " + missing
+    assert f"set {missing}" in out.stderr, out.stderr
+
+
+@needs_compose
+def test_broker_tokens_come_from_the_role_variables() -> None:
+    from breakpod_broker.auth import parse_token_pairs
+
+    env = compose_config("compose.yml")["services"]["broker"]["environment"]
+    principals = parse_token_pairs(env["BREAKPOD_BROKER_TOKENS"])
+    assert sorted(p.role.value for p in principals.values()) == ["admin", "agent", "viewer"]
+    assert env["BREAKPOD_BROKER_TOKENS"] == (
+        "agent:agent-token-0123,viewer:viewer-token-0123,admin:admin-token-0123"
+    )
+
+
+@needs_compose
+def test_only_the_broker_reaches_redis() -> None:
+    services = compose_config("compose.yml", "compose.debug.yml")["services"]
+    assert set(services["redis"]["networks"]) == {"backend"}
+    assert "backend" in services["broker"]["networks"]
+    assert "backend" not in services["train"].get("networks", {"default": None})
 
 
 @needs_compose
@@ -97,6 +143,58 @@ def test_debug_image_contract() -> None:
     assert "ARG BASE_IMAGE=pytorch/pytorch:" in text
     assert "PYTHONBREAKPOINT=breakpod.set_trace" in text and "PYTHONUNBUFFERED=1" in text
     assert 'ENTRYPOINT ["dumb-init", "--"]' in text and "EXPOSE 5678" in text
+    assert not [i for i in instructions("debug.Dockerfile") if i.startswith("USER ")]
+    assert "No USER, on purpose" in text  # the base image's user stays; see the comment
     broker = (ROOT / "docker" / "broker.Dockerfile").read_text()
     assert "USER 10001" in broker and 'ENTRYPOINT ["breakpod-broker"]' in broker
     assert "HEALTHCHECK" in broker and broker.count("FROM ") == 2
+
+
+def instructions(dockerfile: str) -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined, comments dropped."""
+    text = (ROOT / "docker" / dockerfile).read_text()
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#")]
+    return [" ".join(i.split()) for i in "\n".join(lines).replace("\\\n", " ").splitlines() if i]
+
+
+def broker_image_contract() -> tuple[dict[str, str], list[str], list[str]]:
+    """ENV, CMD and HEALTHCHECK's command of the broker image's last stage."""
+    found = instructions("broker.Dockerfile")
+    env = dict(re.findall(r"(\w+)=(\S+)", next(i for i in found if i.startswith("ENV "))))
+    cmd = json.loads(next(i for i in found if i.startswith("CMD "))[4:])
+    check = next(i for i in found if i.startswith("HEALTHCHECK "))
+    return env, cmd, json.loads(check.split(" CMD ", 1)[1])
+
+
+def test_broker_healthcheck_follows_the_port(tmp_path: Path) -> None:
+    """The image's CMD, run here with its ENV (host moved to loopback), is found
+    by its HEALTHCHECK on a non-default port, and only there."""
+    env, cmd, check = broker_image_contract()
+    assert env["BREAKPOD_BROKER_PORT"] == "8765" and env["BREAKPOD_BROKER_HOST"] == "0.0.0.0"
+    assert not {"--port", "--host"} & set(cmd), cmd  # they would override the ENV
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
+    port = free_port()
+    run_env = {**clean, "BREAKPOD_BROKER_HOST": "127.0.0.1", "BREAKPOD_BROKER_PORT": str(port)}
+    run_env["BREAKPOD_DATA_DIR"] = str(tmp_path)
+    run_env["BREAKPOD_BROKER_TOKENS"] = "viewer:viewer-token-0123"
+    broker_bin = str(Path(sys.executable).parent / "breakpod-broker")
+    with open(tmp_path / "broker.log", "wb") as log:
+        proc = subprocess.Popen(
+            [broker_bin, *cmd], env=run_env, stdin=subprocess.DEVNULL, stdout=log, stderr=log
+        )
+    try:
+        assert wait_healthy(check, run_env, proc), (tmp_path / "broker.log").read_text()
+        elsewhere = {**run_env, "BREAKPOD_BROKER_PORT": str(free_port())}
+        assert subprocess.run(check, env=elsewhere, capture_output=True, timeout=10).returncode
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def wait_healthy(check: list[str], env: dict[str, str], proc: subprocess.Popen[bytes]) -> bool:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        if subprocess.run(check, env=env, capture_output=True, timeout=10).returncode == 0:
+            return True
+        time.sleep(0.2)
+    return False

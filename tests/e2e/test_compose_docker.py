@@ -29,11 +29,16 @@ BREAKPOD = str(Path(sys.executable).parent / "breakpod")
 PROJECT = "breakpod-e2e"
 FILES = ["-f", "compose.yml", "-f", "compose.debug.yml", "-f", "compose.cpu.yml"]
 BROKER = "http://127.0.0.1:8765"
+AGENT_TOKEN = "e2e-agent-token"  # compose has no default tokens
+VIEWER_TOKEN = "e2e-viewer-token"
 ENV = {
     **os.environ,
     "COMPOSE_PROJECT_NAME": PROJECT,
     "BREAKPOD_TRAIN_BASE_IMAGE": "breakpod-torch:local",
     "BREAKPOD_REDIS_IMAGE": "breakpod-redis:local",
+    "BREAKPOD_AGENT_TOKEN": AGENT_TOKEN,
+    "BREAKPOD_VIEWER_TOKEN": VIEWER_TOKEN,
+    "BREAKPOD_ADMIN_TOKEN": "e2e-admin-token",
 }
 IMAGES = {  # tag compose expects -> (Dockerfile, build args)
     "breakpod-broker:dev": ("docker/broker.Dockerfile", {"PYTHON_IMAGE": "breakpod-python:local"}),
@@ -94,7 +99,7 @@ def wait_for_log(service: str, pattern: str, timeout: float = 240) -> re.Match[s
 
 
 def sessions() -> list[dict[str, object]]:
-    out = run(BREAKPOD, "sessions", "--json", "--broker", BROKER, "--token", "dev-viewer-token")
+    out = run(BREAKPOD, "sessions", "--json", "--broker", BROKER, "--token", VIEWER_TOKEN)
     return list(json.loads(out.stdout))
 
 
@@ -106,7 +111,7 @@ def test_nan_parks_in_the_container_and_an_engineer_attaches_from_the_host(stack
     client = PdbClient(5678)  # the 127.0.0.1 port compose published
     try:
         assert "token required" in client.read_until("\n")
-        client.send(ENV.get("BREAKPOD_AGENT_TOKEN", "dev-agent-token"))
+        client.send(AGENT_TOKEN)  # the pdb listener's token is the agent's
         assert "breakpoint() at" in client.read_until()
         assert "nan" in client.command("p loss")
         summary = client.command("tstat x")

@@ -49,9 +49,32 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- .Values.auth.existingSecret | default (include "breakpod.fullname" .) }}
 {{- end }}
 
+{{/* REDIS_PASSWORD from the chart's Redis Secret, or redis.existingSecret. */}}
+{{- define "breakpod.redisPasswordEnv" -}}
+- name: REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redis.existingSecret | default (printf "%s-redis" (include "breakpod.fullname" .)) }}
+      key: {{ ternary .Values.redis.existingSecretKey "password" (not (empty .Values.redis.existingSecret)) }}
+{{- end }}
+
+{{/* The in-release Redis URL carries $(REDIS_PASSWORD), expanded by the kubelet. */}}
+{{/* NOTES.txt: a shell command printing the broker token of .role. An
+existingSecret holds only the role:token,... list, so the command picks the
+first entry of that role from it. */}}
+{{- define "breakpod.tokenCommand" -}}
+{{- $r := .root }}
+{{- $get := printf "kubectl -n %s get secret %s" $r.Release.Namespace (include "breakpod.tokenSecretName" $r) }}
+{{- if $r.Values.auth.existingSecret }}
+{{- printf "%s -o jsonpath='{.data.%s}' | base64 -d | tr , '\\n' | sed -n 's/^ *%s://p' | head -n 1" $get $r.Values.auth.existingSecretKey .role }}
+{{- else }}
+{{- printf "%s -o jsonpath='{.data.%s-token}' | base64 -d" $get .role }}
+{{- end }}
+{{- end }}
+
 {{- define "breakpod.redisUrl" -}}
 {{- if .Values.redis.enabled }}
-{{- printf "redis://%s-redis:6379/0" (include "breakpod.fullname" .) }}
+{{- printf "redis://:$(REDIS_PASSWORD)@%s-redis:6379/0" (include "breakpod.fullname" .) }}
 {{- else }}
 {{- .Values.redis.url }}
 {{- end }}
@@ -79,6 +102,9 @@ Values that make no sense fail the render with the value to fix.
 {{- end }}
 {{- if and $v.redis.enabled $v.redis.url }}
 {{- fail "redis.url is set while redis.enabled is true: pick one. Set redis.enabled=false to use the external Redis, or redis.url=\"\"." }}
+{{- end }}
+{{- if and (not $v.redis.enabled) $v.redis.existingSecret }}
+{{- fail "redis.existingSecret is set while redis.enabled is false: it holds the in-release Redis password. Put the external Redis password in redis.url (redis://:PASSWORD@HOST:6379/0), or set redis.enabled=true." }}
 {{- end }}
 {{- if and $v.webhook.enabled (not $v.webhook.tls.certManager.enabled) (not $v.webhook.tls.secretName) }}
 {{- fail "webhook.tls.secretName is empty while webhook.tls.certManager.enabled is false: the webhook needs a serving certificate. Set webhook.tls.secretName (a kubernetes.io/tls Secret) or webhook.tls.certManager.enabled=true." }}
