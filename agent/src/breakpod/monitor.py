@@ -41,7 +41,15 @@ from breakpod.stats import Entry, StepRecord, by_device, copy_event, decode, pac
 log = logging.getLogger(__name__)
 
 ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
-MONITORS: weakref.WeakKeyDictionary[Any, Monitor] = weakref.WeakKeyDictionary()
+# model -> its monitor. Weak both ways: the monitor holds the model, so a strong
+# value would keep every watched model (and its hooks) alive forever.
+MONITORS: weakref.WeakKeyDictionary[Any, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
+
+
+def monitor_of(model: Any) -> Monitor | None:
+    """The open monitor watching ``model``, if any (``tshape``/``tnan`` use it)."""
+    ref = MONITORS.get(model)
+    return ref() if ref is not None else None
 
 
 def monitor_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -143,12 +151,12 @@ class Monitor:
         self._shape_active: set[tuple[str, str]] = set()
         self._failed: set[str] = set()
         if enabled:
-            previous = MONITORS.get(model)
+            previous = monitor_of(model)
             if previous is not None:  # two monitors would double every hook and report
                 announce("watch(): this model was already watched; closing the previous monitor")
                 previous.close()
             self._install(optimizer)
-            MONITORS[model] = self
+            MONITORS[model] = weakref.ref(self)
 
     # ------------------------------------------------------------------ setup
     def _rules_for(
@@ -474,7 +482,8 @@ class Monitor:
             handle.remove()
         self._handles.clear()
         self.enabled = False
-        MONITORS.pop(self.model, None)
+        if monitor_of(self.model) is self:
+            MONITORS.pop(self.model, None)
 
     def __enter__(self) -> Monitor:
         return self
