@@ -40,3 +40,52 @@ def test_the_monitor_lives_as_long_as_its_model():
     assert monitor is not None and monitor.enabled
     monitor.close()
     assert monitor_of(model) is None
+
+
+def _held(monitor) -> list[torch.Tensor]:
+    """Tensors the monitor keeps for break/snapshot actions, pending or in flight."""
+    steps = [
+        monitor._current,
+        *monitor._pending,
+        *(s for _, _, ss in monitor._inflight for s in ss),
+    ]
+    return [
+        e.tensor
+        for s in steps
+        for e in s.entries
+        if e.kind in ("forward", "backward") and e.tensor is not None
+    ]
+
+
+def test_tensors_kept_for_break_rules_live_one_step_whatever_check_every():
+    model = Net()
+    rules = [{"name": "nan-snap", "check": "nonfinite", "action": ["snapshot"]}]
+    monitor = breakpod.watch(model, rules, check_every=50)
+    x = torch.randn(32, 8)
+    model(x).sum().backward()
+    one_step = len(_held(monitor))
+    assert one_step > 0 and all(t.grad_fn is None for t in _held(monitor))
+    monitor.step()
+    peak = 0
+    for _ in range(10):
+        model(x).sum().backward()
+        monitor.step()
+        peak = max(peak, len(_held(monitor)))
+    assert peak <= one_step
+    monitor.close()
+    assert _held(monitor) == []
+
+
+def test_the_anomaly_list_keeps_no_tensors(tmp_path):
+    model = Net()
+    rules = [{"name": "nan-snap", "check": "nonfinite", "action": ["snapshot"]}]
+    monitor = breakpod.watch(model, rules, snapshot_dir=tmp_path)
+
+    def before(step):
+        model.poison.mode = "forward" if step == 1 else None
+
+    train(model, monitor, 3, before=before, lr=0.0)
+    assert [(a.rule, a.step) for a in monitor.anomalies] == [("nonfinite", 1), ("nan-snap", 1)]
+    assert all(a.tensor is None for a in monitor.anomalies)
+    saved = torch.load(next(tmp_path.glob("*.pt")), weights_only=False)
+    assert saved["tensor"].shape == (32, 16)

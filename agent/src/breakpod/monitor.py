@@ -305,7 +305,7 @@ class Monitor:
             zeros=slot.zeros,
             nonnegative=slot.nonnegative,
         )
-        kept = out if slot.retain else None
+        kept = out.detach() if slot.retain else None  # the value, not the autograd graph
         self._current.entries.append(Entry("forward", stats, slot, out.numel(), tensor=kept))
 
     def _hook_inputs(
@@ -324,7 +324,7 @@ class Monitor:
         def hook(grad: Any) -> None:
             try:
                 stats = checks.activation_stats(grad)
-                tensor = grad if slot.retain else None
+                tensor = grad.detach() if slot.retain else None
                 self._current.entries.append(
                     Entry("backward", stats, slot, grad.numel(), tensor=tensor)
                 )
@@ -373,7 +373,7 @@ class Monitor:
         details = {"expected": contract.text, "actual": list(out.shape)}
         value = float(out.dim())
         anomaly = Anomaly(rule.name, "shape", name, self.step_count, "forward", summary, value)
-        anomaly.details, anomaly.tensor = details, out
+        anomaly.details, anomaly.tensor = details, out.detach()
         self._report([(anomaly, rule)])
 
     # ------------------------------------------------------------------ step boundary
@@ -410,8 +410,8 @@ class Monitor:
         done, self._current = self._current, StepRecord(self.step_count + 1)
         self.step_count += 1
         self._pending.append(done)
-        if self.step_count % self.check_every == 0:
-            self._read(done)
+        if self.step_count % self.check_every == 0 or _keeps_tensors(done):
+            self._read(done)  # kept tensors (break/snapshot rules) live one step, not check_every
         self._evaluate_landed(wait=False)
 
     def flush(self) -> list[Anomaly]:
@@ -468,6 +468,7 @@ class Monitor:
         self.anomalies.extend(a for a, _ in found)
         for anomaly, rule in found:
             dispatch(anomaly, rule.actions, self._ctx)
+            anomaly.tensor = None  # the actions had it; the anomaly list keeps no tensors
 
     # ------------------------------------------------------------------ lifecycle
     def _fail(self, where: str, error: Exception) -> None:
@@ -481,6 +482,7 @@ class Monitor:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._pending, self._inflight, self._current = [], [], StepRecord(self.step_count)
         self.enabled = False
         if monitor_of(self.model) is self:
             MONITORS.pop(self.model, None)
@@ -502,6 +504,10 @@ class Monitor:
 
 def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
     return [tuple(x.shape) for x in inputs if hasattr(x, "shape")]
+
+
+def _keeps_tensors(step: StepRecord) -> bool:
+    return any(e.tensor is not None for e in step.entries if e.kind in ("forward", "backward"))
 
 
 def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
