@@ -89,3 +89,29 @@ def test_the_anomaly_list_keeps_no_tensors(tmp_path):
     assert all(a.tensor is None for a in monitor.anomalies)
     saved = torch.load(next(tmp_path.glob("*.pt")), weights_only=False)
     assert saved["tensor"].shape == (32, 16)
+
+
+class NestedInside(torch.nn.Module):
+    """A module no rule watches gets a nested tensor, whose shape cannot be read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+        self.ident = torch.nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.ident(torch.nested.nested_tensor([torch.ones(2, 4), torch.ones(3, 4)]))
+        return self.fc(x)
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_a_failure_in_the_shape_hook_is_contained_and_training_goes_on(capfd):
+    model = NestedInside()
+    monitor = breakpod.watch(model)
+    for _ in range(3):
+        model(torch.randn(5, 4)).sum().backward()
+        monitor.step()
+    assert monitor.step_count == 3 and monitor.errors == 3
+    assert capfd.readouterr().err.count("monitor shape hook failed") == 1  # reported once
+    assert "fc" in monitor.shapes
+    monitor.close()

@@ -20,6 +20,7 @@ is reported once and swallowed; only ``action: stop`` raises into training.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -209,8 +210,9 @@ class Monitor:
         shapes = [
             (r, r["expect"]) for r in self.rules if r.check == "shape" and r.matches(name, module)
         ]
-        if not (fwd or bwd or shapes):
-            self._handles.append(module.register_forward_hook(self._shape_hook(name)))
+        if not (fwd or bwd or shapes):  # shapes only (host metadata), for ``tshape``
+            hook = self._guarded("shape hook", functools.partial(self._record_shapes, name))
+            self._handles.append(module.register_forward_hook(hook))
             return
         by_name = {r.name: r for r in self.rules}
         watched = [by_name[n] for n in fwd]
@@ -235,47 +237,47 @@ class Monitor:
         no backward passes through it, :meth:`step` collects the norms instead.
         """
         if self._params:
-            self._handles.append(self.model.register_forward_hook(self._on_model_output))
+            hook = self._guarded("model output hook", self._on_model_output)
+            self._handles.append(self.model.register_forward_hook(hook))
+        self._on_output_grad = self._guarded("output gradient hook", self._queue_backward_end)
+        self._backward_end = self._guarded("gradient norms", self._on_backward_end)
 
     def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
-        try:
-            out = checks.first_tensor(output)
-            if out is not None and out.requires_grad:
-                out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
-        except Exception as e:
-            self._fail("model output hook", e)
+        out = checks.first_tensor(output)
+        if out is not None and out.requires_grad:
+            out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
 
-    def _on_output_grad(self, grad: Any) -> None:
-        try:
-            self._queue_backward_end()
-        except Exception as e:
-            self._fail("output gradient hook", e)
+    def _guarded(self, where: str, fn: Callable[..., None]) -> Callable[..., None]:
+        """Wrap a hook: a failure is reported once and swallowed; only ``stop`` raises."""
+
+        def hook(*args: Any) -> None:
+            try:
+                fn(*args)
+            except AnomalyError:
+                raise
+            except Exception as e:
+                self._fail(where, e)
+
+        return hook
 
     # ------------------------------------------------------------------ hooks (hot path)
     def _forward_hook(
         self, name: str, slot: Slot | None, back: Slot | None, shapes: list[tuple[Rule, Any]]
     ) -> Callable[..., None]:
-        grad_hook = self._grad_hook(back) if back is not None else None
+        grad_hook = (
+            self._guarded("gradient hook", functools.partial(self._on_grad, back))
+            if back is not None
+            else None
+        )
+        on_forward = functools.partial(self._on_forward, name, slot, grad_hook, shapes)
+        return self._guarded("forward hook", on_forward)
 
-        def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            try:
-                self._on_forward(name, slot, grad_hook, shapes, inputs, output)
-            except AnomalyError:
-                raise
-            except Exception as e:
-                self._fail("forward hook", e)
-
-        return hook
-
-    def _shape_hook(self, name: str) -> Callable[..., None]:
-        """Shapes only (host metadata), for ``tshape`` on modules no rule watches."""
-
-        def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            out = checks.first_tensor(output)
-            if out is not None:
-                self.shapes[name] = (_shapes(inputs), tuple(out.shape))
-
-        return hook
+    def _record_shapes(self, name: str, module: Any, inputs: tuple[Any, ...], output: Any) -> Any:
+        """Remember the last input/output shapes; returns the output tensor (or None)."""
+        out = checks.first_tensor(output)
+        if out is not None:
+            self.shapes[name] = (_shapes(inputs), tuple(out.shape))
+        return out
 
     def _on_forward(
         self,
@@ -283,13 +285,13 @@ class Monitor:
         slot: Slot | None,
         grad_hook: Callable[[Any], None] | None,
         shapes: list[tuple[Rule, Any]],
+        module: Any,
         inputs: tuple[Any, ...],
         output: Any,
     ) -> None:
-        out = checks.first_tensor(output)
+        out = self._record_shapes(name, module, inputs, output)
         if out is None:
             return
-        self.shapes[name] = (_shapes(inputs), tuple(out.shape))
         for rule, contract in shapes:
             self._check_shape(name, rule, contract, out)
         if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
@@ -320,35 +322,24 @@ class Monitor:
             if isinstance(x, torch.Tensor) and x.requires_grad and _first_claim(x, name):
                 x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
 
-    def _grad_hook(self, slot: Slot) -> Callable[[Any], None]:
-        def hook(grad: Any) -> None:
-            try:
-                stats = checks.activation_stats(grad)
-                tensor = grad.detach() if slot.retain else None
-                self._current.entries.append(
-                    Entry("backward", stats, slot, grad.numel(), tensor=tensor)
-                )
-                self._queue_backward_end()
-            except Exception as e:
-                self._fail("gradient hook", e)
+    def _on_grad(self, slot: Slot, grad: Any) -> None:
+        stats = checks.activation_stats(grad)
+        tensor = grad.detach() if slot.retain else None
+        self._current.entries.append(Entry("backward", stats, slot, grad.numel(), tensor=tensor))
+        self._queue_backward_end()
 
-        return hook
-
-    def _queue_backward_end(self) -> None:
+    def _queue_backward_end(self, *_: Any) -> None:
         if self._backward_queued or not self._params:
             return
         from torch.autograd import Variable
 
-        Variable._execution_engine.queue_callback(self._on_backward_end)
+        Variable._execution_engine.queue_callback(self._backward_end)
         self._backward_queued = True
 
     def _on_backward_end(self) -> None:
         self._backward_queued = False
         self._current.grads_done = True
-        try:
-            self._collect_grads()
-        except Exception as e:
-            self._fail("gradient norms", e)
+        self._collect_grads()
 
     def _collect_grads(self) -> None:
         """One fused norm over every watched gradient; a later backward in the step replaces it."""
