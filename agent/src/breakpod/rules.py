@@ -46,6 +46,7 @@ CHECKS: dict[str, dict[str, Any]] = {
         "explode_factor": 50.0,
         "vanish_factor": 0.01,
         "warmup_steps": 5,
+        "window": 50,
         "max_norm": None,
         "min_norm": None,
         "group": "module",
