@@ -37,7 +37,7 @@ from breakpod.compiled import apply_compile_policy, unwrap_compiled
 from breakpod.config import parse_bool
 from breakpod.detect import Detector, ParamInfo, Slot
 from breakpod.errors import AnomalyError, ConfigError, RuleError
-from breakpod.rules import Rule, load_rules, parse_rule
+from breakpod.rules import Rule, load_rules, parse_rule, read_yaml
 from breakpod.stats import Entry, StepRecord, by_device, copy_event, decode, pack, to_host
 
 log = logging.getLogger(__name__)
@@ -98,9 +98,7 @@ def _config(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
-        from breakpod.rules import _read_yaml
-
-        config = _read_yaml(Path(config))
+        config = read_yaml(Path(config))
     if not isinstance(config, Mapping):
         raise ConfigError(
             f"config: expected a mapping or a YAML file path, got {type(config).__name__}"
@@ -429,10 +427,7 @@ class Monitor:
 
     def _add_state_checks(self, step: StepRecord) -> None:
         """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
-        params = [
-            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
-        ]
-        for _, group in by_device(params, lambda item: item[1]).items():
+        for group in by_device(self._state_params, lambda item: item[1]).values():
             step.entries.append(
                 Entry("params", checks.norms([p for _, p in group]), keys=[i for i, _ in group])
             )
