@@ -38,7 +38,16 @@ from breakpod.config import parse_bool
 from breakpod.detect import Detector, ParamInfo, Slot
 from breakpod.errors import AnomalyError, ConfigError, RuleError
 from breakpod.rules import Rule, load_rules, parse_rule, read_yaml
-from breakpod.stats import Entry, StepRecord, by_device, copy_event, decode, pack, to_host
+from breakpod.stats import (
+    Entry,
+    StepRecord,
+    by_device,
+    copy_events,
+    decode,
+    landed,
+    pack,
+    to_host,
+)
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +155,7 @@ class Monitor:
         self._handles: list[Any] = []
         self._current = StepRecord(0)
         self._pending: list[StepRecord] = []
-        self._inflight: list[tuple[Any, dict[Any, Any], list[StepRecord]]] = []
+        self._inflight: list[tuple[list[Any], dict[Any, Any], list[StepRecord]]] = []
         self._backward_queued = False
         self._shape_active: set[tuple[str, str]] = set()
         self._failed: set[str] = set()
@@ -422,7 +431,7 @@ class Monitor:
         copies = {
             device: to_host(t) for device, t in pack([e for s in steps for e in s.entries]).items()
         }
-        self._inflight.append((copy_event(copies), copies, steps))
+        self._inflight.append((copy_events(copies), copies, steps))
         self.reads += 1
 
     def _add_state_checks(self, step: StepRecord) -> None:
@@ -442,10 +451,8 @@ class Monitor:
 
     def _evaluate_landed(self, *, wait: bool) -> None:
         while self._inflight:
-            event, copies, steps = self._inflight[0]
-            if event is not None and wait:
-                event.synchronize()
-            elif event is not None and not event.query():
+            events, copies, steps = self._inflight[0]
+            if not landed(events, wait=wait):
                 return  # not landed yet: the next boundary looks again
             self._inflight.pop(0)
             values = {device: host.tolist() for device, host in copies.items()}
