@@ -28,6 +28,26 @@ BREAK_SCRIPT = """
     print("finished", monitor.step_count, [(a.rule, a.step, a.module) for a in monitor.anomalies])
 """
 
+BROKER_BREAK_SCRIPT = """
+    import torch
+    import breakpod
+    from breakpod import emitter
+    from tests.agent.nets import Net, batch
+
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = breakpod.watch(model, optimizer=optimizer)  # the optimizer's hook ends each step
+    for step in range(3):
+        if step == 1:
+            emitter.request_break()  # what `breakpod send ID break` does
+        x, y = batch(step)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()  # the boundary
+    print("finished", monitor.step_count)
+"""
+
 
 @pytest.fixture(autouse=True)
 def _enabled(monkeypatch):
@@ -128,3 +148,35 @@ def test_a_callable_action_and_a_failing_one_never_stop_training():
     model.poison.mode = "forward"
     train(model, monitor, 2)
     assert calls == ["poison"] and monitor.step_count == 2
+
+
+def test_a_broker_break_parks_in_the_training_loop_not_in_torch(spawn, pdb_client):
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    child = spawn(BROKER_BREAK_SCRIPT, env={"PYTHONPATH": root})
+    client = pdb_client(child.park_port(timeout=30))
+    banner = client.read_until()
+    assert "break requested through the broker" in banner
+    # the loop's next line once optimizer.step() returned, not torch's optimizer wrapper
+    assert re.search(r"child\d+\.py\(\d+\)<module>\(\)\n-> for step in range\(3\):", banner), banner
+    assert client.command("p step, monitor.step_count").strip() == "(1, 2)"
+    client.send("c")
+    client.read_all()
+    assert child.wait(timeout=30) == 0 and "finished 3" in child.stdout()
+
+
+def test_the_break_frame_skips_torch_and_breakpod_frames(monkeypatch):
+    from breakpod import emitter, shim
+
+    parked = []
+    monkeypatch.setattr(shim, "set_trace", lambda frame, header: parked.append(frame))
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = breakpod.watch(model, optimizer=optimizer)
+    emitter.request_break()
+    model(torch.randn(4, 8)).sum().backward()
+    optimizer.step()
+    (frame,) = parked
+    assert frame.f_code is test_the_break_frame_skips_torch_and_breakpod_frames.__code__
+    monitor.close()

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import breakpod
+from breakpod import checks, stats
 from tests.agent.nets import Net, batch
 
 SYNCING = ("item", "__bool__", "cpu", "tolist", "numpy", "__float__", "__int__", "__index__")
@@ -98,14 +99,24 @@ def test_hooks_never_read_tensors_on_the_host(monkeypatch):
     assert (a.step, a.module) == (2, "3.poison")
 
 
-def test_the_enforcement_catches_a_hook_that_syncs(monkeypatch):
-    """The test above can fail: a hook calling .item() is counted as a monitor error."""
+def test_the_enforcement_catches_a_hook_that_syncs(monkeypatch, capfd):
+    """The test above can fail: a host read inside breakpod's own hooks is counted as an error."""
     monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+    real = checks.activation_stats
+
+    def syncing(x, **kwargs):
+        x.sum().item()  # the mistake the enforcement must catch
+        return real(x, **kwargs)
+
+    monkeypatch.setattr(checks, "activation_stats", syncing)
     model = Net()
     monitor = breakpod.watch(model)
-    model.fc1.register_forward_hook(lambda m, i, o: o.sum().item())
-    with no_host_reads(), pytest.raises(AssertionError, match=r"Tensor.item\(\) inside a hook"):
-        model(batch(0)[0])
+    with no_host_reads():
+        model(batch(0)[0]).sum().backward()  # the job itself goes on
+    assert monitor.errors > 0
+    err = capfd.readouterr().err
+    assert "monitor forward hook failed (AssertionError: host read Tensor.item()" in err
     monitor.close()
 
 
@@ -137,6 +148,66 @@ def test_monitored_training_step_under_cuda_sync_debug_error(monkeypatch):
     assert monitor.errors == 0
     bad = [a for a in monitor.anomalies if a.check == "nonfinite"]
     assert bad and bad[0].step == 3 and bad[0].module == "0"
+
+
+def test_reads_on_the_cpu_need_no_copy_and_no_event():
+    t = torch.arange(3.0)
+    copies = {t.device: stats.to_host(t)}
+    assert copies[t.device] is t and stats.copy_events(copies) == []
+    assert stats.landed([], wait=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_copy_event_per_cuda_device():
+    devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+    copies = {d: stats.to_host(torch.arange(4.0, device=d)) for d in devices}
+    events = stats.copy_events(copies)
+    assert len(events) == len(devices)
+    assert stats.landed(events, wait=True) and stats.landed(events, wait=False)
+    assert all(h.is_pinned() and h.tolist() == [0.0, 1.0, 2.0, 3.0] for h in copies.values())
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * float("inf") if self.bad else x
+
+
+class TwoGpus(nn.Module):
+    """The first layer on cuda:0, the rest on cuda:1, where the fault is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16).to("cuda:0")
+        self.b = nn.Linear(16, 4).to("cuda:1")
+        self.scale = Scale()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scale(self.b(torch.relu(self.a(x)).to("cuda:1")))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_model_split_over_two_gpus_is_read_from_both(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    model = TwoGpus()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = breakpod.watch(model, optimizer=optimizer)
+    x = torch.randn(4, 8, device="cuda:0")
+    for step in range(4):
+        model.scale.bad = step == 3
+        loss = model(x).float().pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    monitor.flush()
+    assert monitor.errors == 0 and monitor.step_count == 4
+    bad = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert bad and (bad[0].step, bad[0].module) == (3, "scale")
 
 
 def test_compiled_module_warns_and_watches_the_original(monkeypatch):

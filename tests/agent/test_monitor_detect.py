@@ -120,6 +120,23 @@ def test_vanishing_gradient_when_tanh_saturates():
     assert all(a.rule == "grad_norm" for a in vanishing)
 
 
+def test_the_gradient_baseline_follows_a_slow_decay_but_not_a_sudden_drop():
+    """Norms shrink 2% a step (0.2% of the start after 300 steps): healthy, no alarm;
+    then a 1000x drop in one step is still reported."""
+    model = Net()
+    monitor = breakpod.watch(model, check_every=10)
+    x, y = batch(0)
+    for step in range(310):
+        scale = 0.98**step * (1e-3 if step >= 300 else 1.0)
+        loss = nn.functional.cross_entropy(model(x), y) * scale
+        model.zero_grad()
+        loss.backward()  # no update: the norms are the first step's, scaled
+        monitor.step(loss)
+    monitor.flush()
+    vanishing = [a for a in monitor.anomalies if a.details.get("kind") == "vanishing"]
+    assert {(a.step, a.module) for a in vanishing} == {(300, "fc1"), (300, "fc2"), (300, "fc3")}
+
+
 def test_dead_relu_three_steps_in_a_row():
     model = Net()
     monitor = breakpod.watch(model)

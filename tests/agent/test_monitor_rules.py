@@ -9,7 +9,7 @@ import torch
 
 import breakpod
 from breakpod.checks import ShapeContract
-from breakpod.rules import default_rules, load_rules
+from breakpod.rules import CHECKS, default_rules, load_rules, parse_rule
 from tests.agent.nets import Net
 
 GOOD_YAML = """
@@ -148,3 +148,18 @@ def test_rule_errors_are_config_errors_and_bad_check_every_is_refused():
 )
 def test_shape_contracts(spec, shape, why):
     assert ShapeContract.parse(spec).mismatch(torch.Size(shape)) == why
+
+
+PARAMS = [(check, key) for check, params in CHECKS.items() for key in params]
+
+
+@pytest.mark.parametrize(("check", "key"), PARAMS, ids=[f"{c}.{k}" for c, k in PARAMS])
+def test_every_rule_parameter_is_validated(check, key):
+    with pytest.raises(breakpod.RuleError, match=f"rule 'r': field '{key}': "):
+        parse_rule({"name": "r", "check": check, key: {"not": "valid"}}, 0)
+
+
+def test_the_grad_norm_window_is_a_positive_integer():
+    assert parse_rule({"check": "grad_norm"}, 0)["window"] == 50
+    with pytest.raises(breakpod.RuleError, match="field 'window': expected a positive integer"):
+        parse_rule({"check": "grad_norm", "window": 0}, 0)

@@ -40,6 +40,7 @@ class Anomaly:
     summary: str
     value: float
     details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The offending tensor (detached), while the actions run; the monitor then drops it.
     tensor: Any = dataclasses.field(default=None, repr=False, compare=False)
 
     def __str__(self) -> str:

@@ -86,6 +86,7 @@ class Detector:
         self._streak: dict[tuple[Any, ...], int] = defaultdict(int)
         self._active: set[tuple[Any, ...]] = set()
         self._warmup: dict[tuple[str, str], list[float]] = defaultdict(list)
+        self._log_base: dict[tuple[str, str], float] = {}  # per (rule, group): log of its norm
         self._losses: dict[str, deque[float]] = {}
 
     def run(self, data: StepData) -> list[Found]:
@@ -210,19 +211,37 @@ class Detector:
                 "vanishing",
                 f"gradient norm of {name} is {norm:.4g}, below min_norm {rule['min_norm']:g}",
             )
-        warm = self._warmup[(rule.name, group)]
-        if len(warm) < rule["warmup_steps"]:
-            warm.append(norm)
+        key = (rule.name, group)
+        if key not in self._log_base:
+            self._warm_up(rule, key, norm)
             return "", ""
-        base = statistics.median(warm)
-        if base <= 0:
-            return "", ""
+        base = math.exp(self._log_base[key])
         ratio = f"gradient norm of {name} is {norm:.4g}, {norm / base:.3g}x its baseline {base:.4g}"
         if norm > rule["explode_factor"] * base:
             return "exploding", f"{ratio} (explode_factor {rule['explode_factor']:g})"
         if norm < rule["vanish_factor"] * base:
             return "vanishing", f"{ratio} (vanish_factor {rule['vanish_factor']:g})"
+        self._follow(rule, key, norm)
         return "", ""
+
+    def _warm_up(self, rule: Rule, key: tuple[str, str], norm: float) -> None:
+        """The baseline starts as the median of the first ``warmup_steps`` norms (if positive)."""
+        warm = self._warmup[key]
+        warm.append(norm)
+        del warm[: -rule["warmup_steps"]]  # all zeros so far: keep the latest few only
+        median = statistics.median(warm)
+        if len(warm) == rule["warmup_steps"] and median > 0:
+            self._log_base[key] = math.log(median)
+            del self._warmup[key]
+
+    def _follow(self, rule: Rule, key: tuple[str, str], norm: float) -> None:
+        """A healthy step moves the baseline: an EMA of log norms over about ``window`` steps.
+
+        Norms drift down as training converges; a baseline frozen at the start
+        would call that drift vanishing. Anomalous steps never move it.
+        """
+        if norm > 0:
+            self._log_base[key] += 2 / (rule["window"] + 1) * (math.log(norm) - self._log_base[key])
 
     def _loss_spike(self, rule: Rule, data: StepData) -> Iterator[Found]:
         loss = data.loss

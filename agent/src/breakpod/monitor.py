@@ -20,12 +20,14 @@ is reported once and swallowed; only ``action: stop`` raises into training.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from breakpod import checks, emitter, watchdog
@@ -35,13 +37,30 @@ from breakpod.compiled import apply_compile_policy, unwrap_compiled
 from breakpod.config import parse_bool
 from breakpod.detect import Detector, ParamInfo, Slot
 from breakpod.errors import AnomalyError, ConfigError, RuleError
-from breakpod.rules import Rule, load_rules, parse_rule
-from breakpod.stats import Entry, StepRecord, by_device, copy_event, decode, pack, to_host
+from breakpod.rules import Rule, load_rules, parse_rule, read_yaml
+from breakpod.stats import (
+    Entry,
+    StepRecord,
+    by_device,
+    copy_events,
+    decode,
+    landed,
+    pack,
+    to_host,
+)
 
 log = logging.getLogger(__name__)
 
 ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
-MONITORS: weakref.WeakKeyDictionary[Any, Monitor] = weakref.WeakKeyDictionary()
+# model -> its monitor. Weak both ways: the monitor holds the model, so a strong
+# value would keep every watched model (and its hooks) alive forever.
+MONITORS: weakref.WeakKeyDictionary[Any, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
+
+
+def monitor_of(model: Any) -> Monitor | None:
+    """The open monitor watching ``model``, if any (``tshape``/``tnan`` use it)."""
+    ref = MONITORS.get(model)
+    return ref() if ref is not None else None
 
 
 def monitor_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -88,9 +107,7 @@ def _config(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
-        from breakpod.rules import _read_yaml
-
-        config = _read_yaml(Path(config))
+        config = read_yaml(Path(config))
     if not isinstance(config, Mapping):
         raise ConfigError(
             f"config: expected a mapping or a YAML file path, got {type(config).__name__}"
@@ -138,17 +155,17 @@ class Monitor:
         self._handles: list[Any] = []
         self._current = StepRecord(0)
         self._pending: list[StepRecord] = []
-        self._inflight: list[tuple[Any, dict[Any, Any], list[StepRecord]]] = []
+        self._inflight: list[tuple[list[Any], dict[Any, Any], list[StepRecord]]] = []
         self._backward_queued = False
         self._shape_active: set[tuple[str, str]] = set()
         self._failed: set[str] = set()
         if enabled:
-            previous = MONITORS.get(model)
+            previous = monitor_of(model)
             if previous is not None:  # two monitors would double every hook and report
                 announce("watch(): this model was already watched; closing the previous monitor")
                 previous.close()
             self._install(optimizer)
-            MONITORS[model] = self
+            MONITORS[model] = weakref.ref(self)
 
     # ------------------------------------------------------------------ setup
     def _rules_for(
@@ -201,8 +218,9 @@ class Monitor:
         shapes = [
             (r, r["expect"]) for r in self.rules if r.check == "shape" and r.matches(name, module)
         ]
-        if not (fwd or bwd or shapes):
-            self._handles.append(module.register_forward_hook(self._shape_hook(name)))
+        if not (fwd or bwd or shapes):  # shapes only (host metadata), for ``tshape``
+            hook = self._guarded("shape hook", functools.partial(self._record_shapes, name))
+            self._handles.append(module.register_forward_hook(hook))
             return
         by_name = {r.name: r for r in self.rules}
         watched = [by_name[n] for n in fwd]
@@ -227,47 +245,47 @@ class Monitor:
         no backward passes through it, :meth:`step` collects the norms instead.
         """
         if self._params:
-            self._handles.append(self.model.register_forward_hook(self._on_model_output))
+            hook = self._guarded("model output hook", self._on_model_output)
+            self._handles.append(self.model.register_forward_hook(hook))
+        self._on_output_grad = self._guarded("output gradient hook", self._queue_backward_end)
+        self._backward_end = self._guarded("gradient norms", self._on_backward_end)
 
     def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
-        try:
-            out = checks.first_tensor(output)
-            if out is not None and out.requires_grad:
-                out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
-        except Exception as e:
-            self._fail("model output hook", e)
+        out = checks.first_tensor(output)
+        if out is not None and out.requires_grad:
+            out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
 
-    def _on_output_grad(self, grad: Any) -> None:
-        try:
-            self._queue_backward_end()
-        except Exception as e:
-            self._fail("output gradient hook", e)
+    def _guarded(self, where: str, fn: Callable[..., None]) -> Callable[..., None]:
+        """Wrap a hook: a failure is reported once and swallowed; only ``stop`` raises."""
+
+        def hook(*args: Any) -> None:
+            try:
+                fn(*args)
+            except AnomalyError:
+                raise
+            except Exception as e:
+                self._fail(where, e)
+
+        return hook
 
     # ------------------------------------------------------------------ hooks (hot path)
     def _forward_hook(
         self, name: str, slot: Slot | None, back: Slot | None, shapes: list[tuple[Rule, Any]]
     ) -> Callable[..., None]:
-        grad_hook = self._grad_hook(back) if back is not None else None
+        grad_hook = (
+            self._guarded("gradient hook", functools.partial(self._on_grad, back))
+            if back is not None
+            else None
+        )
+        on_forward = functools.partial(self._on_forward, name, slot, grad_hook, shapes)
+        return self._guarded("forward hook", on_forward)
 
-        def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            try:
-                self._on_forward(name, slot, grad_hook, shapes, inputs, output)
-            except AnomalyError:
-                raise
-            except Exception as e:
-                self._fail("forward hook", e)
-
-        return hook
-
-    def _shape_hook(self, name: str) -> Callable[..., None]:
-        """Shapes only (host metadata), for ``tshape`` on modules no rule watches."""
-
-        def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            out = checks.first_tensor(output)
-            if out is not None:
-                self.shapes[name] = (_shapes(inputs), tuple(out.shape))
-
-        return hook
+    def _record_shapes(self, name: str, module: Any, inputs: tuple[Any, ...], output: Any) -> Any:
+        """Remember the last input/output shapes; returns the output tensor (or None)."""
+        out = checks.first_tensor(output)
+        if out is not None:
+            self.shapes[name] = (_shapes(inputs), tuple(out.shape))
+        return out
 
     def _on_forward(
         self,
@@ -275,13 +293,13 @@ class Monitor:
         slot: Slot | None,
         grad_hook: Callable[[Any], None] | None,
         shapes: list[tuple[Rule, Any]],
+        module: Any,
         inputs: tuple[Any, ...],
         output: Any,
     ) -> None:
-        out = checks.first_tensor(output)
+        out = self._record_shapes(name, module, inputs, output)
         if out is None:
             return
-        self.shapes[name] = (_shapes(inputs), tuple(out.shape))
         for rule, contract in shapes:
             self._check_shape(name, rule, contract, out)
         if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
@@ -297,7 +315,7 @@ class Monitor:
             zeros=slot.zeros,
             nonnegative=slot.nonnegative,
         )
-        kept = out if slot.retain else None
+        kept = out.detach() if slot.retain else None  # the value, not the autograd graph
         self._current.entries.append(Entry("forward", stats, slot, out.numel(), tensor=kept))
 
     def _hook_inputs(
@@ -312,35 +330,24 @@ class Monitor:
             if isinstance(x, torch.Tensor) and x.requires_grad and _first_claim(x, name):
                 x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
 
-    def _grad_hook(self, slot: Slot) -> Callable[[Any], None]:
-        def hook(grad: Any) -> None:
-            try:
-                stats = checks.activation_stats(grad)
-                tensor = grad if slot.retain else None
-                self._current.entries.append(
-                    Entry("backward", stats, slot, grad.numel(), tensor=tensor)
-                )
-                self._queue_backward_end()
-            except Exception as e:
-                self._fail("gradient hook", e)
+    def _on_grad(self, slot: Slot, grad: Any) -> None:
+        stats = checks.activation_stats(grad)
+        tensor = grad.detach() if slot.retain else None
+        self._current.entries.append(Entry("backward", stats, slot, grad.numel(), tensor=tensor))
+        self._queue_backward_end()
 
-        return hook
-
-    def _queue_backward_end(self) -> None:
+    def _queue_backward_end(self, *_: Any) -> None:
         if self._backward_queued or not self._params:
             return
         from torch.autograd import Variable
 
-        Variable._execution_engine.queue_callback(self._on_backward_end)
+        Variable._execution_engine.queue_callback(self._backward_end)
         self._backward_queued = True
 
     def _on_backward_end(self) -> None:
         self._backward_queued = False
         self._current.grads_done = True
-        try:
-            self._collect_grads()
-        except Exception as e:
-            self._fail("gradient norms", e)
+        self._collect_grads()
 
     def _collect_grads(self) -> None:
         """One fused norm over every watched gradient; a later backward in the step replaces it."""
@@ -365,7 +372,7 @@ class Monitor:
         details = {"expected": contract.text, "actual": list(out.shape)}
         value = float(out.dim())
         anomaly = Anomaly(rule.name, "shape", name, self.step_count, "forward", summary, value)
-        anomaly.details, anomaly.tensor = details, out
+        anomaly.details, anomaly.tensor = details, out.detach()
         self._report([(anomaly, rule)])
 
     # ------------------------------------------------------------------ step boundary
@@ -392,7 +399,8 @@ class Monitor:
         except Exception as e:
             self._fail("step boundary", e)
         watchdog.heartbeat(self.step_count)
-        emitter.break_if_requested(sys._getframe(1))  # a `breakpod send ID break`
+        if emitter.pending_break():  # a `breakpod send ID break`: one flag check
+            _break_in_training_loop(sys._getframe(1))
 
     def _end_step(self, loss: Any) -> None:
         if loss is not None:
@@ -402,8 +410,8 @@ class Monitor:
         done, self._current = self._current, StepRecord(self.step_count + 1)
         self.step_count += 1
         self._pending.append(done)
-        if self.step_count % self.check_every == 0:
-            self._read(done)
+        if self.step_count % self.check_every == 0 or _keeps_tensors(done):
+            self._read(done)  # kept tensors (break/snapshot rules) live one step, not check_every
         self._evaluate_landed(wait=False)
 
     def flush(self) -> list[Anomaly]:
@@ -423,15 +431,12 @@ class Monitor:
         copies = {
             device: to_host(t) for device, t in pack([e for s in steps for e in s.entries]).items()
         }
-        self._inflight.append((copy_event(copies), copies, steps))
+        self._inflight.append((copy_events(copies), copies, steps))
         self.reads += 1
 
     def _add_state_checks(self, step: StepRecord) -> None:
         """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
-        params = [
-            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
-        ]
-        for _, group in by_device(params, lambda item: item[1]).items():
+        for group in by_device(self._state_params, lambda item: item[1]).values():
             step.entries.append(
                 Entry("params", checks.norms([p for _, p in group]), keys=[i for i, _ in group])
             )
@@ -446,10 +451,8 @@ class Monitor:
 
     def _evaluate_landed(self, *, wait: bool) -> None:
         while self._inflight:
-            event, copies, steps = self._inflight[0]
-            if event is not None and wait:
-                event.synchronize()
-            elif event is not None and not event.query():
+            events, copies, steps = self._inflight[0]
+            if not landed(events, wait=wait):
                 return  # not landed yet: the next boundary looks again
             self._inflight.pop(0)
             values = {device: host.tolist() for device, host in copies.items()}
@@ -460,6 +463,7 @@ class Monitor:
         self.anomalies.extend(a for a, _ in found)
         for anomaly, rule in found:
             dispatch(anomaly, rule.actions, self._ctx)
+            anomaly.tensor = None  # the actions had it; the anomaly list keeps no tensors
 
     # ------------------------------------------------------------------ lifecycle
     def _fail(self, where: str, error: Exception) -> None:
@@ -473,8 +477,10 @@ class Monitor:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._pending, self._inflight, self._current = [], [], StepRecord(self.step_count)
         self.enabled = False
-        MONITORS.pop(self.model, None)
+        if monitor_of(self.model) is self:
+            MONITORS.pop(self.model, None)
 
     def __enter__(self) -> Monitor:
         return self
@@ -493,6 +499,55 @@ class Monitor:
 
 def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
     return [tuple(x.shape) for x in inputs if hasattr(x, "shape")]
+
+
+def _break_in_training_loop(frame: FrameType) -> None:
+    """Park for a broker ``break`` in the training loop, never in torch's code.
+
+    pdb stops at the next traced event, so when torch's optimizer wrapper ran
+    the step hook, the park waits until that wrapper returns to the loop.
+    """
+    user, callee = _user_frame(frame)
+    if callee is None or sys.gettrace() is not None:  # called from the loop, or traced already
+        emitter.request_break()
+        emitter.break_if_requested(user)
+        return
+
+    def on_return(f: FrameType, event: str, arg: Any) -> Any:
+        if event == "return":
+            sys.settrace(None)
+            emitter.request_break()
+            emitter.break_if_requested(user)  # pdb's first stop: the loop's next line
+        return on_return
+
+    callee.f_trace = on_return
+    sys.settrace(_trace_nothing)  # frame-local tracing needs a global trace function
+
+
+def _trace_nothing(frame: FrameType, event: str, arg: Any) -> None:
+    return None
+
+
+def _user_frame(frame: FrameType) -> tuple[FrameType, FrameType | None]:
+    """The innermost frame outside torch and breakpod, and the library frame it called.
+
+    (When the optimizer's step hook ends the step, the caller is torch's wrapper.)
+    Falls back to ``(frame, None)`` when every frame is library code.
+    """
+    found: FrameType | None = frame
+    callee = None
+    while found is not None and _library_frame(found):
+        found, callee = found.f_back, found
+    return (found, callee) if found is not None else (frame, None)
+
+
+def _library_frame(frame: FrameType) -> bool:
+    package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+    return package in ("torch", "breakpod")
+
+
+def _keeps_tensors(step: StepRecord) -> bool:
+    return any(e.tensor is not None for e in step.entries if e.kind in ("forward", "backward"))
 
 
 def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:

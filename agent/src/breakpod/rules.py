@@ -46,6 +46,7 @@ CHECKS: dict[str, dict[str, Any]] = {
         "explode_factor": 50.0,
         "vanish_factor": 0.01,
         "warmup_steps": 5,
+        "window": 50,
         "max_norm": None,
         "min_norm": None,
         "group": "module",
@@ -122,7 +123,7 @@ def _specs(source: Any, defaults: bool) -> tuple[list[Any], bool]:
     if source is None:
         return [], defaults
     if isinstance(source, (str, os.PathLike)):
-        source = _read_yaml(Path(source))
+        source = read_yaml(Path(source))
     if isinstance(source, Mapping):
         unknown = set(source) - {"rules", "defaults"}
         if unknown:
@@ -139,7 +140,8 @@ def _as_list(value: Any) -> list[Any]:
     return list(value)
 
 
-def _read_yaml(path: Path) -> Any:
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content; a clear :class:`RuleError` when it cannot be read or parsed."""
     try:
         import yaml
     except ImportError:
@@ -180,9 +182,7 @@ def parse_rule(spec: Any, index: int) -> Rule:
         raise _field(
             label, unknown[0], f"unknown for check {check!r}; known: {', '.join([*COMMON, *known])}"
         )
-    params = {
-        key: _param(label, check, key, spec.get(key, default)) for key, default in known.items()
-    }
+    params = {key: _param(label, key, spec.get(key, default)) for key, default in known.items()}
     return Rule(
         name=_name(label, spec.get("name", check)),
         check=check,
@@ -249,35 +249,61 @@ def _range(label: str, field: str, value: Any) -> tuple[float, float]:
     return low, high
 
 
-def _param(label: str, check: str, key: str, value: Any) -> Any:
-    if value is None:
-        if key == "expect":
-            raise _field(
-                label, "expect", "a shape check needs a shape like 'B,T,256' or [null, 10]"
-            )
-        return None
-    if key == "skip_types":
-        return frozenset(_globs(label, key, value)) if value else frozenset()
-    if key == "where":
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, Sequence) or not items or any(w not in WHERE for w in items):
-            raise _field(label, key, f"expected a list from {', '.join(WHERE)}, got {value!r}")
-        return frozenset(items)
-    if key == "expect":
-        from breakpod.checks import ShapeContract
+def _non_negative(label: str, field: str, value: Any) -> float:
+    return _number(label, field, value, lo=0.0)
 
-        try:
-            return ShapeContract.parse(value)
-        except ValueError as e:
-            raise _field(label, key, str(e)) from None
-    if key == "group":
-        if value not in ("module", "param", "total"):
-            raise _field(label, key, f"expected module, param or total, got {value!r}")
-        return value
-    if key in ("mean_range", "var_range"):
-        return _range(label, key, value)
-    if key in ("warmup_steps", "window", "min_history"):
-        return _positive_int(label, key, value)
-    if key == "max_zero_fraction" and not 0 < _number(label, key, value) <= 1:
-        raise _field(label, key, f"expected a fraction in (0, 1], got {value!r}")
-    return _number(label, key, value, lo=0.0)
+
+def _fraction(label: str, field: str, value: Any) -> float:
+    if not 0 < _number(label, field, value) <= 1:
+        raise _field(label, field, f"expected a fraction in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _type_names(label: str, field: str, value: Any) -> frozenset[str]:
+    return frozenset(_globs(label, field, value)) if value else frozenset()
+
+
+def _where(label: str, field: str, value: Any) -> frozenset[str]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, Sequence) or not items or any(w not in WHERE for w in items):
+        raise _field(label, field, f"expected a list from {', '.join(WHERE)}, got {value!r}")
+    return frozenset(items)
+
+
+def _expect(label: str, field: str, value: Any) -> Any:
+    if value is None:
+        raise _field(label, field, "a shape check needs a shape like 'B,T,256' or [null, 10]")
+    from breakpod.checks import ShapeContract
+
+    try:
+        return ShapeContract.parse(value)
+    except ValueError as e:
+        raise _field(label, field, str(e)) from None
+
+
+def _group(label: str, field: str, value: Any) -> str:
+    if value not in ("module", "param", "total"):
+        raise _field(label, field, f"expected module, param or total, got {value!r}")
+    return str(value)
+
+
+# Rule parameter -> its validator; any other parameter is a number >= 0.
+_VALIDATORS: dict[str, Callable[[str, str, Any], Any]] = {
+    "skip_types": _type_names,
+    "where": _where,
+    "expect": _expect,
+    "group": _group,
+    "mean_range": _range,
+    "var_range": _range,
+    "warmup_steps": _positive_int,
+    "window": _positive_int,
+    "min_history": _positive_int,
+    "max_zero_fraction": _fraction,
+}
+
+
+def _param(label: str, key: str, value: Any) -> Any:
+    if value is None and key != "expect":
+        return None  # "off unless set"
+    validate: Callable[[str, str, Any], Any] = _VALIDATORS.get(key, _non_negative)
+    return validate(label, key, value)

@@ -72,23 +72,46 @@ def first_tensor(entry: Entry) -> Any:
 
 
 def to_host(tensor: Any) -> Any:
+    """Start the copy to the host: non-blocking into pinned memory on CUDA.
+
+    Other accelerators (MPS, XPU) get a plain blocking copy; it runs only at
+    a read, at the step boundary, never in a hook.
+    """
     import torch
 
-    if tensor.device.type != "cuda":
+    if tensor.device.type == "cpu":
         return tensor
+    if tensor.device.type != "cuda":
+        return tensor.to("cpu")
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
+    return host.copy_(tensor, non_blocking=True)  # on the source device's current stream
 
 
-def copy_event(copies: dict[Any, Any]) -> Any:
-    """A CUDA event after the copies, polled later; None when everything is on the CPU."""
-    if not any(getattr(device, "type", "") == "cuda" for device in copies):
-        return None
+def copy_events(copies: dict[Any, Any]) -> list[Any]:
+    """One CUDA event per device, recorded after that device's copy; none off CUDA.
+
+    An event marks one device's stream only: with several GPUs in a process,
+    one event on the current device could report done while another copy runs.
+    """
     import torch
 
-    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record()
-    return event
+    events = []
+    for device in copies:
+        if getattr(device, "type", "") == "cuda":
+            with torch.cuda.device(device):
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record()
+            events.append(event)
+    return events
+
+
+def landed(events: list[Any], *, wait: bool) -> bool:
+    """Have all the copies landed? With ``wait``, block until they have."""
+    if wait:
+        for event in events:
+            event.synchronize()
+        return True
+    return all(event.query() for event in events)
 
 
 def decode(step: StepRecord, values: dict[Any, list[float]]) -> StepData:

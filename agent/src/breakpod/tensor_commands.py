@@ -53,10 +53,10 @@ def tstat(debugger: pdb.Pdb, arg: str) -> None:
 @command("tshape")
 def tshape(debugger: pdb.Pdb, arg: str) -> None:
     """tshape MODEL: last input -> output shapes of each watched module (runs nothing)."""
-    from breakpod.monitor import MONITORS
+    from breakpod.monitor import monitor_of
 
     model = _model(debugger, arg)
-    monitor = MONITORS.get(model)
+    monitor = monitor_of(model)
     if monitor is None or not monitor.shapes:
         debugger.message("no shapes seen: watch the model with breakpod.watch() and run a step")
         return
@@ -108,10 +108,10 @@ def _rss_mib() -> float:
 @command("tnan")
 def tnan(debugger: pdb.Pdb, arg: str) -> None:
     """tnan MODEL: non-finite values the monitor reported, and those in parameters/grads now."""
-    from breakpod.monitor import MONITORS
+    from breakpod.monitor import monitor_of
 
     model = _model(debugger, arg)
-    monitor = MONITORS.get(model)
+    monitor = monitor_of(model)
     seen = [a for a in (monitor.anomalies if monitor else []) if a.check == "nonfinite"]
     for anomaly in seen:
         debugger.message(f"reported: {anomaly}")
