@@ -113,6 +113,7 @@ class Dispatcher:
             "notifier": notifier.name,
             "event": event["id"],
             "session": event["session"],
+            "namespace": event.get("namespace") or "",  # GET /v1/notifiers filters on it
             "error": error,
         }
         with contextlib.suppress(Exception):  # a lost record must not kill the task

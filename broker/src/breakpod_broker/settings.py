@@ -60,3 +60,7 @@ class BrokerSettings(BaseSettings):
     retention_seconds: int = Field(default=7 * 24 * 3600, ge=60)
     dedup_seconds: int = Field(default=3600, ge=1)
     max_poll_seconds: float = Field(default=30.0, gt=0, le=300)
+    # long polls + SSE streams one replica serves at once (each may hold a Redis connection)
+    max_waiters: int = Field(default=256, ge=1, le=10_000)
+    metrics_cache_seconds: float = Field(default=15.0, ge=0)  # /metrics session counts
+    max_stream_seconds: float = Field(default=3600.0, gt=0)  # SSE clients then resume
