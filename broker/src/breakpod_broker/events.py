@@ -176,7 +176,7 @@ def _document(event: EventIn, session: SessionOut, now: float) -> dict[str, Any]
         "session": event.session,
         "kind": event.kind,
         "time": event.time or now,
-        "fields": finite(event.fields),
+        "fields": event.fields,
         "received": now,
         "namespace": session.namespace,
     }
@@ -199,7 +199,7 @@ def _lua_args(
     changes: list[Any] = []
     for n, i in enumerate(indexes, start=1):
         event = events[i]
-        args += [event.id, json.dumps(docs[i], default=str, allow_nan=False)]
+        args += [event.id, _dumps(docs[i])]
         state = STATE_OF_KIND.get(event.kind, "")
         address, backend = _listener(event)
         if state or address:
@@ -207,6 +207,16 @@ def _lua_args(
             reason = str(fields.get("reason") or fields.get("why") or "") if state else ""
             changes += [n, state, reason[:2000], address, backend]
     return args + changes
+
+
+def _dumps(doc: dict[str, Any]) -> str:
+    """Strict JSON; NaN and infinities in ``doc``'s fields are replaced in place
+    (only then: walking every event's fields would slow ingest down)."""
+    try:
+        return json.dumps(doc, default=str, allow_nan=False)
+    except ValueError:
+        doc["fields"] = finite(doc["fields"])
+        return json.dumps(doc, default=str, allow_nan=False)
 
 
 def finite(value: Any) -> Any:
