@@ -29,7 +29,7 @@ from fastapi import Depends, HTTPException
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from breakpod_broker import keys
-from breakpod_broker.context import Broker, get_broker
+from breakpod_broker.context import BrokerDep
 from breakpod_broker.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -173,9 +173,7 @@ def require(*roles: Role) -> Callable[..., Awaitable[Principal]]:
     """A dependency: 401 without a known token, 403 when its role is not in ``roles``."""
     allowed = {*roles, Role.admin}
 
-    async def check(
-        credentials: Credentials, broker: Annotated[Broker, Depends(get_broker)]
-    ) -> Principal:
+    async def check(credentials: Credentials, broker: BrokerDep) -> Principal:
         if credentials is None:
             raise HTTPException(
                 401,

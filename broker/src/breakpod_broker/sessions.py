@@ -118,7 +118,7 @@ async def register(
             403, f"this token may not register sessions in namespace {body.namespace!r}"
         )
     now = time.time()
-    fields = [*_strings(body), "updated", str(now), "last_seen", str(now)]
+    fields = {**_strings(body), "updated": str(now), "last_seen": str(now)}
     cleared = [k for k, v in body.model_dump().items() if v is None]
     s = broker.settings
     other = await broker.redis.eval(
@@ -128,7 +128,8 @@ async def register(
         keys.alive(session_id),
         keys.SESSIONS,
         *(who.token_id, "1" if who.role is Role.agent else "0", now, s.retention_seconds),
-        *(s.heartbeat_ttl_seconds, session_id, len(cleared), *cleared, *fields),
+        *(s.heartbeat_ttl_seconds, session_id, len(cleared), *cleared),
+        *(x for pair in fields.items() for x in pair),
     )
     check_owner(who, session_id, other or None)
     return await load(broker, session_id)
@@ -141,9 +142,8 @@ async def heartbeat(
     """Keep a session alive (and optionally change its state)."""
     await owned(broker, who, session_id)
     now = time.time()
-    fields = dict(zip(*[iter(_strings(body))] * 2, strict=True))
     async with broker.redis.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.session(session_id), mapping={**fields, "last_seen": str(now)})
+        pipe.hset(keys.session(session_id), mapping={**_strings(body), "last_seen": str(now)})
         _touch(pipe, broker, session_id, now)
         await pipe.execute()
     return await load(broker, session_id)
@@ -238,9 +238,9 @@ def _touch(pipe: Any, broker: Broker, session_id: str, now: float) -> None:
     pipe.zadd(keys.SESSIONS, {session_id: now})
 
 
-def _strings(body: BaseModel) -> list[str]:
-    """The fields set in ``body`` as flat [name, value, ...] strings, for HSET."""
-    return [x for k, v in body.model_dump(exclude_none=True).items() for x in (k, str(v))]
+def _strings(body: BaseModel) -> dict[str, str]:
+    """The fields set in ``body``, as the strings a Redis hash holds."""
+    return {k: str(v) for k, v in body.model_dump(exclude_none=True).items()}
 
 
 async def counts_by_state(broker: Broker) -> dict[str, int]:
