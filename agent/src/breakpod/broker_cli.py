@@ -150,8 +150,8 @@ def port_forward_argv(info: dict[str, Any]) -> list[str]:
     argv = info.get("port_forward_argv")
     if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
         raise AttachError(
-            "the broker sent no port_forward_argv (too old?): run this yourself if it looks "
-            f"right, then attach to {info['connect']}: {info['port_forward']}"
+            "the broker sent no port_forward_argv (it is older than this CLI: upgrade it); "
+            "breakpod never runs the display string port_forward"
         )
     shape = argv[:3] == ["kubectl", "port-forward", "-n"] and len(argv) == 6
     if not shape or any(a.startswith("-") for a in argv[3:]) or not argv[4].startswith("pod/"):
