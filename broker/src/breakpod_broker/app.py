@@ -74,8 +74,11 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
     if not static:
         log.warning("no tokens configured: only API-made tokens work (set BREAKPOD_BROKER_TOKENS)")
     metrics = Metrics()
-    notifiers = Dispatcher(settings.notifiers, client, metrics)
+    notifiers = Dispatcher(
+        settings.notifiers, client, metrics, blocking, settings.notify_claim_seconds
+    )
     try:
+        await notifiers.start()
         yield Broker(settings, client, TokenStore(static, client), metrics, notifiers, blocking)
     finally:
         await notifiers.close()
@@ -97,7 +100,7 @@ def _clients(url: str, settings: BrokerSettings) -> tuple[Any, Any]:
     )
     blocking = aioredis.BlockingConnectionPool.from_url(
         url,
-        max_connections=settings.max_waiters,
+        max_connections=settings.max_waiters + 1,  # + the notifier queue's reader
         timeout=REDIS_TIMEOUT,
         socket_timeout=settings.max_poll_seconds + REDIS_TIMEOUT + 5,
         **common,

@@ -163,7 +163,7 @@ async def ingest(
             cursors[i] = cursor or None
     accepted = [{**d, "cursor": c} for d, c in zip(docs, cursors, strict=True) if c is not None]
     broker.metrics.ingested(accepted, duplicates=len(events) - len(accepted))
-    broker.notifiers.dispatch(accepted, sessions)
+    await broker.notifiers.enqueue(accepted, sessions)
     return IngestResult(
         accepted=len(accepted), duplicates=len(events) - len(accepted), cursors=cursors
     )
