@@ -42,7 +42,8 @@ class BrokerProcess:
 
     def start(self, timeout: float = 20.0) -> BrokerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
-        env.update(BREAKPOD_BROKER_TOKENS=TOKENS, **self.env)
+        env.update(BREAKPOD_BROKER_TOKENS=TOKENS, BREAKPOD_METRICS_CACHE_SECONDS="0")
+        env.update(self.env)
         cmd = [sys.executable, "-m", "breakpod_broker.cli", "--log-level", "warning", "serve"]
         cmd += ["--port", str(self.port), "--redis-url", self.redis_url]
         with open(self.log_path, "ab") as log:

@@ -8,7 +8,9 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import redis
 
+from breakpod_broker import keys
 from tests.brokerkit import VIEWER, post_events, register, wait_until
 
 
@@ -80,3 +82,32 @@ def test_webhooks_get_routed_events_and_failures_are_retried_then_recorded(start
 def _broken(notifiers: list[dict]) -> dict | None:
     broken = next(n for n in notifiers if n["name"] == "broken")
     return broken if len(broken["recent_failures"]) == 2 else None
+
+
+def test_two_replicas_deliver_each_event_once(start_broker, receiver):
+    notifiers = json.dumps([{"name": "ops", "url": f"{receiver.url}/ok", "kinds": ["anomaly"]}])
+    first, second = (start_broker(BREAKPOD_NOTIFIERS=notifiers) for _ in range(2))
+    register(first, "s1")
+    for i, broker in enumerate([first, second] * 5):
+        post_events(broker, {"id": f"e{i}", "session": "s1", "kind": "anomaly"})
+    wait_until(lambda: len(receiver.bodies.get("/ok", [])) >= 10)
+    time.sleep(0.5)  # a duplicate would arrive by now
+    assert sorted(b["event"]["id"] for b in receiver.bodies["/ok"]) == sorted(
+        f"e{i}" for i in range(10)
+    )
+
+
+def test_a_job_left_by_a_crashed_replica_is_delivered_by_another(start_broker, receiver, redis_url):
+    down = [{"name": "ops", "url": "http://127.0.0.1:9/", "retries": 10, "backoff_seconds": 5}]
+    crashing = start_broker(BREAKPOD_NOTIFIERS=json.dumps(down))
+    register(crashing, "s1")
+    post_events(crashing, {"id": "e1", "session": "s1", "kind": "anomaly"})
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        wait_until(lambda: r.xpending(keys.NOTIFY, "notifiers")["pending"] == 1)
+        crashing.proc.kill()  # mid-retry: its deliveries die with it
+        crashing.proc.wait(5)
+        up = [{"name": "ops", "url": f"{receiver.url}/ok"}]
+        start_broker(BREAKPOD_NOTIFIERS=json.dumps(up), BREAKPOD_NOTIFY_CLAIM_SECONDS="1")
+        wait_until(lambda: receiver.bodies.get("/ok"), timeout=15)
+        assert [b["event"]["id"] for b in receiver.bodies["/ok"]] == ["e1"]
+        wait_until(lambda: r.xlen(keys.NOTIFY) == 0)

@@ -195,6 +195,15 @@ def test_unknown_container_is_allowed_with_a_warning(client: Any) -> None:
             b'{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {}}',
             "request.uid",
         ),
+        (
+            b'{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": []}',
+            "request.uid",
+        ),
+        (
+            b'{"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",'
+            b' "request": {"uid": {"a": 1}}}',
+            "request.uid",
+        ),
     ],
 )
 def test_bad_requests_get_400(client: Any, body: bytes, message: str) -> None:
@@ -203,6 +212,34 @@ def test_bad_requests_get_400(client: Any, body: bytes, message: str) -> None:
     )
     assert response.status_code == 400
     assert message in response.json()["detail"]
+
+
+MALFORMED = {
+    "kind-is-a-string": lambda r: r["request"].update(kind="Pod"),
+    "metadata-is-a-list": lambda r: r["request"]["object"].update(metadata=[]),
+    "labels-are-a-list": lambda r: r["request"]["object"]["metadata"].update(labels=["x"]),
+    "annotations-are-a-string": lambda r: r["request"]["object"]["metadata"].update(
+        annotations="x"
+    ),
+    "spec-is-a-list": lambda r: r["request"]["object"].update(spec=[1]),
+    "containers-are-an-object": lambda r: r["request"]["object"]["spec"].update(containers={}),
+    "container-is-a-number": lambda r: r["request"]["object"]["spec"].update(containers=[1]),
+    "container-name-is-a-list": lambda r: r["request"]["object"]["spec"].update(
+        containers=[{"name": ["a"]}]
+    ),
+    "container-annotation-is-a-number": lambda r: r["request"]["object"]["metadata"].update(
+        annotations={"breakpod.dev/container": 3}
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_pods_are_allowed_unchanged_never_an_error(client: Any, case: str) -> None:
+    body = review_request(copy.deepcopy(PODS["bare"][0]))
+    MALFORMED[case](body)
+    response = client.post("/admission/mutate", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["response"]["allowed"] is True
 
 
 def test_missing_overlay_never_blocks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

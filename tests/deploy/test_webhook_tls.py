@@ -7,7 +7,6 @@ import base64
 import json
 import os
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from breakpod_broker.redis_server import free_port
 from tests.deploy.conftest import ROOT
 from tests.deploy.test_admission import PODS, review_request
 
@@ -39,13 +39,6 @@ def make_certs(d: Path) -> tuple[Path, Path, Path]:
     run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
         "-days", "1", "-extfile", "ext.cnf", "-out", "tls.crt")  # fmt: skip
     return d / "ca.crt", d / "tls.crt", d / "tls.key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture

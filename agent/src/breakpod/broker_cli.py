@@ -136,23 +136,39 @@ def attach_session(args: argparse.Namespace) -> int:
         print(json.dumps(launch, indent=2))
         return 0
     if info.get("port_forward"):
-        with PortForward(info["port_forward"], _split(info["connect"])[1]):
+        with PortForward(port_forward_argv(info), _split(info["connect"])[1]):
             attach.attach(*_split(info["connect"]), token=args.token)
         return 0
     attach.attach(*_split(info["connect"]), token=args.token)
     return 0
 
 
+def port_forward_argv(info: dict[str, Any]) -> list[str]:
+    """The broker's ``kubectl port-forward`` argv, run without a shell and only in
+    its one expected shape: a session's pod and namespace come from the pod itself,
+    and must not smuggle options (``--server=...``) into the engineer's kubectl."""
+    argv = info.get("port_forward_argv")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise AttachError(
+            "the broker sent no port_forward_argv (it is older than this CLI: upgrade it); "
+            "breakpod never runs the display string port_forward"
+        )
+    shape = argv[:3] == ["kubectl", "port-forward", "-n"] and len(argv) == 6
+    if not shape or any(a.startswith("-") for a in argv[3:]) or not argv[4].startswith("pod/"):
+        raise AttachError(f"refusing an unexpected port-forward command from the broker: {argv}")
+    return argv
+
+
 class PortForward:
     """Runs ``kubectl port-forward`` until the block ends; waits for the local port."""
 
-    def __init__(self, command: str, local_port: int) -> None:
-        self.argv = shlex.split(command)
+    def __init__(self, argv: list[str], local_port: int) -> None:
+        self.argv = list(argv)
         self.local_port = local_port
         self.proc: subprocess.Popen[bytes] | None = None
 
     def __enter__(self) -> PortForward:
-        print(f"breakpod: {' '.join(self.argv)}", file=sys.stderr)
+        print(f"breakpod: {shlex.join(self.argv)}", file=sys.stderr)
         try:
             self.proc = subprocess.Popen(
                 self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request, Response
@@ -10,10 +11,9 @@ from pydantic import BaseModel, Field
 
 from breakpod_broker import keys, sessions
 from breakpod_broker.auth import Admin, Principal, Role, Viewer, require
-from breakpod_broker.context import Broker, get_broker
+from breakpod_broker.context import BrokerDep, healthz
 
 router = APIRouter()
-BrokerDep = Annotated[Broker, Depends(get_broker)]
 Namespace = Annotated[str, Field(min_length=1, max_length=253)]
 
 
@@ -47,13 +47,21 @@ async def whoami(who: Annotated[Principal, Depends(require(Role.agent, Role.view
 
 @router.post("/v1/tokens", response_model=NewToken, status_code=201, tags=["admin"])
 async def create_token(body: TokenIn, who: Admin, broker: BrokerDep) -> NewToken:
+    """A new token; a namespace-limited admin may only make tokens within its namespaces."""
+    if not _within(who, body.namespaces):
+        mine = ", ".join(sorted(who.namespaces or ()))
+        raise HTTPException(
+            403, f"this token is limited to namespaces [{mine}]: list a subset in 'namespaces'"
+        )
     token, made = await broker.tokens.create(body.role, body.name, body.namespaces)
     return NewToken(**_info(made).model_dump(), token=token)
 
 
 @router.get("/v1/tokens", response_model=list[TokenInfo], tags=["admin"])
 async def list_tokens(who: Admin, broker: BrokerDep) -> list[TokenInfo]:
-    return [_info(p) for p in await broker.tokens.list()]
+    """Tokens the caller could have made: all of them, or for a namespace-limited
+    admin those limited to its namespaces."""
+    return [_info(p) for p in await broker.tokens.list() if _within(who, p.namespaces)]
 
 
 @router.delete("/v1/tokens/{token_id}", status_code=204, tags=["admin"])
@@ -61,11 +69,24 @@ async def delete_token(
     token_id: Annotated[str, Path(pattern=r"^[0-9a-f]{12}$")], who: Admin, broker: BrokerDep
 ) -> Response:
     """Revoke a token made through the API (static tokens live in settings)."""
-    if not await broker.tokens.delete(token_id):
+    stored = {p.token_id: p for p in await broker.tokens.list()}
+    found = stored.get(token_id)
+    if (
+        found is None
+        or not _within(who, found.namespaces)
+        or not await broker.tokens.delete(token_id)
+    ):
         raise HTTPException(
             404, f"no API-made token {token_id!r} (static tokens are changed in settings)"
         )
     return Response(status_code=204)
+
+
+def _within(who: Principal, namespaces: Iterable[str] | None) -> bool:
+    """Whether ``namespaces`` (None: all) lie within the caller's."""
+    if who.namespaces is None:
+        return True
+    return namespaces is not None and set(namespaces) <= who.namespaces
 
 
 class NotifierStatus(BaseModel):
@@ -78,7 +99,11 @@ class NotifierStatus(BaseModel):
 @router.get("/v1/notifiers", response_model=list[NotifierStatus], tags=["admin"])
 async def notifier_status(who: Viewer, broker: BrokerDep) -> list[NotifierStatus]:
     """Configured notifiers and their recent delivery failures (all replicas)."""
-    failures = [f for _, f in await broker.redis.xrevrange(keys.NOTIFIER_FAILURES, count=200)]
+    failures = [
+        f
+        for _, f in await broker.redis.xrevrange(keys.NOTIFIER_FAILURES, count=200)
+        if who.may_see(f.get("namespace") or None)
+    ]
     return [
         NotifierStatus(
             name=n.name,
@@ -92,9 +117,14 @@ async def notifier_status(who: Viewer, broker: BrokerDep) -> list[NotifierStatus
 
 @router.get("/metrics", tags=["operations"], response_class=Response)
 async def metrics(who: Viewer, broker: BrokerDep) -> Response:
-    """Prometheus text format."""
+    """Prometheus text format (counts across namespaces: an unrestricted token only)."""
+    if who.namespaces is not None:
+        raise HTTPException(403, "metrics span every namespace: scrape with an unrestricted token")
     await broker.metrics.ping(broker.redis)
-    body = broker.metrics.render(await sessions.counts_by_state(broker))
+    counts = await broker.metrics.session_counts(
+        lambda: sessions.counts_by_state(broker), broker.settings.metrics_cache_seconds
+    )
+    body = broker.metrics.render(counts)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -105,10 +135,7 @@ async def openapi(who: Viewer, request: Request) -> dict[str, Any]:
     return get_openapi(title=app.title, version=app.version, routes=app.routes)
 
 
-@router.get("/healthz", tags=["operations"])
-async def healthz() -> dict[str, str]:
-    """The process is up (no token needed)."""
-    return {"status": "ok"}
+router.add_api_route("/healthz", healthz, methods=["GET"], tags=["operations"])
 
 
 @router.get("/readyz", tags=["operations"])

@@ -6,9 +6,10 @@ MutatingWebhookConfiguration's namespaceSelector. It never denies a pod: any
 problem gives ``allowed: true``, no patch and a warning, since a debugging
 aid must not stop a training job from starting.
 
-The endpoint carries no bearer token: the API server calls it over TLS, and
-it returns only a patch that references the token Secret by name. Serve it
-with the broker (``app.include_router(router)``) or alone over TLS::
+The endpoint carries no bearer token: the API server calls it, and it returns
+only a patch that references the token Secret by name. It is therefore not
+part of the broker's plain-HTTP app: serve it alone, over TLS (the chart runs
+this next to the broker)::
 
     uvicorn --factory breakpod_broker.admission:create_app --port 8443 \\
         --ssl-certfile tls.crt --ssl-keyfile tls.key
@@ -28,14 +29,14 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 
 from breakpod_broker import overlay
+from breakpod_broker.context import healthz
+from breakpod_broker.overlay import Json
 
 log = logging.getLogger(__name__)
 
 OVERLAY_ENV = "BREAKPOD_OVERLAY_FILE"
 DEFAULT_OVERLAY_FILE = "/etc/breakpod/overlay/overlay.json"
 API_VERSION = "admission.k8s.io/v1"
-
-Json = dict[str, Any]
 
 router = APIRouter(tags=["admission"])
 
@@ -53,6 +54,9 @@ def review(body: Mapping[str, Any], rendered: Mapping[str, Any] | None) -> Json:
     except overlay.OverlayError as e:
         response["warnings"] = [f"breakpod: {e}; the pod is left unchanged"]
         patch = []
+    except TypeError as e:  # e.g. a container name that is a list: a malformed pod
+        response["warnings"] = [f"breakpod: malformed pod ({e}); the pod is left unchanged"]
+        patch = []
     if patch:
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
@@ -63,23 +67,39 @@ def _request(body: Mapping[str, Any]) -> Json:
     if body.get("apiVersion") != API_VERSION or body.get("kind") != "AdmissionReview":
         raise ReviewError(f"expected an AdmissionReview with apiVersion {API_VERSION}")
     request = body.get("request")
-    if not isinstance(request, dict) or not request.get("uid"):
-        raise ReviewError("the AdmissionReview has no request.uid")
+    if not isinstance(request, dict) or not isinstance(request.get("uid"), str):
+        raise ReviewError("the AdmissionReview has no request.uid (a string)")
+    if not request["uid"]:
+        raise ReviewError("the AdmissionReview has an empty request.uid")
     return request
 
 
 def _patch(request: Json, rendered: Mapping[str, Any] | None) -> list[Json]:
     pod = request.get("object")
-    if request.get("kind", {}).get("kind") != "Pod" or not isinstance(pod, dict):
+    if _object(request, "kind").get("kind") != "Pod" or not isinstance(pod, dict):
         return []
-    meta = pod.get("metadata") or {}
-    if (meta.get("labels") or {}).get(overlay.INJECT_LABEL) != "true":
+    meta = _object(pod, "metadata")
+    if _object(meta, "labels").get(overlay.INJECT_LABEL) != "true":
         return []
     if rendered is None:
         raise overlay.OverlayError(f"no overlay file (set {OVERLAY_ENV})")
-    target = (meta.get("annotations") or {}).get(overlay.CONTAINER_ANNOTATION)
-    spec = pod.get("spec") or {}
+    target = _object(meta, "annotations").get(overlay.CONTAINER_ANNOTATION)
+    spec = _object(pod, "spec")
+    containers = spec.get("containers") or []
+    if not isinstance(containers, list) or not all(isinstance(c, dict) for c in containers):
+        raise overlay.OverlayError("spec.containers is not a list of objects")
+    if target is not None and not isinstance(target, str):
+        raise overlay.OverlayError(f"annotation {overlay.CONTAINER_ANNOTATION} is not a string")
     return overlay.json_patch(spec, overlay.apply(spec, rendered, target), "/spec")
+
+
+def _object(parent: Mapping[str, Any], key: str) -> Json:
+    """``parent[key]`` when it is an object ({} when absent); a malformed pod gets
+    a warning and no patch (OverlayError), not an error that could block it."""
+    value = parent.get(key) or {}
+    if not isinstance(value, dict):
+        raise overlay.OverlayError(f"{key} is a {type(value).__name__}, not an object")
+    return value
 
 
 def current_overlay() -> Json | None:
@@ -120,9 +140,5 @@ def create_app() -> FastAPI:
     """The webhook alone, for a TLS-serving container next to the broker."""
     app = FastAPI(title="breakpod admission webhook", docs_url=None, redoc_url=None)
     app.include_router(router)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
+    app.add_api_route("/healthz", healthz, methods=["GET"])
     return app

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -33,6 +32,7 @@ from breakpod_broker.redis_server import EmbeddedRedis
 from breakpod_broker.settings import BrokerSettings
 
 log = logging.getLogger(__name__)
+REDIS_TIMEOUT = 5.0  # seconds, for every non-blocking command and connection
 
 
 def create_app(settings: BrokerSettings | None = None) -> FastAPI:
@@ -42,7 +42,6 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with _running(settings or BrokerSettings()) as broker:
             app.state.broker = broker
-            app.state.max_body_bytes = broker.settings.max_body_bytes
             yield
 
     # no public /docs: every endpoint but the health checks needs a token, the schema too
@@ -54,10 +53,8 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    app.state.max_body_bytes = (settings or BrokerSettings.model_construct()).max_body_bytes
     for module in (sessions, events, commands, attach, admin):
         app.include_router(module.router)
-    _include_admission(app)
     _add_error_handlers(app)
     app.add_middleware(BodyLimit)
     return app
@@ -70,31 +67,45 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
         embedded = await asyncio.to_thread(EmbeddedRedis(settings.data_dir / "redis").start)
         settings = settings.model_copy(update={"redis_url": embedded.url})
     assert settings.redis_url is not None
-    client = aioredis.from_url(settings.redis_url, decode_responses=True, health_check_interval=30)
+    client, blocking = _clients(settings.redis_url, settings)
     static = parse_token_pairs(settings.broker_tokens)
     if settings.tokens_file is not None:
         static.update(load_tokens_file(settings.tokens_file))
     if not static:
         log.warning("no tokens configured: only API-made tokens work (set BREAKPOD_BROKER_TOKENS)")
     metrics = Metrics()
-    notifiers = Dispatcher(settings.notifiers, client, metrics)
+    notifiers = Dispatcher(
+        settings.notifiers, client, metrics, blocking, settings.notify_claim_seconds
+    )
     try:
-        yield Broker(settings, client, TokenStore(static, client), metrics, notifiers)
+        await notifiers.start()
+        yield Broker(settings, client, TokenStore(static, client), metrics, notifiers, blocking)
     finally:
         await notifiers.close()
         await client.aclose()
+        await blocking.aclose()
         if embedded is not None:
             await asyncio.to_thread(embedded.stop)
 
 
-def _include_admission(app: FastAPI) -> None:
-    """The admission webhook (a separate module) when installed; unauthenticated by
-    bearer token on purpose: the API server calls it over TLS (see auth.PUBLIC_PATHS)."""
-    try:
-        admission = importlib.import_module("breakpod_broker.admission")
-    except ImportError:
-        return
-    app.include_router(admission.router)
+def _clients(url: str, settings: BrokerSettings) -> tuple[Any, Any]:
+    """(ordinary, blocking) Redis clients. Ordinary commands time out after
+    REDIS_TIMEOUT and wait at most that long for a pooled connection; blocking
+    ones (BLMOVE, XREAD BLOCK) may take up to max_poll_seconds + SSE block, and
+    have a pool as large as the replica's cap on waiters (Broker.waiting)."""
+    common: dict[str, Any] = {"decode_responses": True, "health_check_interval": 30}
+    common["socket_connect_timeout"] = REDIS_TIMEOUT
+    ordinary = aioredis.BlockingConnectionPool.from_url(
+        url, max_connections=64, timeout=REDIS_TIMEOUT, socket_timeout=REDIS_TIMEOUT, **common
+    )
+    blocking = aioredis.BlockingConnectionPool.from_url(
+        url,
+        max_connections=settings.max_waiters + 1,  # + the notifier queue's reader
+        timeout=REDIS_TIMEOUT,
+        socket_timeout=settings.max_poll_seconds + REDIS_TIMEOUT + 5,
+        **common,
+    )
+    return aioredis.Redis.from_pool(ordinary), aioredis.Redis.from_pool(blocking)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -107,6 +118,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         }
         return JSONResponse(detail, status_code=422)
 
+    async def redis_refused(request: Request, exc: Exception) -> JSONResponse:
+        # a command Redis rejects is a request the broker let through: bad input
+        log.info("Redis refused %s %s: %s", request.method, request.url.path, exc)
+        return JSONResponse({"detail": f"Redis refused the request: {exc}"}, 400)
+
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         log.warning("Redis error on %s %s: %s", request.method, request.url.path, exc)
         return JSONResponse(
@@ -114,6 +130,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         )
 
     app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(redis.exceptions.ResponseError, redis_refused)
     app.add_exception_handler(redis.exceptions.RedisError, redis_down)
 
 
@@ -136,7 +153,7 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit: int = scope["app"].state.max_body_bytes
+        limit: int = scope["app"].state.broker.settings.max_body_bytes
         declared = dict(scope["headers"]).get(b"content-length", b"0")
         if declared.isdigit() and int(declared) > limit:
             await _too_large(limit, send)

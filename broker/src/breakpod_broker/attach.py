@@ -8,14 +8,22 @@ debugpy, a VS Code ``launch.json``.
 
 from __future__ import annotations
 
+import re
+import shlex
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Query
-from pydantic import BaseModel
+from fastapi import APIRouter, HTTPException, Query
+from pydantic import BaseModel, Field
 
 from breakpod_broker.auth import Viewer
-from breakpod_broker.context import Broker, get_broker
-from breakpod_broker.sessions import SessionId, SessionOut, get_session
+from breakpod_broker.context import BrokerDep
+from breakpod_broker.sessions import (
+    DNS_LABEL,
+    DNS_SUBDOMAIN,
+    SessionId,
+    SessionOut,
+    get_session,
+)
 
 router = APIRouter(prefix="/v1/sessions", tags=["attach"])
 
@@ -26,7 +34,10 @@ class AttachInfo(BaseModel):
     listener: Literal["pdb", "debugpy"]
     state: str
     connect: str  # HOST:PORT to connect to, after port_forward when there is one
-    port_forward: str | None = None
+    port_forward: str | None = Field(None, description="for display: port_forward_argv, quoted")
+    port_forward_argv: list[str] | None = Field(
+        None, description="kubectl port-forward as an argv list: run it without a shell"
+    )
     attach_command: str
     direct_command: str
     vscode_launch: dict[str, Any] | None = None
@@ -36,7 +47,7 @@ class AttachInfo(BaseModel):
 async def attach_info(
     session_id: SessionId,
     who: Viewer,
-    broker: Annotated[Broker, Depends(get_broker)],
+    broker: BrokerDep,
     local_port: Annotated[
         int | None, Query(ge=1, le=65535, description="local port for port-forward")
     ] = None,
@@ -51,12 +62,10 @@ def instructions(session: SessionOut, local_port: int | None = None) -> AttachIn
             409, f"session {session.id!r} has no listener yet (state {session.state})"
         )
     remote_port = int(session.address.rpartition(":")[2] or 0)
-    port_forward = None
+    argv = None
     if session.runtime == "kubernetes" and session.pod and session.namespace:
         local = local_port or remote_port
-        port_forward = (
-            f"kubectl port-forward -n {session.namespace} pod/{session.pod} {local}:{remote_port}"
-        )
+        argv = port_forward_argv(session.namespace, session.pod, local, remote_port)
         connect = f"127.0.0.1:{local}"
     else:
         connect = session.attach_address or _reachable(session.address)
@@ -68,12 +77,24 @@ def instructions(session: SessionOut, local_port: int | None = None) -> AttachIn
         listener=listener,
         state=session.state,
         connect=connect,
-        port_forward=port_forward,
+        port_forward=shlex.join(argv) if argv else None,
+        port_forward_argv=argv,
         attach_command=f"breakpod attach {session.id}"
         + (" --vscode" if listener == "debugpy" else ""),
         direct_command=f"breakpod attach {'--vscode ' if listener == 'debugpy' else ''}{connect}",
         vscode_launch=vscode_launch(session.id, host, int(port)) if listener == "debugpy" else None,
     )
+
+
+def port_forward_argv(namespace: str, pod: str, local: int, remote: int) -> list[str]:
+    """kubectl's argv; the names are checked again here, since a session stored by an
+    older broker may hold anything, and they end up on an engineer's machine."""
+    names_ok = re.match(DNS_LABEL, namespace) and re.match(DNS_SUBDOMAIN, pod) and len(pod) < 254
+    if not names_ok:
+        raise HTTPException(
+            409, f"namespace {namespace!r} / pod {pod!r} are not Kubernetes names: not forwarding"
+        )
+    return ["kubectl", "port-forward", "-n", namespace, f"pod/{pod}", f"{local}:{remote}"]
 
 
 def _reachable(address: str) -> str:

@@ -6,9 +6,10 @@ Static tokens come from ``BREAKPOD_BROKER_TOKENS`` ("role:token,...") or a
 tokens file; admins create more through ``/v1/tokens`` (kept in Redis, so
 every replica sees them). A token may be limited to some namespaces.
 
-Paths in :data:`PUBLIC_PATHS` carry no bearer token, by design: the health
-checks, and the admission webhook, which the Kubernetes API server calls over
-TLS that authenticates it.
+Paths in :data:`PUBLIC_PATHS` (the health checks) carry no bearer token, by
+design; tests/broker/test_api.py checks that every other route needs one. The
+admission webhook is not part of this app: it runs as its own app
+(``breakpod_broker.admission:create_app``) served over TLS on its own port.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import enum
 import hashlib
 import json
+import logging
 import secrets
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
@@ -27,10 +29,11 @@ from fastapi import Depends, HTTPException
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from breakpod_broker import keys
-from breakpod_broker.context import Broker, get_broker
+from breakpod_broker.context import BrokerDep
 from breakpod_broker.errors import ConfigError
 
-PUBLIC_PATHS = ("/healthz", "/readyz", "/admission/")
+log = logging.getLogger(__name__)
+PUBLIC_PATHS = ("/healthz", "/readyz")
 MIN_TOKEN_LENGTH = 8
 
 
@@ -121,7 +124,7 @@ class TokenStore:
         if key in self.static:
             return self.static[key]
         raw = await self.redis.hget(keys.TOKENS, key)
-        return None if raw is None else _decode(key, raw)
+        return None if raw is None else _decode(key, raw)  # a corrupt record: None too
 
     async def create(
         self, role: Role, name: str, namespaces: list[str] | None
@@ -129,11 +132,13 @@ class TokenStore:
         token = f"bp-{role.value}-{secrets.token_urlsafe(24)}"
         record = {"role": role.value, "name": name, "namespaces": namespaces}
         await self.redis.hset(keys.TOKENS, digest(token), json.dumps(record))
-        return token, _decode(digest(token), json.dumps(record))
+        ns = None if namespaces is None else frozenset(namespaces)
+        return token, Principal(role, digest(token)[:12], name, ns)
 
     async def list(self) -> list[Principal]:
         stored = await self.redis.hgetall(keys.TOKENS)
-        return [*self.static.values(), *(_decode(k, v) for k, v in stored.items())]
+        decoded = (_decode(k, v) for k, v in stored.items())
+        return [*self.static.values(), *(p for p in decoded if p is not None)]
 
     async def delete(self, token_id: str) -> bool:
         for key in await self.redis.hkeys(keys.TOKENS):
@@ -142,15 +147,22 @@ class TokenStore:
         return False
 
 
-def _decode(key: str, raw: str) -> Principal:
-    record = json.loads(raw)
-    ns = record.get("namespaces")
-    return Principal(
-        Role(record["role"]),
-        key[:12],
-        record.get("name", ""),
-        None if ns is None else frozenset(ns),
-    )
+def _decode(key: str, raw: str) -> Principal | None:
+    """The stored record, or None (logged) when it is not one this broker wrote."""
+    try:
+        record = json.loads(raw)
+        ns = record.get("namespaces")
+        return Principal(
+            Role(record["role"]),
+            key[:12],
+            str(record.get("name", "")),
+            None if ns is None else frozenset(str(n) for n in ns),
+        )
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        log.error(
+            "token record %s in %s is corrupt (%r): treated as revoked", key[:12], keys.TOKENS, e
+        )
+        return None
 
 
 _bearer = HTTPBearer(auto_error=False, description="a breakpod broker token")
@@ -161,9 +173,7 @@ def require(*roles: Role) -> Callable[..., Awaitable[Principal]]:
     """A dependency: 401 without a known token, 403 when its role is not in ``roles``."""
     allowed = {*roles, Role.admin}
 
-    async def check(
-        credentials: Credentials, broker: Annotated[Broker, Depends(get_broker)]
-    ) -> Principal:
+    async def check(credentials: Credentials, broker: BrokerDep) -> Principal:
         if credentials is None:
             raise HTTPException(
                 401,

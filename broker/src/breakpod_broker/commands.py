@@ -12,17 +12,16 @@ import time
 import uuid
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query
+from fastapi import APIRouter, HTTPException, Path, Query
 from pydantic import BaseModel, Field
 
 from breakpod_broker import keys
 from breakpod_broker.auth import Admin, Agent
-from breakpod_broker.context import Broker, get_broker
+from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.events import EventIn, ingest
-from breakpod_broker.sessions import SessionId, SessionOut, load, owned
+from breakpod_broker.sessions import SessionId, SessionOut, owned, visible
 
 router = APIRouter(prefix="/v1/sessions", tags=["commands"])
-BrokerDep = Annotated[Broker, Depends(get_broker)]
 CommandName = Literal["break", "resume", "dump-stacks", "detach"]
 MAX_PER_POLL = 16
 
@@ -51,7 +50,7 @@ class Ack(BaseModel):
 @router.post("/{session_id}/commands", response_model=Command, status_code=202)
 async def send(session_id: SessionId, body: CommandIn, who: Admin, broker: BrokerDep) -> Command:
     """Queue a command for the session's agent (admin only)."""
-    session = await load(broker, session_id)
+    session = await visible(broker, who, session_id)
     if session.state == "finished":
         raise HTTPException(
             409, f"session {session_id!r} has finished: nobody will receive {body.command!r}"
@@ -78,30 +77,37 @@ async def poll(
     broker: BrokerDep,
     wait: Annotated[float, Query(ge=0, le=300, description="seconds to wait for a command")] = 20.0,
 ) -> CommandList:
-    """Long-poll: unacknowledged commands at once, else wait up to ``wait`` seconds for new ones."""
+    """Long-poll: unacknowledged commands at once, else wait up to ``wait`` seconds for new ones.
+
+    Commands come oldest first, redelivered ones too; ``delivered`` is recorded
+    once per command, when it first leaves the queue."""
     session = await owned(broker, who, session_id)
     await broker.redis.set(keys.alive(session_id), "1", ex=broker.settings.heartbeat_ttl_seconds)
     pending = await broker.redis.lrange(keys.delivered(session_id), 0, MAX_PER_POLL - 1)
-    if not pending:
-        pending = await _take(broker, session_id, int(min(wait, broker.settings.max_poll_seconds)))
-    commands = [Command.model_validate_json(raw) for raw in pending]
+    if pending:
+        return CommandList(commands=[Command.model_validate_json(raw) for raw in pending])
+    with broker.waiting("command poll"):
+        taken = await _take(broker, session_id, min(wait, broker.settings.max_poll_seconds))
+    commands = [Command.model_validate_json(raw) for raw in taken]
     for command in commands:
         await _record(broker, session, command, "delivered")
     return CommandList(commands=commands)
 
 
 async def _take(broker: Broker, session_id: str, wait: float) -> list[str]:
+    """Move up to MAX_PER_POLL commands, oldest first, from the queue's right end
+    to the right end of ``delivered`` (which so stays oldest first)."""
     src, dst = keys.commands(session_id), keys.delivered(session_id)
     first = (
-        await broker.redis.blmove(src, dst, wait, "RIGHT", "LEFT")
-        if wait
-        else await broker.redis.lmove(src, dst, "RIGHT", "LEFT")
+        await broker.blocking.blmove(src, dst, wait, "RIGHT", "RIGHT")
+        if wait >= 0.01
+        else await broker.redis.lmove(src, dst, "RIGHT", "RIGHT")
     )
     if first is None:
         return []
     taken = [first]
     while len(taken) < MAX_PER_POLL and (
-        more := await broker.redis.lmove(src, dst, "RIGHT", "LEFT")
+        more := await broker.redis.lmove(src, dst, "RIGHT", "RIGHT")
     ):
         taken.append(more)
     await broker.redis.expire(dst, broker.settings.retention_seconds)
@@ -139,11 +145,7 @@ async def _record(
     }
     if detail is not None:
         fields["detail"] = detail
-    event_id = (
-        f"cmd-{command.id}-{state}"
-        if state != "delivered"
-        else f"cmd-{command.id}-delivered-{time.time_ns()}"
-    )
+    event_id = f"cmd-{command.id}-{state}"
     await ingest(
         broker,
         [EventIn(id=event_id, session=session.id, kind="command", time=None, fields=fields)],

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Annotated, Any
 
-from fastapi import Request
+from fastapi import Depends, HTTPException, Request
 
 from breakpod_broker.settings import BrokerSettings
 
@@ -24,8 +26,42 @@ class Broker:
     tokens: TokenStore
     metrics: Metrics
     notifiers: Dispatcher
+    # a second client for BLMOVE/XREAD BLOCK: a socket timeout longer than any
+    # block, and its own bounded pool, so waiters never starve ordinary requests
+    blocking: Any = None
+    waiters: int = 0
+
+    def room(self, what: str) -> None:
+        """429 when the replica already serves ``max_waiters`` long polls and streams."""
+        limit = self.settings.max_waiters
+        if self.waiters >= limit:
+            raise HTTPException(
+                429,
+                f"this broker replica already serves {limit} long polls and streams: "
+                f"retry the {what} later (or raise BREAKPOD_MAX_WAITERS)",
+                {"Retry-After": "5"},
+            )
+
+    @contextlib.contextmanager
+    def waiting(self, what: str, check: bool = True) -> Iterator[None]:
+        """Hold one of the replica's ``max_waiters`` slots (429 when none is free)."""
+        if check:
+            self.room(what)
+        self.waiters += 1
+        try:
+            yield
+        finally:
+            self.waiters -= 1
 
 
 def get_broker(request: Request) -> Broker:
     broker: Broker = request.app.state.broker
     return broker
+
+
+BrokerDep = Annotated[Broker, Depends(get_broker)]
+
+
+async def healthz() -> dict[str, str]:
+    """The process is up (no token needed): the broker's and the webhook's."""
+    return {"status": "ok"}

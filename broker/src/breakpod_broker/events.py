@@ -10,7 +10,9 @@ session in the same Lua call, so replicas never disagree.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import re
 import time
 from collections.abc import AsyncIterator
@@ -21,15 +23,18 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from breakpod_broker import keys
-from breakpod_broker.auth import Agent, Principal, Viewer
-from breakpod_broker.context import Broker, get_broker
+from breakpod_broker.auth import Agent, Credentials, Principal, Viewer
+from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.sessions import ADDRESS_PATTERN, ID_PATTERN, SessionOut, check_owner, read_many
 from breakpod_broker.settings import EventKind
 
 router = APIRouter(prefix="/v1/events", tags=["events"])
-BrokerDep = Annotated[Broker, Depends(get_broker)]
-MAX_BATCH = 1000
-SSE_BLOCK_MS = 5000
+MAX_BATCH = 10_000  # the schema's bound; settings.max_batch is the one applied
+SSE_BLOCK_MS = 2000  # also the keepalive period of an idle stream
+TOKEN_RECHECK_SECONDS = 2.0  # an SSE stream ends this long (+ one block) after revocation
+SCAN_CHUNK = 1000
+SCAN_CHUNKS = 10  # a query reads at most SCAN_CHUNK * SCAN_CHUNKS entries
+MAX_ID = 2**64 - 1
 CURSOR = re.compile(r"^\d{1,20}-\d{1,20}$")
 ADDRESS = re.compile(ADDRESS_PATTERN)
 
@@ -47,6 +52,7 @@ STATE_OF_KIND = {
 #       n x (event id, document), then per state change: index, state, reason,
 #       address, listener. Returns the cursors joined by "," ("" = duplicate):
 #       one bulk reply and two arguments per event keep redis-py's share small.
+# A session hash that expired meanwhile is not recreated (without TTL or owner).
 INGEST_LUA = """
 local n = tonumber(ARGV[6])
 local out = {}
@@ -59,8 +65,9 @@ for i = 1, n do
     out[i] = ''
   end
 end
+local live = redis.call('EXISTS', KEYS[3]) == 1
 for b = 7 + 2 * n, #ARGV - 1, 5 do
-  if out[tonumber(ARGV[b])] ~= '' then
+  if live and out[tonumber(ARGV[b])] ~= '' then
     if ARGV[b + 1] ~= '' then
       redis.call('HSET', KEYS[3], 'state', ARGV[b + 1], 'reason', ARGV[b + 2])
     end
@@ -70,13 +77,14 @@ for b = 7 + 2 * n, #ARGV - 1, 5 do
   end
 end
 redis.call('EXPIRE', KEYS[2], ARGV[4])
+if live then redis.call('EXPIRE', KEYS[3], ARGV[4]) end
 return table.concat(out, ',')
 """
 
 
 class EventIn(BaseModel):
     id: str = Field(
-        pattern=r"^[A-Za-z0-9._:-]{1,128}$", description="chosen by the sender; retries reuse it"
+        pattern=r"^[A-Za-z0-9._-]{1,128}$", description="chosen by the sender; retries reuse it"
     )
     session: str = Field(pattern=ID_PATTERN)
     kind: EventKind
@@ -110,6 +118,9 @@ class EventPage(BaseModel):
 @router.post("", response_model=IngestResult)
 async def post_events(batch: EventBatch, who: Agent, broker: BrokerDep) -> IngestResult:
     """Store a batch of events; an agent token may write only its own sessions' events."""
+    most = broker.settings.max_batch
+    if len(batch.events) > most:
+        raise HTTPException(413, f"{len(batch.events)} events in one batch: send at most {most}")
     sessions = await _sessions_for(broker, who, {e.session for e in batch.events})
     return await ingest(broker, batch.events, sessions)
 
@@ -118,7 +129,7 @@ async def _sessions_for(broker: Broker, who: Principal, ids: set[str]) -> dict[s
     ordered = sorted(ids)
     found = dict(zip(ordered, await read_many(broker, ordered), strict=True))
     for session_id, session in found.items():
-        if session is None:
+        if session is None or not who.may_see(session.namespace):
             raise HTTPException(
                 404, f"no session {session_id!r}: register it first (PUT /v1/sessions/{session_id})"
             )
@@ -152,7 +163,7 @@ async def ingest(
             cursors[i] = cursor or None
     accepted = [{**d, "cursor": c} for d, c in zip(docs, cursors, strict=True) if c is not None]
     broker.metrics.ingested(accepted, duplicates=len(events) - len(accepted))
-    broker.notifiers.dispatch(accepted, sessions)
+    await broker.notifiers.enqueue(accepted, sessions)
     return IngestResult(
         accepted=len(accepted), duplicates=len(events) - len(accepted), cursors=cursors
     )
@@ -188,7 +199,7 @@ def _lua_args(
     changes: list[Any] = []
     for n, i in enumerate(indexes, start=1):
         event = events[i]
-        args += [event.id, json.dumps(docs[i], default=str)]
+        args += [event.id, _dumps(docs[i])]
         state = STATE_OF_KIND.get(event.kind, "")
         address, backend = _listener(event)
         if state or address:
@@ -196,6 +207,28 @@ def _lua_args(
             reason = str(fields.get("reason") or fields.get("why") or "") if state else ""
             changes += [n, state, reason[:2000], address, backend]
     return args + changes
+
+
+def _dumps(doc: dict[str, Any]) -> str:
+    """Strict JSON; NaN and infinities in ``doc``'s fields are replaced in place
+    (only then: walking every event's fields would slow ingest down)."""
+    try:
+        return json.dumps(doc, default=str, allow_nan=False)
+    except ValueError:
+        doc["fields"] = finite(doc["fields"])
+        return json.dumps(doc, default=str, allow_nan=False)
+
+
+def finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as "nan", "inf", "-inf": JSON has no such
+    numbers, and Python's json writes them as invalid tokens (NaN, Infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
 
 
 def _listener(event: EventIn) -> tuple[str, str]:
@@ -222,6 +255,13 @@ class Filters:
     @property
     def stream(self) -> str:
         return keys.session_events(self.session) if self.session else keys.EVENTS
+
+    def needles(self, who: Principal) -> list[list[str]]:
+        """Groups of texts; a stored event can match only if it holds one of each group."""
+        groups = [[f'"kind": {json.dumps(k)}' for k in sorted(self.kinds)]] if self.kinds else []
+        if who.namespaces is not None:  # may_see: "" stands for events without a namespace
+            groups.append([f'"namespace": {json.dumps(n or None)}' for n in who.namespaces])
+        return groups
 
     def match(self, who: Principal, doc: dict[str, Any]) -> bool:
         return (not self.kinds or doc.get("kind") in self.kinds) and who.may_see(
@@ -264,35 +304,52 @@ async def _scan(
     start: str = "-",
     newest_first: bool = False,
 ) -> list[dict[str, Any]]:
-    """Walk the stream in chunks until ``limit`` matches (at most 50 chunks)."""
+    """Walk the stream in chunks until ``limit`` matches (at most SCAN_CHUNKS chunks),
+    decoding in a worker thread so other requests go on meanwhile."""
     found: list[dict[str, Any]] = []
     position = "+" if newest_first else start
-    for _ in range(50):
+    for _ in range(SCAN_CHUNKS):
         if newest_first:
-            chunk = await broker.redis.xrevrange(filters.stream, position, "-", count=1000)
+            chunk = await broker.redis.xrevrange(filters.stream, position, "-", count=SCAN_CHUNK)
         else:
-            chunk = await broker.redis.xrange(filters.stream, position, "+", count=1000)
-        docs = [_decode(c, f) for c, f in chunk]
-        found += [d for d in docs if filters.match(who, d)]
-        if len(chunk) < 1000 or len(found) >= limit:
+            chunk = await broker.redis.xrange(filters.stream, position, "+", count=SCAN_CHUNK)
+        found += await asyncio.to_thread(_matching, chunk, filters, who)
+        if len(chunk) < SCAN_CHUNK or len(found) >= limit:
             break
         position = "(" + chunk[-1][0]
     return found[:limit]
 
 
+def _matching(
+    chunk: list[tuple[str, dict[str, str]]], filters: Filters, who: Principal
+) -> list[dict[str, Any]]:
+    """The chunk's entries that pass the filters; entries whose stored text cannot
+    match (json.dumps wrote it, so the needles are exact) are not decoded at all."""
+    needles = filters.needles(who)
+    return [
+        doc
+        for cursor, fields in chunk
+        if all(any(n in fields["event"] for n in group) for group in needles)
+        and filters.match(who, doc := _decode(cursor, fields))
+    ]
+
+
 def _decode(cursor: str, fields: dict[str, str]) -> dict[str, Any]:
-    doc: dict[str, Any] = json.loads(fields["event"])
+    raw = fields["event"]
+    doc: dict[str, Any] = json.loads(raw)
+    if "NaN" in raw or "Infinity" in raw:  # stored before ingest normalised them
+        doc = finite(doc)
     doc["cursor"] = cursor
     return doc
 
 
 def is_cursor(text: str) -> bool:
-    return bool(CURSOR.match(text)) and all(int(part) < 2**64 for part in text.split("-"))
+    return bool(CURSOR.match(text)) and all(int(part) <= MAX_ID for part in text.split("-"))
 
 
 def parse_since(since: str) -> str:
     """A cursor means "after it"; a number of unix seconds means "from then on"."""
-    if is_cursor(since):
+    if is_cursor(since) and since != f"{MAX_ID}-{MAX_ID}":  # nothing is after the last id
         return "(" + since
     try:
         seconds = float(since)
@@ -312,19 +369,25 @@ def parse_since(since: str) -> str:
 )
 async def stream_events(
     who: Viewer,
+    credentials: Credentials,
     broker: BrokerDep,
     filters: Annotated[Filters, Depends()],
     since: Since = None,
     last_event_id: Annotated[str | None, Header(max_length=64)] = None,
 ) -> StreamingResponse:
-    """Server-Sent Events as they arrive (from any replica); resumes at Last-Event-ID."""
+    """Server-Sent Events as they arrive (from any replica); resumes at Last-Event-ID.
+
+    A stream ends when its token is revoked (checked every few seconds) and after
+    ``max_stream_seconds``; clients reconnect with Last-Event-ID and lose nothing."""
+    broker.room("event stream")
     resume = last_event_id if last_event_id and is_cursor(last_event_id) else since
     start = (
         parse_since(resume).lstrip("(") if resume else await _last_cursor(broker, filters.stream)
     )
     if resume and not is_cursor(resume):  # seconds: include that millisecond
         start = _before(start)
-    body = _sse(broker, who, filters, start)
+    assert credentials is not None  # Viewer checked it
+    body = _sse(broker, Watch(who, credentials.credentials, filters), start)
     return StreamingResponse(
         body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
@@ -337,19 +400,36 @@ async def _last_cursor(broker: Broker, stream: str) -> str:
 
 def _before(cursor: str) -> str:
     ms = int(cursor.split("-")[0])
-    return f"{max(ms - 1, 0)}-{2**64 - 1 if ms else 0}"
+    return f"{max(ms - 1, 0)}-{MAX_ID if ms else 0}"
 
 
-async def _sse(broker: Broker, who: Principal, filters: Filters, cursor: str) -> AsyncIterator[str]:
+@dataclasses.dataclass
+class Watch:
+    """Who reads an SSE stream, with the token to re-check, and what they asked for."""
+
+    who: Principal
+    token: str
+    filters: Filters
+
+
+async def _sse(broker: Broker, watch: Watch, cursor: str) -> AsyncIterator[str]:
     yield "retry: 1000\n\n"
-    while True:
-        reply = await broker.redis.xread({filters.stream: cursor}, count=500, block=SSE_BLOCK_MS)
-        if not reply:
-            yield ": keepalive\n\n"
-            continue
-        for entry_id, fields in reply[0][1]:
-            cursor = entry_id
-            doc = _decode(entry_id, fields)
-            if filters.match(who, doc):
-                yield f"id: {entry_id}\nevent: {doc['kind']}\ndata: {json.dumps(doc)}\n\n"
-        await asyncio.sleep(0)
+    started = checked = time.monotonic()
+    stream, filters, who = watch.filters.stream, watch.filters, watch.who
+    with broker.waiting("event stream", check=False):
+        while time.monotonic() - started < broker.settings.max_stream_seconds:
+            if time.monotonic() - checked >= TOKEN_RECHECK_SECONDS:
+                if await broker.tokens.lookup(watch.token) != who:
+                    return  # revoked (or changed): the client gets 401 when it reconnects
+                checked = time.monotonic()
+            reply = await broker.blocking.xread({stream: cursor}, count=500, block=SSE_BLOCK_MS)
+            if not reply:
+                yield ": keepalive\n\n"
+                continue
+            for entry_id, fields in reply[0][1]:
+                cursor = entry_id
+                doc = _decode(entry_id, fields)
+                if filters.match(who, doc):
+                    data = json.dumps(doc, allow_nan=False)
+                    yield f"id: {entry_id}\nevent: {doc['kind']}\ndata: {data}\n\n"
+            await asyncio.sleep(0)

@@ -18,6 +18,11 @@ EVENTS = PREFIX + "events"
 # through the API (static ones come from settings). No TTL: deleted explicitly.
 TOKENS = PREFIX + "tokens"
 
+# Stream of notifier jobs, one per (notifier, event), read by the consumer group
+# "notifiers" of all replicas; an entry is deleted once delivered or given up.
+NOTIFY = PREFIX + "notify"
+NOTIFY_MAXLEN = 100_000
+
 # Stream of notifier delivery failures, trimmed to NOTIFIER_FAILURES_MAXLEN.
 NOTIFIER_FAILURES = PREFIX + "notifier-failures"
 NOTIFIER_FAILURES_MAXLEN = 1000

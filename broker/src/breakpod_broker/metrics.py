@@ -1,17 +1,20 @@
 """Prometheus metrics of one broker process (scrape every replica).
 
 Counters are per process; ``breakpod_sessions`` is read from Redis at scrape
-time, so every replica reports the same, cluster-wide numbers.
+time (at most every settings.metrics_cache_seconds), so every replica reports the same,
+cluster-wide numbers.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+Counting = Callable[[], Awaitable[dict[str, int]]]
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 
 
@@ -46,6 +49,8 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self._counts: dict[str, int] = {}
+        self._counted_at = -float("inf")
 
     def ingested(self, docs: list[dict[str, Any]], duplicates: int) -> None:
         for kind, count in collections.Counter(d["kind"] for d in docs).items():
@@ -59,6 +64,12 @@ class Metrics:
         elapsed = time.perf_counter() - started
         self.redis_latency.labels("ping").observe(elapsed)
         return elapsed
+
+    async def session_counts(self, count: Counting, every: float) -> dict[str, int]:
+        """``count()`` at most every ``every`` seconds: it reads every session from Redis."""
+        if time.monotonic() - self._counted_at >= every:
+            self._counts, self._counted_at = await count(), time.monotonic()
+        return self._counts
 
     def render(self, sessions_by_state: dict[str, int]) -> bytes:
         for state in ("running", "parked", "attached", "stalled", "finished", "lost"):

@@ -6,35 +6,72 @@ without a word is listed as ``lost`` instead of vanishing.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, HTTPException, Path, Query
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, HTTPException, Path, Query
+from pydantic import BaseModel, Field, ValidationError
 
 from breakpod_broker import keys
 from breakpod_broker.auth import Agent, Principal, Role, Viewer
-from breakpod_broker.context import Broker, get_broker
+from breakpod_broker.context import Broker, BrokerDep
 
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+# no ":" in ids: Redis keys join a session id and an event id with ":"
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SessionId = Annotated[str, Path(pattern=ID_PATTERN, description="session id chosen by the agent")]
 State = Literal["running", "parked", "attached", "stalled", "finished"]
 ADDRESS_PATTERN = r"^\[?[A-Za-z0-9._:-]{1,200}\]?:\d{1,5}$"
+# Kubernetes object names (they reach the engineer's kubectl): DNS-1123 label / subdomain
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 Name = Annotated[str | None, Field(max_length=253)]
+Label = Annotated[str | None, Field(pattern=DNS_LABEL, examples=["ml-team"])]
+Subdomain = Annotated[
+    str | None, Field(max_length=253, pattern=DNS_SUBDOMAIN, examples=["train-0"])
+]
 Address = Annotated[str | None, Field(pattern=ADDRESS_PATTERN, examples=["127.0.0.1:5678"])]
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
-BrokerDep = Annotated[Broker, Depends(get_broker)]
+log = logging.getLogger(__name__)
+
+# KEYS: session hash, alive key, session index. ARGV: token id, "1" if that token
+# may only write sessions it owns, now, retention, heartbeat ttl, session id,
+# n fields to clear, the n names, then field/value pairs. Returns the owner
+# when the session belongs to another token (nothing written), else "".
+# One script, so two agents registering one new id get exactly one owner.
+REGISTER_LUA = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner and owner ~= ARGV[1] and ARGV[2] == '1' then return owner end
+local n = tonumber(ARGV[7])
+redis.call('HSETNX', KEYS[1], 'created', ARGV[3])
+redis.call('HSETNX', KEYS[1], 'owner', ARGV[1])
+if n > 0 then redis.call('HDEL', KEYS[1], unpack(ARGV, 8, 7 + n)) end
+if #ARGV > 7 + n then redis.call('HSET', KEYS[1], unpack(ARGV, 8 + n)) end
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[6])
+return ''
+"""
+
+# KEYS: session hashes. ARGV: their ids. Drops from the index only ids whose
+# hash is still gone (another replica may have re-registered one meanwhile).
+PRUNE_LUA = """
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 0 then redis.call('ZREM', ARGV[#ARGV], ARGV[i]) end
+end
+return 0
+"""
 
 
 class SessionIn(BaseModel):
     """What an agent says about itself when it registers."""
 
     job: Name = None
-    pod: Name = None
-    namespace: Name = None
-    node: Name = None
-    container: Name = None
+    pod: Subdomain = None
+    namespace: Label = None
+    node: Subdomain = None
+    container: Label = None
     host: Name = None
     pid: int | None = Field(default=None, ge=0, le=2**31)
     rank: int | None = Field(default=None, ge=0, le=1 << 20)
@@ -80,17 +117,21 @@ async def register(
         raise HTTPException(
             403, f"this token may not register sessions in namespace {body.namespace!r}"
         )
-    existing = await broker.redis.hget(keys.session(session_id), "owner")
-    check_owner(who, session_id, existing)
     now = time.time()
-    fields = {k: str(v) for k, v in body.model_dump(exclude_none=True).items()}
-    fields.update(updated=str(now), last_seen=str(now), owner=existing or who.token_id)
-    async with broker.redis.pipeline(transaction=True) as pipe:
-        pipe.hsetnx(keys.session(session_id), "created", str(now))
-        pipe.hdel(keys.session(session_id), *_cleared(body))
-        pipe.hset(keys.session(session_id), mapping=fields)
-        _touch(pipe, broker, session_id, now)
-        await pipe.execute()
+    fields = {**_strings(body), "updated": str(now), "last_seen": str(now)}
+    cleared = [k for k, v in body.model_dump().items() if v is None]
+    s = broker.settings
+    other = await broker.redis.eval(
+        REGISTER_LUA,
+        3,
+        keys.session(session_id),
+        keys.alive(session_id),
+        keys.SESSIONS,
+        *(who.token_id, "1" if who.role is Role.agent else "0", now, s.retention_seconds),
+        *(s.heartbeat_ttl_seconds, session_id, len(cleared), *cleared),
+        *(x for pair in fields.items() for x in pair),
+    )
+    check_owner(who, session_id, other or None)
     return await load(broker, session_id)
 
 
@@ -101,9 +142,8 @@ async def heartbeat(
     """Keep a session alive (and optionally change its state)."""
     await owned(broker, who, session_id)
     now = time.time()
-    fields = {k: str(v) for k, v in body.model_dump(exclude_none=True).items()}
     async with broker.redis.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.session(session_id), mapping={**fields, "last_seen": str(now)})
+        pipe.hset(keys.session(session_id), mapping={**_strings(body), "last_seen": str(now)})
         _touch(pipe, broker, session_id, now)
         await pipe.execute()
     return await load(broker, session_id)
@@ -122,6 +162,11 @@ async def list_sessions(
 
 @router.get("/{session_id}", response_model=SessionOut)
 async def get_session(session_id: SessionId, who: Viewer, broker: BrokerDep) -> SessionOut:
+    return await visible(broker, who, session_id)
+
+
+async def visible(broker: Broker, who: Principal, session_id: str) -> SessionOut:
+    """The session, if ``who``'s namespaces include it; 404 (not 403: no hint) otherwise."""
     session = await load(broker, session_id)
     if not who.may_see(session.namespace):
         raise HTTPException(404, f"no session {session_id!r}")
@@ -135,7 +180,7 @@ def check_owner(who: Principal, session_id: str, owner: str | None) -> None:
 
 async def owned(broker: Broker, who: Principal, session_id: str) -> SessionOut:
     """The session, if ``who`` may write to it; 404/403 otherwise."""
-    session = await load(broker, session_id)
+    session = await visible(broker, who, session_id)
     check_owner(who, session_id, session.owner)
     return session
 
@@ -165,8 +210,10 @@ async def read_many(broker: Broker, session_ids: list[str]) -> list[SessionOut |
         _decode(i, f, a) for i, f, a in zip(session_ids, replies[::2], replies[1::2], strict=True)
     ]
     gone = [i for i, s in zip(session_ids, found, strict=True) if s is None]
-    if gone:
-        await broker.redis.zrem(keys.SESSIONS, *gone)  # expired: prune the index
+    if gone:  # expired: prune the index
+        await broker.redis.eval(
+            PRUNE_LUA, len(gone), *map(keys.session, gone), *gone, keys.SESSIONS
+        )
     return found
 
 
@@ -175,7 +222,13 @@ def _decode(session_id: str, fields: dict[str, str], alive: int) -> SessionOut |
         return None
     if not alive and fields.get("state") != "finished":
         fields["state"] = "lost"
-    return SessionOut.model_validate({**fields, "id": session_id})
+    data = {**fields, "id": session_id}
+    try:
+        return SessionOut.model_validate(data)
+    except ValidationError as e:  # stored by an older, laxer broker: drop what is invalid
+        bad = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
+        log.warning("session %s: dropping stored fields that fail validation: %s", session_id, bad)
+        return SessionOut.model_validate({k: v for k, v in data.items() if k not in bad})
 
 
 def _touch(pipe: Any, broker: Broker, session_id: str, now: float) -> None:
@@ -185,9 +238,9 @@ def _touch(pipe: Any, broker: Broker, session_id: str, now: float) -> None:
     pipe.zadd(keys.SESSIONS, {session_id: now})
 
 
-def _cleared(body: SessionIn) -> list[str]:
-    """Fields a re-registration leaves unset are removed, not kept stale."""
-    return [k for k, v in body.model_dump().items() if v is None] or ["-"]
+def _strings(body: BaseModel) -> dict[str, str]:
+    """The fields set in ``body``, as the strings a Redis hash holds."""
+    return {k: str(v) for k, v in body.model_dump(exclude_none=True).items()}
 
 
 async def counts_by_state(broker: Broker) -> dict[str, int]:

@@ -52,6 +52,8 @@ class BrokerSettings(BaseSettings):
     broker_tokens: str = ""  # "role:token,role:token"
     tokens_file: Path | None = None
     notifiers: list[Notifier] = Field(default_factory=list)  # JSON in BREAKPOD_NOTIFIERS
+    # a notifier job a replica took but did not finish this long ago is taken over
+    notify_claim_seconds: float = Field(default=300.0, gt=0)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     max_batch: int = Field(default=1000, ge=1, le=10_000)
     global_stream_maxlen: int = Field(default=100_000, ge=100)
@@ -60,3 +62,7 @@ class BrokerSettings(BaseSettings):
     retention_seconds: int = Field(default=7 * 24 * 3600, ge=60)
     dedup_seconds: int = Field(default=3600, ge=1)
     max_poll_seconds: float = Field(default=30.0, gt=0, le=300)
+    # long polls + SSE streams one replica serves at once (each may hold a Redis connection)
+    max_waiters: int = Field(default=256, ge=1, le=10_000)
+    metrics_cache_seconds: float = Field(default=15.0, ge=0)  # /metrics session counts
+    max_stream_seconds: float = Field(default=3600.0, gt=0)  # SSE clients then resume
