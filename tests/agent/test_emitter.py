@@ -143,3 +143,10 @@ def test_a_token_read_from_a_file_keeps_working_and_a_garbled_one_is_refused():
     assert BrokerClient("http://127.0.0.1:9", "s3cret\n").token == "s3cret"
     with pytest.raises(BrokerError, match="control characters"):
         BrokerClient("http://127.0.0.1:9", "s3c\x00ret")
+
+
+def test_names_that_are_not_kubernetes_names_are_left_out_of_the_registration():
+    good = identity.describe({"POD_NAME": "train-0", "POD_NAMESPACE": "ml", "NODE_NAME": "n-1.a"})
+    assert (good["pod"], good["namespace"], good["node"]) == ("train-0", "ml", "n-1.a")
+    bad = identity.describe({"POD_NAME": "x --server=https://evil", "POD_NAMESPACE": "ML_x"})
+    assert "pod" not in bad and "namespace" not in bad

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,22 @@ def test_cli_without_a_broker_says_how_to_set_one(tmp_path: Path):
         timeout=30,
     )
     assert result.returncode == 2 and "BREAKPOD_BROKER_URL" in result.stderr
+
+
+def test_events_follow_resumes_when_the_broker_ends_the_stream(start_broker):
+    broker = start_broker(BREAKPOD_MAX_STREAM_SECONDS="1")
+    register(broker, "s1")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
+    cmd = [sys.executable, "-m", "breakpod.cli", "events", "-f", "--broker", broker.url]
+    proc = subprocess.Popen([*cmd, "--token", VIEWER], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        with broker.client(AGENT) as c:
+            for i in range(2):
+                time.sleep(2.5)  # longer than the stream's lifetime: the CLI reconnected
+                event = {"id": f"e{i}", "session": "s1", "kind": "anomaly", "fields": {"n": i}}
+                c.post("/v1/events", json={"events": [event]})
+                assert f"n={i}" in proc.stdout.readline()
+    finally:
+        proc.kill()
+        proc.wait(5)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -53,10 +54,27 @@ class BrokerClient:
         return self._decode(method, path, response.status, payload)
 
     def stream(self, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
-        """Server-Sent Events from ``path`` as (event kind, data), until closed."""
+        """Server-Sent Events from ``path`` as (event kind, data), for good: when the
+        broker ends a stream (its lifetime, a token re-check), it resumes where it
+        left off with ``Last-Event-ID``; a revoked token ends it with a BrokerError."""
+        last_id: str | None = None
+        resume = f"{path}{'&' if '?' in path else '?'}since={time.time():.3f}"  # none seen yet
+        while True:
+            for kind, data, event_id in self._stream_once(path, last_id):
+                last_id = event_id or last_id
+                yield kind, data
+            time.sleep(0.5)  # the broker ended the stream: reconnect, gently
+            path = path if last_id else resume
+
+    def _stream_once(
+        self, path: str, last_id: str | None
+    ) -> Iterator[tuple[str, dict[str, Any], str | None]]:
         conn = self._connect(None)
+        headers = self._headers(None, sse=True)
+        if last_id:
+            headers["Last-Event-ID"] = last_id
         try:
-            conn.request("GET", self.base + path, headers=self._headers(None, sse=True))
+            conn.request("GET", self.base + path, headers=headers)
             response = conn.getresponse()
             if response.status != 200:
                 self._decode("GET", path, response.status, response.read())
@@ -128,18 +146,22 @@ def _explain(method: str, path: str, status: int, body: Any, url: str) -> str:
     return f"broker: {method} {path} -> HTTP {status}: {detail}"
 
 
-def _sse_events(response: http.client.HTTPResponse) -> Iterator[tuple[str, dict[str, Any]]]:
-    kind, data = "message", ""
+def _sse_events(
+    response: http.client.HTTPResponse,
+) -> Iterator[tuple[str, dict[str, Any], str | None]]:
+    kind, data, event_id = "message", "", None
     for raw in response:
         line = raw.decode(errors="replace").rstrip("\r\n")
         if not line:
             if data:
-                yield kind, json.loads(data)
-            kind, data = "message", ""
+                yield kind, json.loads(data), event_id
+            kind, data, event_id = "message", "", None
         elif line.startswith("event:"):
             kind = line[6:].strip()
         elif line.startswith("data:"):
             data += line[5:].strip()
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()
 
 
 def _clean_token(token: str | None) -> str | None:

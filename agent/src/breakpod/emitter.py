@@ -226,6 +226,10 @@ class Emitter:
                 backoff, self._reachable = 0.25, True
             except BrokerError as e:
                 self._reachable = e.status is not None
+                if e.status == 422 and not self._registered.is_set():  # retrying cannot help
+                    announce(f"the broker refused this session, not reporting to it: {e}")
+                    self._stop.set()
+                    return
                 self._warn_once("send", f"broker unreachable, events queued ({e})")
             except Exception as e:  # a bug here must not kill reporting, nor the job
                 self._warn_once("send-bug", f"reporting failed ({type(e).__name__}: {e})")
@@ -316,6 +320,8 @@ class Emitter:
                 if isinstance(e, BrokerError) and e.status == 404:
                     self._registered.clear()
                     self._wake.set()
+                elif isinstance(e, BrokerError) and e.status == 429:  # the replica is full
+                    backoff = max(backoff, 5.0)
                 elif not isinstance(e, BrokerError):
                     self._warn_once("poll-bug", f"command poll failed ({type(e).__name__}: {e})")
                 self._stop.wait(backoff)

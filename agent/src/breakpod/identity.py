@@ -16,6 +16,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+# Kubernetes object names; the broker refuses anything else (they end up in kubectl argv).
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+DNS_SUBDOMAIN = re.compile(rf"(?=.{{1,253}}$){DNS_LABEL.pattern}(\.{DNS_LABEL.pattern})*")
 CONTAINER_ID = re.compile(r"(?:docker[-/]|containers/|cri-containerd-|crio-)([0-9a-f]{64})")
 
 
@@ -24,9 +27,9 @@ def describe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     env = os.environ if env is None else env
     info: dict[str, Any] = {
         "job": env.get("BREAKPOD_JOB") or _job_name(env),
-        "pod": env.get("POD_NAME"),
-        "namespace": env.get("POD_NAMESPACE"),
-        "node": env.get("NODE_NAME"),
+        "pod": _dns_name(env.get("POD_NAME"), DNS_SUBDOMAIN),
+        "namespace": _dns_name(env.get("POD_NAMESPACE"), DNS_LABEL),
+        "node": _dns_name(env.get("NODE_NAME"), DNS_SUBDOMAIN),
         "container": container_id(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -70,6 +73,11 @@ def container_id() -> str | None:
         if match:
             return match.group(1)[:12]
     return None
+
+
+def _dns_name(value: str | None, shape: re.Pattern[str]) -> str | None:
+    """``value`` when it is a valid Kubernetes name, else ``None`` (left out)."""
+    return value if value and shape.fullmatch(value) else None
 
 
 def _job_name(env: Mapping[str, str]) -> str | None:
