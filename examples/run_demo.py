@@ -4,7 +4,8 @@ broker lists it, and an engineer attaches by session id.
 1. a broker with its embedded Redis on a free 127.0.0.1 port (tokens made here);
 2. examples/train_nan.py with stdin=/dev/null and PYTHONBREAKPOINT=breakpod.set_trace;
 3. once it parks, `breakpod sessions` shows it;
-4. `breakpod attach SESSION`: you type (the command is printed), or, with
+4. `breakpod attach SESSION`: in a terminal, the demo attaches there and you
+   type; otherwise it prints the command for another terminal; or, with
    DEMO_AUTOATTACH=1, a scripted engineer prints `loss`, the input's shape and
    a tensor summary, then continues; the job finishes and exits 0.
 """
@@ -95,7 +96,11 @@ def engineer(url: str, auto: bool) -> None:
     attach = ["attach", session, "--broker", url, "--broker-token", TOKENS["viewer"]]
     if not auto:
         command = " ".join([str(BIN / "breakpod"), *attach])
-        say(f"4/4 attach from another terminal:\n    {command}")
+        if not sys.stdin.isatty():
+            say(f"4/4 attach from another terminal:\n    {command}")
+            return
+        say(f"4/4 attaching in this terminal ({command}); try `p loss`, `tstat x`, then `c`")
+        subprocess.run([str(BIN / "breakpod"), *attach], check=False)
         return
     say(f"4/4 scripted engineer: breakpod attach {session}")
     for line in cli(*attach, stdin=SCRIPT).splitlines():
