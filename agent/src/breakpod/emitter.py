@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 
 ENV_TOKEN = "BREAKPOD_TOKEN"
 ENV_QUEUE = "BREAKPOD_EMIT_QUEUE"
+# The wire protocol's event kinds: the broker validates the same list (settings.EventKind).
 KINDS = frozenset(
     {
         "anomaly",
