@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
 .PHONY: install test lint demo bench clean
-.PHONY: deploy-test helm-lint e2e-kind e2e-docker
+.PHONY: deploy-test helm-lint e2e-kind e2e-docker gpu-check
 
 $(STAMP): agent/pyproject.toml broker/pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,3 +56,7 @@ e2e-docker: $(STAMP)
 # Needs docker, kind, kubectl, openssl and image downloads: not run in CI.
 e2e-kind: $(STAMP)
 	PY=$(PY) scripts/e2e-kind.sh
+
+# On a machine with a CUDA device and its own torch: the gpu-marked tests.
+gpu-check:
+	scripts/gpu-check.sh
