@@ -399,8 +399,7 @@ class Monitor:
         except Exception as e:
             self._fail("step boundary", e)
         watchdog.heartbeat(self.step_count)
-        if emitter.pending_break():  # a `breakpod send ID break`: one flag check
-            _break_in_training_loop(sys._getframe(1))
+        emitter.break_if_requested(_user_frame(sys._getframe(1)))  # `breakpod send ID break`
 
     def _end_step(self, loss: Any) -> None:
         if loss is not None:
@@ -501,44 +500,13 @@ def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
     return [tuple(x.shape) for x in inputs if hasattr(x, "shape")]
 
 
-def _break_in_training_loop(frame: FrameType) -> None:
-    """Park for a broker ``break`` in the training loop, never in torch's code.
-
-    pdb stops at the next traced event, so when torch's optimizer wrapper ran
-    the step hook, the park waits until that wrapper returns to the loop.
-    """
-    user, callee = _user_frame(frame)
-    if callee is None or sys.gettrace() is not None:  # called from the loop, or traced already
-        emitter.request_break()
-        emitter.break_if_requested(user)
-        return
-
-    def on_return(f: FrameType, event: str, arg: Any) -> Any:
-        if event == "return":
-            sys.settrace(None)
-            emitter.request_break()
-            emitter.break_if_requested(user)  # pdb's first stop: the loop's next line
-        return on_return
-
-    callee.f_trace = on_return
-    sys.settrace(_trace_nothing)  # frame-local tracing needs a global trace function
-
-
-def _trace_nothing(frame: FrameType, event: str, arg: Any) -> None:
-    return None
-
-
-def _user_frame(frame: FrameType) -> tuple[FrameType, FrameType | None]:
-    """The innermost frame outside torch and breakpod, and the library frame it called.
-
-    (When the optimizer's step hook ends the step, the caller is torch's wrapper.)
-    Falls back to ``(frame, None)`` when every frame is library code.
-    """
+def _user_frame(frame: FrameType) -> FrameType:
+    """The innermost frame outside torch and breakpod (when the optimizer's step
+    hook ends the step, the caller is torch's wrapper); ``frame`` if there is none."""
     found: FrameType | None = frame
-    callee = None
     while found is not None and _library_frame(found):
-        found, callee = found.f_back, found
-    return (found, callee) if found is not None else (frame, None)
+        found = found.f_back
+    return found if found is not None else frame
 
 
 def _library_frame(frame: FrameType) -> bool:

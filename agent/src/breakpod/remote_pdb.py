@@ -19,7 +19,11 @@ from breakpod import events, watchdog
 from breakpod.listener import ClientIO, Listener
 from breakpod.pdb_commands import CommandsMixin, load_builtin_commands
 
-SKIP = ["breakpod", "breakpod.*"]
+# Stepping never stops inside breakpod or torch (like "just my code"): `s` on
+# model(x) lands in the user's forward(), and a park started from a torch hook
+# (an optimizer step hook) stops at the training loop's next line. Breakpoints
+# set explicitly in those files still stop.
+SKIP = ["breakpod", "breakpod.*", "torch", "torch.*"]
 
 
 class RemoteSession:
