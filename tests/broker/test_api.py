@@ -313,3 +313,13 @@ def test_whoami_answers_every_role_so_doctor_accepts_an_agent_token(broker, toke
         assert c.get("/v1/whoami").json()["role"] in ("agent", "viewer", "admin")
     assert doctor.broker_check(broker.url, token).status == "ok"
     assert doctor.broker_check(broker.url, "wrong-token-00").status == "FAIL"
+
+
+def test_the_broker_accepts_every_event_kind_the_agent_sends():
+    import typing
+
+    from breakpod import emitter
+    from breakpod_broker import events, settings
+
+    assert emitter.KINDS <= set(typing.get_args(settings.EventKind))
+    assert emitter.STATE_OF_KIND.items() <= events.STATE_OF_KIND.items()

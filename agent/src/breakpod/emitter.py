@@ -35,7 +35,8 @@ log = logging.getLogger(__name__)
 
 ENV_TOKEN = "BREAKPOD_TOKEN"
 ENV_QUEUE = "BREAKPOD_EMIT_QUEUE"
-# The wire protocol's event kinds: the broker validates the same list (settings.EventKind).
+# The wire protocol's event kinds the agent sends; the broker accepts these (its
+# settings.EventKind, pinned by a test). Anything else travels as "log".
 KINDS = frozenset(
     {
         "anomaly",
@@ -46,6 +47,7 @@ KINDS = frozenset(
         "detached",
         "resumed",
         "finished",
+        "ci_failure",
         "log",
     }
 )
@@ -188,7 +190,8 @@ class Emitter:
         """Kept so a re-registration (broker lost its Redis) restores the session."""
         state = STATE_OF_KIND.get(kind)
         if state is not None:
-            self.state = {**self.state, "state": state, "reason": fields.get("reason")}
+            reason = fields.get("reason") or fields.get("why")  # as the broker records it
+            self.state = {**self.state, "state": state, "reason": reason}
         if kind in ("parked", "listening") and fields.get("address"):
             backend = fields.get("backend", "pdb")
             self.state = {**self.state, "address": fields["address"], "listener": backend}

@@ -21,6 +21,7 @@ EventKind = Literal[
     "resumed",
     "finished",
     "command",
+    "ci_failure",
     "log",
 ]
 
