@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -14,6 +15,7 @@ import time
 import urllib.parse
 from typing import Any
 
+from breakpod import net
 from breakpod.broker_client import ENV_TOKEN, ENV_URL, BrokerClient
 from breakpod.errors import AttachError, BrokerError
 
@@ -22,15 +24,14 @@ PORT_FORWARD_TIMEOUT = 15.0
 
 def add_broker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broker", metavar="URL", help=f"broker URL (default: ${ENV_URL})")
-    p.add_argument("--token", help=f"broker token (default: ${ENV_TOKEN})")
+    p.add_argument("--token", dest="broker_token", help=f"broker token (default: ${ENV_TOKEN})")
 
 
 def client(args: argparse.Namespace) -> BrokerClient:
     url = getattr(args, "broker", None) or os.environ.get(ENV_URL)
     if not url:
         raise BrokerError(f"no broker given: pass --broker URL or set {ENV_URL}")
-    token = getattr(args, "broker_token", None) or getattr(args, "token", None)
-    return BrokerClient(url, token or os.environ.get(ENV_TOKEN))
+    return BrokerClient(url, args.broker_token or os.environ.get(ENV_TOKEN))
 
 
 def run_sessions(args: argparse.Namespace) -> int:
@@ -127,19 +128,18 @@ def attach_session(args: argparse.Namespace) -> int:
     info = client(args).request(
         "GET", f"/v1/sessions/{args.target}/attach?local_port={_free_port()}"
     )
+    host, port = net.parse_address(info["connect"])
     if args.vscode or info["listener"] == "debugpy":
         launch = info.get("vscode_launch") or json.loads(
-            attach.vscode_launch(*_split(info["connect"]), args.remote_root, args.local_root)
+            attach.vscode_launch(host, port, args.remote_root, args.local_root)
         )
         if info.get("port_forward"):
             print(f"// first run: {info['port_forward']}", file=sys.stderr)
         print(json.dumps(launch, indent=2))
         return 0
-    if info.get("port_forward"):
-        with PortForward(port_forward_argv(info), _split(info["connect"])[1]):
-            attach.attach(*_split(info["connect"]), token=args.token)
-        return 0
-    attach.attach(*_split(info["connect"]), token=args.token)
+    forward = info.get("port_forward")
+    with PortForward(port_forward_argv(info), port) if forward else contextlib.nullcontext():
+        attach.attach(host, port, token=args.token)
     return 0
 
 
@@ -203,11 +203,6 @@ class PortForward:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-
-
-def _split(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host.strip("[]"), int(port)
 
 
 def _free_port() -> int:
