@@ -25,8 +25,6 @@ from breakpod.errors import AnomalyError
 
 log = logging.getLogger(__name__)
 
-PHASES = ("forward", "backward", "param", "loss")
-
 
 @dataclasses.dataclass
 class Anomaly:

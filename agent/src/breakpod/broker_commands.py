@@ -14,8 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from breakpod import debugger, watchdog
-from breakpod.config import Settings
+from breakpod import debugger, shim, watchdog
 from breakpod.listener import Listener
 
 if TYPE_CHECKING:
@@ -52,7 +51,7 @@ def do_resume(emitter: Emitter) -> Result:
         return True, "stopped waiting for a debugger; the program continues"
     if not listener.disconnect():
         return False, "not parked: nothing to resume"
-    if _on_detach() == "wait":  # it waits for the next client: end that wait too
+    if shim.env_settings().on_detach == "wait":  # it waits for the next client: end that wait too
         _interrupt_next_wait(listener)
     return True, "hung up on the attached debugger; the program continues"
 
@@ -68,13 +67,6 @@ def do_dump_stacks(emitter: Emitter) -> Result:
     text = watchdog.format_stacks()
     emitter.emit("log", {"message": "stacks of every thread", "stacks": text})
     return True, text[-MAX_DETAIL:]
-
-
-def _on_detach() -> str:
-    try:
-        return Settings.from_env().on_detach
-    except ValueError:
-        return "continue"
 
 
 def _interrupt_next_wait(listener: Listener, seconds: float = 2.0) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from breakpod import events, identity
 from breakpod.announce import announce
-from breakpod.config import BROKER_URL_ENV
+from breakpod.config import BROKER_URL_ENV, parse_int
 from breakpod.errors import BreakpodError, BrokerError
 
 log = logging.getLogger(__name__)
@@ -81,10 +81,6 @@ def ensure_started() -> Emitter | None:
     return _emitter
 
 
-def current() -> Emitter | None:
-    return _emitter
-
-
 def pending_break() -> bool:
     """True once after a ``break`` command arrived (then cleared). Costs one flag check."""
     if not _break.is_set():
@@ -119,14 +115,12 @@ class Emitter:
         info: dict[str, Any] | None = None,
         queue_size: int = 10_000,
         poll_commands: bool = True,
-        heartbeat_seconds: float = HEARTBEAT_SECONDS,
     ) -> None:
         from breakpod.broker_client import BrokerClient
 
         self.session_id = session_id or identity.session_id()
         self.info = identity.describe() if info is None else info
         self.queue_size = max(1, queue_size)
-        self.heartbeat_seconds = heartbeat_seconds
         self.dropped = self.sent = self.rejected = 0
         self.state: dict[str, Any] = {"state": "running"}
         self._queue: collections.deque[dict[str, Any]] = collections.deque()
@@ -145,11 +139,7 @@ class Emitter:
 
     @classmethod
     def from_env(cls) -> Emitter:
-        raw = os.environ.get(ENV_QUEUE, "10000")
-        try:
-            size = int(raw)
-        except ValueError:
-            raise BrokerError(f"{ENV_QUEUE}={raw!r} is not a number of events") from None
+        size = parse_int(ENV_QUEUE, os.environ.get(ENV_QUEUE, "10000"))  # ConfigError: announced
         return cls(os.environ[BROKER_URL_ENV], os.environ.get(ENV_TOKEN), queue_size=size)
 
     def start(self) -> Emitter:
@@ -221,7 +211,7 @@ class Emitter:
     def _send_loop(self) -> None:
         backoff = 0.25
         while not self._stop.is_set():
-            self._wake.wait(timeout=self.heartbeat_seconds / 3)
+            self._wake.wait(timeout=HEARTBEAT_SECONDS / 3)
             self._wake.clear()
             try:
                 self._register_or_beat()
@@ -258,7 +248,7 @@ class Emitter:
             if e.status == 404:
                 self._registered.clear()
             raise
-        self._next_beat = now + self.heartbeat_seconds
+        self._next_beat = now + HEARTBEAT_SECONDS
 
     def _send_batch(self) -> bool:
         """Send one batch; False when the queue is empty."""

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from breakpod import net
+from breakpod.config import FALSE
 
 # name -> the variable that marks it; the first match wins, plain CI=true last.
 CI_SYSTEMS = (
@@ -58,7 +59,7 @@ def detect(environ: Mapping[str, str] | None = None, root: Path = Path("/")) -> 
 
 def ci_name(env: Mapping[str, str]) -> str | None:
     for name, var in CI_SYSTEMS:
-        if env.get(var, "").strip().lower() not in ("", "0", "false", "no", "off"):
+        if env.get(var, "").strip().lower() not in FALSE:
             return name
     return None
 

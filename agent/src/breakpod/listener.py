@@ -37,12 +37,7 @@ class ClientIO:
 
     def __init__(self) -> None:
         self._sock: socket.socket | None = None
-        self._reader: socket.SocketIO | None = None
         self._buffer = b""
-
-    @property
-    def connected(self) -> bool:
-        return self._sock is not None
 
     def attach(self, sock: socket.socket) -> None:
         self.close()
