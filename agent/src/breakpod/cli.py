@@ -8,6 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from breakpod import __version__
+from breakpod.config import BACKENDS
 from breakpod.errors import BreakpodError
 
 
@@ -97,7 +98,7 @@ def add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--port", metavar="PORT", help="listener port (+ LOCAL_RANK; 0 = any free)")
     p.add_argument("--host", help="listener address (default 127.0.0.1)")
     p.add_argument("--broker", metavar="URL", help="broker to register sessions with")
-    p.add_argument("--backend", choices=("auto", "pdb", "debugpy"), help="debugger backend")
+    p.add_argument("--backend", choices=BACKENDS, help="debugger backend")
     p.add_argument("--keep-compile", action="store_true", help="leave torch.compile enabled")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
     p.set_defaults(func=run_run)

@@ -15,6 +15,7 @@ from typing import Any
 from breakpod.errors import ConfigError
 
 DEFAULT_PORT = 5678
+BACKENDS = ("auto", "pdb", "debugpy")  # auto: debugpy when importable, else pdb
 BROKER_URL_ENV = "BREAKPOD_BROKER_URL"  # read by the emitter, the CLI, run and doctor
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off", ""})
@@ -103,7 +104,7 @@ PARSERS: dict[str, Callable[[str, str], Any]] = {
     "token": parse_str,
     "require_token": parse_bool,
     "allow_insecure": parse_bool,
-    "backend": parse_choice("auto", "pdb", "debugpy"),
+    "backend": parse_choice(*BACKENDS),
     "on_detach": parse_choice("continue", "wait"),
     "quit_mode": parse_choice("detach", "exit"),
     "wait_timeout": parse_seconds,

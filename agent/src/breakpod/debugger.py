@@ -20,7 +20,7 @@ from typing import Any
 
 from breakpod import emitter, events, net
 from breakpod.announce import announce
-from breakpod.config import Settings, format_seconds
+from breakpod.config import BACKENDS, Settings, format_seconds
 from breakpod.errors import BreakpodError, ConfigError
 from breakpod.listener import Listener
 
@@ -124,8 +124,8 @@ def init_remote_debugger(
 
 
 def choose_backend(requested: str) -> str:
-    if requested not in {"auto", "pdb", "debugpy"}:
-        raise ConfigError(f"backend={requested!r} is not one of: auto, pdb, debugpy")
+    if requested not in BACKENDS:
+        raise ConfigError(f"backend={requested!r} is not one of: {', '.join(BACKENDS)}")
     if requested != "auto":
         return requested
     chosen = "debugpy" if importlib.util.find_spec("debugpy") else "pdb"

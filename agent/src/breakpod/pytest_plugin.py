@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from breakpod import hosting, notice
+from breakpod import config, hosting, notice
 from breakpod.announce import announce
 from breakpod.config import (
     DEFAULT_PORT,
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # the debugger modules load only when a failure is held
     from breakpod import debugger, events
 
 HOLD_IN_CI = 600.0
-BACKENDS = ("pdb", "debugpy")
+BACKENDS = tuple(b for b in config.BACKENDS if b != "auto")  # auto would pick for you
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-from breakpod.config import BROKER_URL_ENV, ENV, parse_choice, parse_port, parse_seconds
+from breakpod.config import BACKENDS, BROKER_URL_ENV, ENV, parse_choice, parse_port, parse_seconds
 from breakpod.errors import ConfigError
 
 FORWARDED = frozenset(
@@ -52,7 +52,7 @@ def debug_env(
     if port is not None:
         parse_port("--port", port)
     if backend is not None:
-        parse_choice("auto", "pdb", "debugpy")("--backend", backend)
+        parse_choice(*BACKENDS)("--backend", backend)
     chosen = {
         ENV["hold_seconds"]: hold,
         ENV["port"]: port,
