@@ -153,7 +153,9 @@ class FailureHold:
     def _failure(
         self, test: str, exc: BaseException, tb: TracebackType | None, at: debugger.Endpoint
     ) -> notice.Failure:
-        last = _innermost(tb) if tb is not None else None
+        from breakpod import shim
+
+        last = shim.innermost(tb) if tb is not None else None
         return notice.Failure(
             test=test,
             error=_one_line(exc),
@@ -254,12 +256,6 @@ def _original(exc: BaseException) -> BaseException:
     if isinstance(exc, pytest.Collector.CollectError) and exc.__cause__ is not None:
         return exc.__cause__
     return exc
-
-
-def _innermost(tb: TracebackType) -> TracebackType:
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb
 
 
 def _one_line(exc: BaseException) -> str:

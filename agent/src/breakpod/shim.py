@@ -159,7 +159,7 @@ def post_mortem(
         raise ValueError("post_mortem() needs a traceback, or must run inside an except block")
     settings = env_settings()
     hold = settings.hold_seconds if hold_seconds is None else hold_seconds
-    reason = reason or f"post-mortem at {where(_last_frame(tb))}"
+    reason = reason or f"post-mortem at {where(innermost(tb).tb_frame)}"
     if debugger.debugpy_endpoint() is not None:
         _post_mortem_debugpy(exc, tb, reason, hold)
     elif use_local_pdb(settings):
@@ -207,7 +207,7 @@ def install_excepthook() -> None:
         if tb is None or issubclass(exc_type, KeyboardInterrupt):
             return
         try:
-            reason = f"uncaught {exc_type.__name__} at {where(_last_frame(tb))}"
+            reason = f"uncaught {exc_type.__name__} at {where(innermost(tb).tb_frame)}"
             post_mortem(exc if exc.__traceback__ is tb else tb, reason=reason)
         except Exception as e:
             announce(f"post-mortem failed ({type(e).__name__}: {e})")
@@ -220,10 +220,11 @@ def where(frame: FrameType) -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}()"
 
 
-def _last_frame(tb: TracebackType) -> FrameType:
+def innermost(tb: TracebackType) -> TracebackType:
+    """The traceback entry where the exception was raised."""
     while tb.tb_next is not None:
         tb = tb.tb_next
-    return tb.tb_frame
+    return tb
 
 
 def env_settings() -> Settings:

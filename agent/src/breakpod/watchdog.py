@@ -74,7 +74,7 @@ class Watchdog:
         events.emit("stall", seconds=round(silent, 1), step=self.step, stacks=stacks)
         main = sys._current_frames().get(threading.main_thread().ident or -1)
         if self.action == "inspect" and main is not None:
-            _inspect(main, f"stall at step {self.step}: main thread in {_where(main)}")
+            _inspect(main, self.step)
 
 
 _active: Watchdog | None = None
@@ -127,15 +127,12 @@ def format_stacks() -> str:
     return "\n".join(blocks)
 
 
-def _inspect(frame: FrameType, reason: str) -> None:
+def _inspect(frame: FrameType, step: int | None) -> None:
     from breakpod import shim
     from breakpod.remote_pdb import inspect_remote
 
+    reason = f"stall at step {step}: main thread at {shim.where(frame)}"
     settings = shim.env_settings()
     session = shim.open_session(settings, reason, settings.hold_seconds)
     if session is not None:
         inspect_remote(session, frame, quit_mode="detach")
-
-
-def _where(frame: FrameType) -> str:
-    return f"{frame.f_code.co_name}() at {frame.f_code.co_filename}:{frame.f_lineno}"
