@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from breakpod import hosting
+
 # Kubernetes object names; the broker refuses anything else (they end up in kubectl argv).
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 DNS_SUBDOMAIN = re.compile(rf"(?=.{{1,253}}$){DNS_LABEL.pattern}(\.{DNS_LABEL.pattern})*")
@@ -56,11 +58,16 @@ def session_id(env: Mapping[str, str] | None = None) -> str:
 
 
 def runtime(env: Mapping[str, str]) -> str:
+    """How the broker tells the engineer to reach this process.
+
+    "kubernetes" needs the downward-API pod and namespace (the port-forward
+    names them); any container runtime ``hosting`` detects counts as "docker".
+    """
     if env.get("BREAKPOD_RUNTIME") in ("kubernetes", "compose", "docker", "local"):
         return env["BREAKPOD_RUNTIME"]
     if env.get("POD_NAME") and env.get("POD_NAMESPACE"):
         return "kubernetes"
-    return "docker" if Path("/.dockerenv").exists() else "local"
+    return "docker" if hosting.container_runtime() else "local"
 
 
 def container_id() -> str | None:
