@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
+from breakpod.config import ENV
 from breakpod.errors import AttachError
 from breakpod.listener import TOKEN_PROMPT
 
@@ -109,7 +110,7 @@ def _partial_prompt_length(text: str) -> int:
 
 
 def _token(token: str | None) -> str:
-    token = token or os.environ.get("BREAKPOD_TOKEN")
+    token = token or os.environ.get(ENV["token"])
     if token:
         return token
     if sys.stdin.isatty():

@@ -16,11 +16,11 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
-from breakpod.config import BROKER_URL_ENV
+from breakpod.config import BROKER_URL_ENV, ENV
 from breakpod.errors import BrokerError
 
 ENV_URL = BROKER_URL_ENV
-ENV_TOKEN = "BREAKPOD_TOKEN"
+ENV_TOKEN = ENV["token"]
 
 
 class BrokerClient:

@@ -14,9 +14,9 @@ import sys
 import warnings
 from typing import Any
 
-from breakpod.config import parse_bool
+from breakpod.config import DISABLE_COMPILE_ENV, parse_bool
 
-ENV = "BREAKPOD_DISABLE_COMPILE"
+ENV = DISABLE_COMPILE_ENV
 
 
 def apply_compile_policy(environ: dict[str, str] | None = None) -> bool:

@@ -15,6 +15,8 @@ from typing import Any
 from breakpod.errors import ConfigError
 
 DEFAULT_PORT = 5678
+SHIM = "breakpod.set_trace"  # the PYTHONBREAKPOINT value
+DISABLE_COMPILE_ENV = "BREAKPOD_DISABLE_COMPILE"
 BACKENDS = ("auto", "pdb", "debugpy")  # auto: debugpy when importable, else pdb
 BROKER_URL_ENV = "BREAKPOD_BROKER_URL"  # read by the emitter, the CLI, run and doctor
 TRUE = frozenset({"1", "true", "yes", "on"})

@@ -19,12 +19,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from breakpod import debugger, hosting, net, shim
-from breakpod.config import BROKER_URL_ENV, ENV, Settings, format_seconds, parse_bool
+from breakpod.config import BROKER_URL_ENV, ENV, SHIM, Settings, format_seconds, parse_bool
 from breakpod.errors import BreakpodError
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 HTTP_TIMEOUT = 3.0
-SHIM = "breakpod.set_trace"
 
 
 @dataclasses.dataclass(frozen=True)

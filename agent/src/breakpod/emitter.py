@@ -28,12 +28,12 @@ from typing import Any
 
 from breakpod import events, identity
 from breakpod.announce import announce
-from breakpod.config import BROKER_URL_ENV, parse_int
+from breakpod.config import BROKER_URL_ENV, ENV, parse_int
 from breakpod.errors import BreakpodError, BrokerError
 
 log = logging.getLogger(__name__)
 
-ENV_TOKEN = "BREAKPOD_TOKEN"
+ENV_TOKEN = ENV["token"]
 ENV_QUEUE = "BREAKPOD_EMIT_QUEUE"
 # The wire protocol's event kinds the agent sends; the broker accepts these (its
 # settings.EventKind, pinned by a test). Anything else travels as "log".

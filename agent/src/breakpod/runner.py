@@ -15,7 +15,16 @@ import subprocess
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
-from breakpod.config import BACKENDS, BROKER_URL_ENV, ENV, parse_choice, parse_port, parse_seconds
+from breakpod.config import (
+    BACKENDS,
+    BROKER_URL_ENV,
+    DISABLE_COMPILE_ENV,
+    ENV,
+    SHIM,
+    parse_choice,
+    parse_port,
+    parse_seconds,
+)
 from breakpod.errors import ConfigError
 
 FORWARDED = frozenset(
@@ -43,10 +52,10 @@ def debug_env(
 ) -> dict[str, str]:
     """``environ`` plus breakpod's switches; bad option values raise ConfigError."""
     env = dict(environ)
-    env.update({"PYTHONBREAKPOINT": "breakpod.set_trace", ENV["post_mortem"]: "1"})
+    env.update({"PYTHONBREAKPOINT": SHIM, ENV["post_mortem"]: "1"})
     env[ENV["enabled"]] = "1"
     if not keep_compile:  # breakpoints inside compiled regions would be skipped
-        env.update({"TORCH_COMPILE_DISABLE": "1", "BREAKPOD_DISABLE_COMPILE": "1"})
+        env.update({"TORCH_COMPILE_DISABLE": "1", DISABLE_COMPILE_ENV: "1"})
     if hold is not None:
         parse_seconds("--hold", hold)
     if port is not None:
