@@ -83,7 +83,7 @@ def check_settings(ctx: Context) -> Iterator[Check]:
 
 def check_tty(ctx: Context) -> Iterator[Check]:
     s = ctx.settings
-    if ctx.tty and not s.enabled:
+    if shim.use_local_pdb(s, tty=ctx.tty):
         yield Check("stdin", OK, "a TTY: breakpoint() opens pdb on this terminal")
         return
     why = "a TTY, but ENABLE_REMOTE_DEBUG=1" if ctx.tty else "not a TTY (headless)"

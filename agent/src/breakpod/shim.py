@@ -45,14 +45,14 @@ def stdin_is_tty() -> bool:
         return False
 
 
-def use_local_pdb(settings: Settings) -> bool:
+def use_local_pdb(settings: Settings, tty: bool | None = None) -> bool:
     """A TTY gets plain pdb, unless remote debugging was asked for explicitly.
 
     Debug overlays give containers a TTY (``tty: true``) for ``docker attach``
     and also set ``ENABLE_REMOTE_DEBUG=1``: there nobody watches the TTY, so
     breakpoints must still park on the socket.
     """
-    return stdin_is_tty() and not settings.enabled
+    return (stdin_is_tty() if tty is None else tty) and not settings.enabled
 
 
 def set_trace(
