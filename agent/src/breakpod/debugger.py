@@ -37,7 +37,7 @@ class Endpoint:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return net.format_address(self.host, self.port)
 
 
 class _State:
@@ -162,11 +162,12 @@ def _start_debugpy(settings: Settings) -> Endpoint:
         from breakpod.shim import set_trace
 
         sys.breakpointhook = set_trace
+    address = _State.debugpy.address
     announce(
-        f"debugpy listening on {host}:{port}: attach VS Code or any DAP client "
-        f"(breakpod attach --vscode {host}:{port} prints a launch.json)"
+        f"debugpy listening on {address}: attach VS Code or any DAP client "
+        f"(breakpod attach --vscode {address} prints a launch.json)"
     )
-    events.emit("listening", backend="debugpy", address=f"{host}:{port}")
+    events.emit("listening", backend="debugpy", address=address)
     return _State.debugpy
 
 

@@ -98,7 +98,7 @@ class Listener:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return net.format_address(self.host, self.port)
 
     def wait_for_client(self, timeout: float | None) -> socket.socket | None:
         """The next live client; ``None`` after ``timeout`` seconds or :meth:`interrupt`."""

@@ -32,9 +32,14 @@ def is_wildcard(host: str) -> bool:
     return host.strip("[]") in ("0.0.0.0", "::", "")
 
 
+def format_address(host: str, port: int) -> str:
+    """``HOST:PORT``, with an IPv6 host in brackets (what :func:`parse_address` reads)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def local_address(host: str, port: int) -> str:
     """Where a client on the same host (or container) connects to a listener."""
-    return f"127.0.0.1:{port}" if is_wildcard(host) else f"{host}:{port}"
+    return format_address("127.0.0.1" if is_wildcard(host) else host, port)
 
 
 def check_bind(host: str, *, backend: str, token: str | None, allow_insecure: bool) -> None:

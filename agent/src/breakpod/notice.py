@@ -13,6 +13,7 @@ import sys
 import time
 from typing import TextIO
 
+from breakpod import net
 from breakpod.config import format_seconds
 from breakpod.hosting import Hosting, reach_hints
 
@@ -39,7 +40,7 @@ class Failure:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return net.format_address(self.host, self.port)
 
     @property
     def hold(self) -> str:
