@@ -97,10 +97,14 @@ def request_break() -> None:
 def break_if_requested(frame: FrameType | None = None) -> None:
     """Call at a step boundary: parks in ``frame`` (default: the caller) on a ``break``."""
     if pending_break():
-        from breakpod import shim
+        park_for_break(frame if frame is not None else sys._getframe(1))
 
-        frame = frame if frame is not None else sys._getframe(1)
-        shim.set_trace(frame=frame, header="break requested through the broker")
+
+def park_for_break(frame: FrameType) -> None:
+    """What a ``break`` command does once a step boundary is reached."""
+    from breakpod import shim
+
+    shim.set_trace(frame=frame, header="break requested through the broker")
 
 
 class Emitter:

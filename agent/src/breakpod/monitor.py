@@ -399,7 +399,8 @@ class Monitor:
         except Exception as e:
             self._fail("step boundary", e)
         watchdog.heartbeat(self.step_count)
-        emitter.break_if_requested(_user_frame(sys._getframe(1)))  # `breakpod send ID break`
+        if emitter.pending_break():  # `breakpod send ID break`: one flag check per step
+            emitter.park_for_break(_user_frame(sys._getframe(1)))
 
     def _end_step(self, loss: Any) -> None:
         if loss is not None:
