@@ -1,0 +1,146 @@
+"""The agent/broker protocol, written once: both distributions import it.
+
+Standard library only (the broker depends on the ``breakpod`` distribution
+for this module alone, so it must stay light). The broker's pydantic models
+take their literals and patterns from here; a test pins that no other module
+of either package spells these strings.
+
+    event kinds  -> the session state each one moves to (STATE_OF_KIND)
+    commands     -> what an admin may send an agent
+    names        -> ids, addresses, Kubernetes names: patterns and limits
+    paths        -> the HTTP API, one function per route the agent calls
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final, Literal, get_args
+
+# -- events and states --------------------------------------------------------
+
+EventKind = Literal[
+    "anomaly",
+    "stall",
+    "parked",
+    "listening",
+    "attached",
+    "detached",
+    "resumed",
+    "finished",
+    "command",
+    "ci_failure",
+    "log",
+]
+EVENT_KINDS: Final = frozenset(get_args(EventKind))
+# What the broker itself records (an agent's "command" events would be forged).
+AGENT_EVENT_KINDS: Final = EVENT_KINDS - {"command"}
+# Anything else an agent wants to say travels as this kind.
+FALLBACK_KIND: Final = "log"
+# Routed to notifiers unless a notifier names its own kinds.
+NOTIFIED_KINDS: Final = ("anomaly", "stall", "parked")
+
+State = Literal["running", "parked", "attached", "stalled", "finished"]
+STATES: Final = get_args(State)
+LOST: Final = "lost"  # not stored: a session whose heartbeat expired reads as lost
+STATE_OF_KIND: Final[dict[str, str]] = {
+    "parked": "parked",
+    "attached": "attached",
+    "detached": "parked",  # the process keeps waiting for the next client
+    "resumed": "running",
+    "stall": "stalled",
+    "finished": "finished",
+}
+
+# -- commands -----------------------------------------------------------------
+
+CommandName = Literal["break", "resume", "dump-stacks", "detach"]
+COMMANDS: Final = get_args(CommandName)
+
+# -- who and where ------------------------------------------------------------
+
+Runtime = Literal["kubernetes", "compose", "docker", "local"]
+RUNTIMES: Final = get_args(Runtime)
+ListenerKind = Literal["pdb", "debugpy"]
+LISTENERS: Final = get_args(ListenerKind)
+
+SESSION_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+SESSION_ID_MAX: Final = 128
+ADDRESS_PATTERN: Final = r"^\[?[A-Za-z0-9._:-]{1,200}\]?:\d{1,5}$"
+EVENT_ID_PATTERN: Final = r"^[A-Za-z0-9._-]{1,128}$"
+# Kubernetes object names (they reach the engineer's kubectl argv): DNS-1123.
+DNS_LABEL_MAX: Final = 63
+DNS_SUBDOMAIN_MAX: Final = 253
+DNS_LABEL_PATTERN: Final = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+# No look-ahead (pydantic's regex engine has none): the length is checked apart.
+DNS_SUBDOMAIN_PATTERN: Final = (
+    r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?(\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)*$"
+)
+WILDCARD_HOSTS: Final = frozenset({"0.0.0.0", "::", ""})
+
+
+def is_dns_label(name: str) -> bool:
+    return re.match(DNS_LABEL_PATTERN, name) is not None
+
+
+def is_dns_subdomain(name: str) -> bool:
+    return len(name) <= DNS_SUBDOMAIN_MAX and re.match(DNS_SUBDOMAIN_PATTERN, name) is not None
+
+
+def reachable(address: str) -> str:
+    """A wildcard bind (a container publishing its port) is reached on 127.0.0.1."""
+    host, _, port = address.rpartition(":")
+    return f"127.0.0.1:{port}" if host.strip("[]") in WILDCARD_HOSTS else address
+
+
+# -- the HTTP API -------------------------------------------------------------
+
+API: Final = "/v1"
+SESSIONS: Final = f"{API}/sessions"
+EVENTS: Final = f"{API}/events"
+EVENTS_STREAM: Final = f"{EVENTS}/stream"
+WHOAMI: Final = f"{API}/whoami"
+TOKENS: Final = f"{API}/tokens"
+NOTIFIERS: Final = f"{API}/notifiers"
+
+
+def session_path(session_id: str) -> str:
+    return f"{SESSIONS}/{session_id}"
+
+
+def heartbeat_path(session_id: str) -> str:
+    return f"{session_path(session_id)}/heartbeat"
+
+
+def commands_path(session_id: str) -> str:
+    return f"{session_path(session_id)}/commands"
+
+
+def ack_path(session_id: str, command_id: str) -> str:
+    return f"{commands_path(session_id)}/{command_id}/ack"
+
+
+def attach_path(session_id: str) -> str:
+    return f"{session_path(session_id)}/attach"
+
+
+# -- editors ------------------------------------------------------------------
+
+
+def vscode_launch(
+    name: str,
+    host: str,
+    port: int,
+    *,
+    local_root: str = "${workspaceFolder}",
+    remote_root: str = ".",
+) -> dict[str, Any]:
+    """A VS Code ``launch.json`` that attaches to a debugpy listener."""
+    attach = {
+        "name": f"breakpod: {name}",
+        "type": "debugpy",
+        "request": "attach",
+        "connect": {"host": host, "port": port},
+        "pathMappings": [{"localRoot": local_root, "remoteRoot": remote_root}],
+        "justMyCode": False,
+    }
+    return {"version": "0.2.0", "configurations": [attach]}
