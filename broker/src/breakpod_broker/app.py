@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import reprlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -26,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from breakpod_broker import __version__, admin, attach, commands, events, sessions
 from breakpod_broker.auth import TokenStore, load_tokens_file, parse_token_pairs
 from breakpod_broker.context import Broker
+from breakpod_broker.limits import finite
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
 from breakpod_broker.redis_server import EmbeddedRedis
@@ -139,8 +141,17 @@ def _describe(error: Any) -> str:
     return f"{where}: {error.get('msg', 'invalid')}"
 
 
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
+def _jsonable(errors: Any) -> Any:
+    """Validation errors echo the input: containers as a short repr (they may be
+    nested too deep for any encoder), NaN and infinities as strings."""
+    shown = [{**e, "input": _short(e.get("input"))} for e in errors]
+    return json.loads(json.dumps(finite(shown), default=str, allow_nan=False))
+
+
+def _short(value: Any) -> Any:
+    if isinstance(value, dict | list | tuple):
+        return reprlib.repr(value)
+    return value
 
 
 class BodyLimit:
