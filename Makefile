@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench clean chaos
 .PHONY: deploy-test helm-lint e2e-kind e2e-docker gpu-check
 
 $(STAMP): agent/pyproject.toml broker/pyproject.toml requirements-dev.txt
@@ -22,6 +22,11 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# Fault injection, long: kill -9 of redis-server and of the broker 20 times each
+# (`make test` runs the same tests with CHAOS_ROUNDS=2).
+chaos: $(STAMP)
+	CHAOS_ROUNDS=20 $(PY) -m pytest tests/chaos
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check agent tests bench examples

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Annotated, Any
 
@@ -135,7 +136,15 @@ async def openapi(who: Viewer, request: Request) -> dict[str, Any]:
     return get_openapi(title=app.title, version=app.version, routes=app.routes)
 
 
-router.add_api_route("/healthz", healthz, methods=["GET"], tags=["operations"])
+@router.get("/healthz", tags=["operations"])
+async def broker_healthz(broker: BrokerDep) -> Response:
+    """The process is up and, without a Redis URL, so is its embedded redis-server
+    (no token needed; 503 while the supervisor restarts a server that died)."""
+    embedded = broker.embedded
+    if embedded is not None and not embedded.running:
+        body = {"status": f"embedded redis-server down (restarts: {embedded.restarts})"}
+        return Response(json.dumps(body), 503, media_type="application/json")
+    return Response(json.dumps(await healthz()), media_type="application/json")
 
 
 @router.get("/readyz", tags=["operations"])

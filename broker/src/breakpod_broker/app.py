@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import reprlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,8 +25,9 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from breakpod_broker import __version__, admin, attach, commands, events, sessions
-from breakpod_broker.auth import TokenStore, load_tokens_file, parse_token_pairs
+from breakpod_broker.auth import Principal, TokenStore, load_tokens_file, parse_token_pairs
 from breakpod_broker.context import Broker
+from breakpod_broker.limits import finite
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
 from breakpod_broker.redis_server import EmbeddedRedis
@@ -62,30 +64,36 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
 
 @contextlib.asynccontextmanager
 async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
-    embedded = None
-    if settings.redis_url is None:
-        embedded = await asyncio.to_thread(EmbeddedRedis(settings.data_dir / "redis").start)
-        settings = settings.model_copy(update={"redis_url": embedded.url})
-    assert settings.redis_url is not None
-    client, blocking = _clients(settings.redis_url, settings)
+    """The broker's resources; whatever was started is stopped again, also when
+    a later step of the start-up fails (an embedded server is never left behind)."""
+    async with contextlib.AsyncExitStack() as stack:
+        embedded = None
+        if settings.redis_url is None:
+            embedded = await asyncio.to_thread(EmbeddedRedis(settings.data_dir / "redis").start)
+            stack.push_async_callback(asyncio.to_thread, embedded.stop)
+            settings = settings.model_copy(update={"redis_url": embedded.url})
+        assert settings.redis_url is not None
+        client, blocking = _clients(settings.redis_url, settings)
+        stack.push_async_callback(blocking.aclose)
+        stack.push_async_callback(client.aclose)
+        static = _static_tokens(settings)
+        metrics = Metrics()
+        notifiers = Dispatcher(
+            settings.notifiers, client, metrics, blocking, settings.notify_claim_seconds
+        )
+        stack.push_async_callback(notifiers.close)
+        await notifiers.start()
+        tokens = TokenStore(static, client)
+        yield Broker(settings, client, tokens, metrics, notifiers, blocking, embedded=embedded)
+
+
+def _static_tokens(settings: BrokerSettings) -> dict[str, Principal]:
     static = parse_token_pairs(settings.broker_tokens)
     if settings.tokens_file is not None:
         static.update(load_tokens_file(settings.tokens_file))
     if not static:
         log.warning("no tokens configured: only API-made tokens work (set BREAKPOD_BROKER_TOKENS)")
-    metrics = Metrics()
-    notifiers = Dispatcher(
-        settings.notifiers, client, metrics, blocking, settings.notify_claim_seconds
-    )
-    try:
-        await notifiers.start()
-        yield Broker(settings, client, TokenStore(static, client), metrics, notifiers, blocking)
-    finally:
-        await notifiers.close()
-        await client.aclose()
-        await blocking.aclose()
-        if embedded is not None:
-            await asyncio.to_thread(embedded.stop)
+    return static
 
 
 def _clients(url: str, settings: BrokerSettings) -> tuple[Any, Any]:
@@ -139,8 +147,17 @@ def _describe(error: Any) -> str:
     return f"{where}: {error.get('msg', 'invalid')}"
 
 
-def _jsonable(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=str))
+def _jsonable(errors: Any) -> Any:
+    """Validation errors echo the input: containers as a short repr (they may be
+    nested too deep for any encoder), NaN and infinities as strings."""
+    shown = [{**e, "input": _short(e.get("input"))} for e in errors]
+    return json.loads(json.dumps(finite(shown), default=str, allow_nan=False))
+
+
+def _short(value: Any) -> Any:
+    if isinstance(value, dict | list | tuple):
+        return reprlib.repr(value)
+    return value
 
 
 class BodyLimit:

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from breakpod_broker.auth import TokenStore
     from breakpod_broker.metrics import Metrics
     from breakpod_broker.notifiers import Dispatcher
+    from breakpod_broker.redis_server import EmbeddedRedis
 
 
 @dataclasses.dataclass
@@ -30,6 +31,7 @@ class Broker:
     # block, and its own bounded pool, so waiters never starve ordinary requests
     blocking: Any = None
     waiters: int = 0
+    embedded: EmbeddedRedis | None = None  # the supervised redis-server, without a Redis URL
 
     def room(self, what: str) -> None:
         """429 when the replica already serves ``max_waiters`` long polls and streams."""

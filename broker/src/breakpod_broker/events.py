@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import math
+import logging
 import re
 import time
 from collections.abc import AsyncIterator
@@ -20,15 +20,17 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from breakpod_broker import keys
 from breakpod_broker.auth import Agent, Credentials, Principal, Viewer
 from breakpod_broker.context import Broker, BrokerDep
+from breakpod_broker.limits import MAX_DEPTH, MAX_FIELDS_BYTES, dotted, finite, too_deep
 from breakpod_broker.sessions import ADDRESS_PATTERN, ID_PATTERN, SessionOut, check_owner, read_many
 from breakpod_broker.settings import EventKind
 
 router = APIRouter(prefix="/v1/events", tags=["events"])
+log = logging.getLogger(__name__)
 MAX_BATCH = 10_000  # the schema's bound; settings.max_batch is the one applied
 SSE_BLOCK_MS = 2000  # also the keepalive period of an idle stream
 TOKEN_RECHECK_SECONDS = 2.0  # an SSE stream ends this long (+ one block) after revocation
@@ -91,7 +93,22 @@ class EventIn(BaseModel):
     time: float | None = Field(
         None, ge=0, le=1e11, description="unix seconds; default: when received"
     )
-    fields: dict[str, Any] = Field(default_factory=dict)
+    fields: dict[str, Any] = Field(
+        default_factory=dict,
+        description=f"free-form JSON, at most {MAX_DEPTH} levels deep and "
+        f"{MAX_FIELDS_BYTES} bytes; NaN and infinities are stored as strings",
+    )
+
+    @field_validator("fields")
+    @classmethod
+    def _shallow(cls, fields: dict[str, Any]) -> dict[str, Any]:
+        path = too_deep(fields)
+        if path is not None:
+            raise ValueError(
+                f"fields nested more than {MAX_DEPTH} levels deep at fields.{dotted(path)}: "
+                "flatten them"
+            )
+        return fields
 
 
 class EventBatch(BaseModel):
@@ -143,6 +160,7 @@ async def ingest(
     """Store events (deduplicated), update session states, then notify; in batch order."""
     now = time.time()
     docs = [_document(e, sessions[e.session], now) for e in events]
+    encoded = [_dumps(doc, i) for i, doc in enumerate(docs)]
     by_session: dict[str, list[int]] = {}
     for i, event in enumerate(events):
         by_session.setdefault(event.session, []).append(i)
@@ -154,7 +172,7 @@ async def ingest(
                 INGEST_LUA,
                 3,
                 *_lua_keys(session_id),
-                *_lua_args(broker, session_id, events, docs, indexes),
+                *_lua_args(broker, session_id, events, encoded, indexes),
             )
         replies = await pipe.execute()
     broker.metrics.redis_latency.labels("ingest").observe(time.perf_counter() - started)
@@ -190,7 +208,7 @@ def _lua_args(
     broker: Broker,
     session_id: str,
     events: list[EventIn],
-    docs: list[dict[str, Any]],
+    encoded: list[str],
     indexes: list[int],
 ) -> list[Any]:
     s = broker.settings
@@ -199,7 +217,7 @@ def _lua_args(
     changes: list[Any] = []
     for n, i in enumerate(indexes, start=1):
         event = events[i]
-        args += [event.id, _dumps(docs[i])]
+        args += [event.id, encoded[i]]
         state = STATE_OF_KIND.get(event.kind, "")
         address, backend = _listener(event)
         if state or address:
@@ -209,26 +227,26 @@ def _lua_args(
     return args + changes
 
 
-def _dumps(doc: dict[str, Any]) -> str:
+def _dumps(doc: dict[str, Any], index: int) -> str:
     """Strict JSON; NaN and infinities in ``doc``'s fields are replaced in place
-    (only then: walking every event's fields would slow ingest down)."""
+    (only then: walking every event's fields would slow ingest down). 422 when the
+    fields are over MAX_FIELDS_BYTES."""
     try:
-        return json.dumps(doc, default=str, allow_nan=False)
+        text = json.dumps(doc, default=str, allow_nan=False)
     except ValueError:
         doc["fields"] = finite(doc["fields"])
-        return json.dumps(doc, default=str, allow_nan=False)
+        text = json.dumps(doc, default=str, allow_nan=False)
+    if len(text) > MAX_FIELDS_BYTES and len(_fields_json(doc)) > MAX_FIELDS_BYTES:
+        raise HTTPException(
+            422,
+            f"events.{index}.fields: more than {MAX_FIELDS_BYTES} bytes of JSON: "
+            "send less (e.g. a summary, or a path to a file)",
+        )
+    return text
 
 
-def finite(value: Any) -> Any:
-    """``value`` with NaN and infinities as "nan", "inf", "-inf": JSON has no such
-    numbers, and Python's json writes them as invalid tokens (NaN, Infinity)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [finite(v) for v in value]
-    return value
+def _fields_json(doc: dict[str, Any]) -> str:
+    return json.dumps(doc["fields"], default=str, allow_nan=False)
 
 
 def _listener(event: EventIn) -> tuple[str, str]:
@@ -290,9 +308,19 @@ async def list_events(
     else:
         found = await _scan(broker, who, filters, limit, start=parse_since(since))
     return EventPage(
-        events=[EventOut.model_validate(d) for d in found],
+        events=[e for e in map(_readable, found) if e is not None],
         cursor=found[-1]["cursor"] if found else since,
     )
+
+
+def _readable(doc: dict[str, Any]) -> EventOut | None:
+    """The stored event as the API shows it, or None (logged) when it is not one
+    this broker could have written: a bad record is skipped, never a failed read."""
+    try:
+        return EventOut.model_validate(doc)
+    except ValidationError as e:
+        log.warning("event %s: stored record is invalid, skipped: %s", doc.get("cursor"), e)
+        return None
 
 
 async def _scan(
@@ -329,18 +357,29 @@ def _matching(
     return [
         doc
         for cursor, fields in chunk
-        if all(any(n in fields["event"] for n in group) for group in needles)
-        and filters.match(who, doc := _decode(cursor, fields))
+        if all(any(n in fields.get("event", "") for n in group) for group in needles)
+        and (doc := _decode(cursor, fields)) is not None
+        and filters.match(who, doc)
     ]
 
 
-def _decode(cursor: str, fields: dict[str, str]) -> dict[str, Any]:
-    raw = fields["event"]
-    doc: dict[str, Any] = json.loads(raw)
+def _decode(cursor: str, fields: dict[str, str]) -> dict[str, Any] | None:
+    """The stored document, or None (logged) when the record cannot be one: a
+    stored event never makes a read fail."""
+    raw = fields.get("event", "")
+    try:
+        doc: Any = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        log.warning("event %s: stored record is not JSON, skipped: %s", cursor, e)
+        return None
+    path = too_deep(doc, MAX_DEPTH + 1) if isinstance(doc, dict) else []
+    if path is not None or not isinstance(doc.get("fields"), dict):
+        log.warning("event %s: stored record is not an event (or too deep), skipped", cursor)
+        return None
     if "NaN" in raw or "Infinity" in raw:  # stored before ingest normalised them
         doc = finite(doc)
     doc["cursor"] = cursor
-    return doc
+    return dict(doc)
 
 
 def is_cursor(text: str) -> bool:
@@ -429,7 +468,7 @@ async def _sse(broker: Broker, watch: Watch, cursor: str) -> AsyncIterator[str]:
             for entry_id, fields in reply[0][1]:
                 cursor = entry_id
                 doc = _decode(entry_id, fields)
-                if filters.match(who, doc):
+                if doc is not None and filters.match(who, doc):
                     data = json.dumps(doc, allow_nan=False)
                     yield f"id: {entry_id}\nevent: {doc['kind']}\ndata: {data}\n\n"
             await asyncio.sleep(0)

