@@ -4,7 +4,9 @@ STALL_RANK=2 STALL_KIND=block|spin STALL_AT=5 STEPS=200 COLLECTIVE=ddp|all_reduc
 """
 
 import os
+import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -16,15 +18,19 @@ RANK = int(os.environ["RANK"])
 STALL_RANK = int(os.environ.get("STALL_RANK", "-1"))
 STALL_AT = int(os.environ.get("STALL_AT", "5"))
 STALL_KIND = os.environ.get("STALL_KIND", "block")
+STALL_SECONDS = float(os.environ.get("STALL_SECONDS", "0")) or None
 STEPS = int(os.environ.get("STEPS", "200"))
+STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
 COLLECTIVE = os.environ.get("COLLECTIVE", "ddp")
 
 
 def fetch_batch(step):
     if RANK == STALL_RANK and step == STALL_AT:
+        print(f"rank {RANK} stalls now", file=sys.stderr, flush=True)
         if STALL_KIND == "block":
-            threading.Event().wait()  # a dataloader deadlock: blocked in C
-        spin_forever()
+            threading.Event().wait(STALL_SECONDS)  # a dataloader deadlock: blocked in C
+        else:
+            spin_forever()
     return torch.randn(8, 4)
 
 
@@ -47,6 +53,7 @@ def main():
             dist.all_reduce(loss.detach())
         opt.step()
         breakpod.step()
+        time.sleep(STEP_SLEEP)
     dist.barrier()
     print(f"rank {RANK} done", flush=True)
     dist.destroy_process_group()
