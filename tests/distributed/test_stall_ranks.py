@@ -32,6 +32,7 @@ def culprit_lines(stderr: str) -> list[str]:
     return re.findall(r"^culprit: .*$", stderr, re.MULTILINE)
 
 
+@pytest.mark.slow  # about 25 s: the stall lasts 10 s, then 75 steps after it
 @pytest.mark.timeout(120)
 def test_a_rank_blocked_in_data_loading_is_the_culprit_and_recovery_is_said_once(torchrun):
     job = torchrun(3, 29160, STALL_RANK="2", STALL_SECONDS="10", STEPS="80", STEP_SLEEP="0.05")
