@@ -21,6 +21,7 @@ EXPECTED = {
     "post_mortem",
     "set_trace",
     "heartbeat",
+    "step",
     "watch_stalls",
     "watch",
     "Monitor",

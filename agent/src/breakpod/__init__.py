@@ -7,6 +7,7 @@ neither torch nor debugpy, and each name below is imported on first use.
     breakpod.init_remote_debugger()        # a pdb or debugpy listener, when enabled
     breakpod.install_excepthook()          # post-mortem on crashes (BREAKPOD_POST_MORTEM=1)
     monitor = breakpod.watch(model)        # tensor monitors: NaN/Inf, shapes, grads, dead units
+    breakpod.step()                        # a step boundary: stall detection (BREAKPOD_STALL_AFTER)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _EXPORTS = {
     "init_remote_debugger": "breakpod.debugger",
     "watch_stalls": "breakpod.watchdog",
     "heartbeat": "breakpod.watchdog",
+    "step": "breakpod.watchdog",
     "Endpoint": "breakpod.debugger",
     "Settings": "breakpod.config",
     "BreakpodError": "breakpod.errors",
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
     from breakpod.shim import set_trace as set_trace
     from breakpod.summaries import summary as summary
     from breakpod.watchdog import heartbeat as heartbeat
+    from breakpod.watchdog import step as step
     from breakpod.watchdog import watch_stalls as watch_stalls
 
 

@@ -37,13 +37,74 @@ def client(args: argparse.Namespace) -> BrokerClient:
 def run_sessions(args: argparse.Namespace) -> int:
     query = f"?state={args.state}" if args.state else ""
     sessions = client(args).request("GET", f"/v1/sessions{query}")["sessions"]
+    if getattr(args, "job", None):
+        sessions = [s for s in sessions if s.get("job") == args.job]
     if args.json:
         print(json.dumps(sessions, indent=2))
         return 0
+    sessions.sort(key=lambda s: (s.get("job") or "", s.get("rank") or 0))  # a job's ranks together
     rows = [["ID", "JOB", "POD/HOST", "RANK", "STATE", "REASON", "AGE"]]
     rows += [_session_row(s) for s in sessions]
     print(_table(rows))
+    for line in job_lines(sessions):
+        print(line)
     return 0
+
+
+def job_lines(sessions: list[dict[str, Any]]) -> list[str]:
+    """One line per job of several ranks with each rank's state."""
+    jobs: dict[str, list[dict[str, Any]]] = {}
+    for s in sessions:
+        if s.get("job") and s.get("rank") is not None:
+            jobs.setdefault(s["job"], []).append(s)
+    return [
+        f"job {job}: " + ", ".join(f"rank {s['rank']} {s['state']}" for s in ranks)
+        for job, ranks in jobs.items()
+        if len(ranks) > 1
+    ]
+
+
+def run_stacks(args: argparse.Namespace) -> int:
+    """``breakpod stacks SESSION|JOB``: every thread's stack of one rank or of each rank."""
+    broker = client(args)
+    targets = job_sessions(broker.request("GET", "/v1/sessions")["sessions"], args.target)
+    body = {"command": "dump-stacks", "reason": "breakpod stacks"}
+    sent = [
+        (s, broker.request("POST", f"/v1/sessions/{s['id']}/commands", body)["id"]) for s in targets
+    ]
+    for session, command_id in sent:
+        rank = "" if session.get("rank") is None else f"rank {session['rank']} "
+        print(f"=== {rank}{session['id']} ===", flush=True)
+        print(_await_ack(broker, session["id"], command_id, args.timeout), flush=True)
+    return 0
+
+
+def job_sessions(sessions: list[dict[str, Any]], target: str) -> list[dict[str, Any]]:
+    """The session named ``target``, else the live ranks of the job named ``target``."""
+    exact = [s for s in sessions if s["id"] == target]
+    if exact:
+        return exact
+    live = [
+        s for s in sessions if s.get("job") == target and s["state"] not in ("lost", "finished")
+    ]
+    if not live:
+        jobs = sorted({s["job"] for s in sessions if s.get("job")})
+        raise BrokerError(
+            f"no session or running job {target!r}; jobs the broker knows: {', '.join(jobs) or '-'}"
+        )
+    return sorted(live, key=lambda s: s.get("rank") or 0)
+
+
+def _await_ack(broker: BrokerClient, session: str, command_id: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    query = _query(session=session, kind="command", limit=100)
+    while time.monotonic() < deadline:
+        for event in broker.request("GET", f"/v1/events?{query}")["events"]:
+            fields = event.get("fields", {})
+            if fields.get("command_id") == command_id and fields.get("state") in ("done", "failed"):
+                return str(fields.get("detail") or fields["state"])
+        time.sleep(0.25)
+    return f"(no answer within {timeout:g}s: is the process alive and polling the broker?)"
 
 
 def _session_row(s: dict[str, Any]) -> list[str]:

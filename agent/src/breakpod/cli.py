@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sessions(commands)
     add_events(commands)
     add_send(commands)
+    add_stacks(commands)
     return parser
 
 
@@ -148,6 +149,7 @@ def add_sessions(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p = commands.add_parser("sessions", help="list the sessions the broker knows")
     p.add_argument("--state", help="only sessions in this state (parked, lost, ...)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--job", help="only the ranks of this job")
     broker_cli.add_broker_flags(p)
     p.set_defaults(func=broker_cli.run_sessions)
 
@@ -173,6 +175,20 @@ def add_send(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.add_argument("--reason", help="recorded with the command")
     broker_cli.add_broker_flags(p)
     p.set_defaults(func=broker_cli.run_send)
+
+
+def add_stacks(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from breakpod import broker_cli
+
+    p = commands.add_parser(
+        "stacks",
+        help="print the current stacks of a session, or of every rank of a job",
+        description="Ask the agent(s) through the broker for every thread's Python stack.",
+    )
+    p.add_argument("target", metavar="SESSION_ID|JOB")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each rank")
+    broker_cli.add_broker_flags(p)
+    p.set_defaults(func=broker_cli.run_stacks)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def describe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The registration body for ``PUT /v1/sessions/{id}``; unknown fields omitted."""
     env = os.environ if env is None else env
     info: dict[str, Any] = {
-        "job": env.get("BREAKPOD_JOB") or _job_name(env),
+        "job": env.get("BREAKPOD_JOB") or _torchrun_job(env) or _job_name(env),
         "pod": _dns_name(env.get("POD_NAME"), DNS_SUBDOMAIN),
         "namespace": _dns_name(env.get("POD_NAMESPACE"), DNS_LABEL),
         "node": _dns_name(env.get("NODE_NAME"), DNS_SUBDOMAIN),
@@ -92,6 +92,12 @@ def _job_name(env: Mapping[str, str]) -> str | None:
         return env.get("JOB_NAME") or env["POD_NAME"].rsplit("-", 1)[0]
     script = sys.argv[0] if sys.argv and sys.argv[0] else ""
     return Path(script).stem or None
+
+
+def _torchrun_job(env: Mapping[str, str]) -> str | None:
+    """torchrun's run id (``--rdzv-id``), shared by every rank; "none" is its default."""
+    run_id = env.get("TORCHELASTIC_RUN_ID")
+    return run_id if run_id and run_id != "none" else None
 
 
 def _int(raw: str | None) -> int | None:

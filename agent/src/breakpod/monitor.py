@@ -398,7 +398,7 @@ class Monitor:
             raise
         except Exception as e:
             self._fail("step boundary", e)
-        watchdog.heartbeat(self.step_count)
+        watchdog.step(self.step_count)
         if emitter.pending_break():  # `breakpod send ID break`: one flag check per step
             emitter.park_for_break(_user_frame(sys._getframe(1)))
 

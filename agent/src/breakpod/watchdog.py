@@ -1,35 +1,52 @@
-"""Stall watchdog: a training loop that stops beating is reported, with stacks.
+"""Stall watchdog: a training loop that stops stepping is reported, with stacks.
 
-The training loop calls :func:`heartbeat` once per step (``Monitor.step``
-does it). A daemon thread checks the time since the last beat; past the
-timeout it prints every thread's Python stack, emits a ``stall`` event, and
-(``action="inspect"``) opens a remote pdb on the main thread's current frame
-so an engineer can look at the locals of whatever is stuck: an NCCL
-collective, a dataloader ``get``, a CUDA wait. The stuck thread itself cannot
-be stopped from outside, so the session is for inspection; ``c`` ends it.
-When beats resume, a ``resumed`` event follows (the session is running again).
+The training loop calls :func:`step` (``breakpod.step()``) once per step;
+``Monitor.step`` does it. The first call reads the environment:
+``BREAKPOD_STALL_AFTER=SECONDS`` starts the watchdog, and so does debug mode
+(``ENABLE_REMOTE_DEBUG=1``) with a timeout of 10x the p99 step time, never
+under :data:`DEBUG_FLOOR`. Otherwise every later call costs one global check.
 
-Disabled (no watchdog started) a heartbeat costs one global lookup.
+A daemon thread checks the time since the last step. It needs no help from
+the stuck thread: blocked in C (a lock, ``Event.wait()``, a collective) the
+main thread has released the GIL, and spinning in Python it hands it over
+every switch interval. Past the timeout the thread prints this rank's stacks,
+emits a ``stall`` event, and (``action="inspect"``) opens a remote pdb on the
+main thread's frame. In a distributed job each rank also publishes its status
+on the job's rank board (``job.py``) and rank 0 prints one job-wide report
+naming the culprit rank (``stall_report.py``). A stall is reported once; when
+steps resume, a ``resumed`` event and one line follow.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
+import os
 import sys
 import threading
 import time
-import traceback
+from collections.abc import Mapping
 from types import FrameType
+from typing import Any
 
-from breakpod import emitter, events
+from breakpod import collectives, emitter, events, job, stall_report
 from breakpod.announce import announce
+from breakpod.config import ENV, FALSE
+from breakpod.errors import ConfigError
 
+log = logging.getLogger(__name__)
 ACTIONS = ("dump", "inspect")
+STALL_AFTER_ENV = "BREAKPOD_STALL_AFTER"
+DEBUG_FLOOR = 60.0  # debug mode's default timeout until the step times say more
+DEBUG_FACTOR = 10.0  # x the p99 step time
+STACKS_WAIT = 5.0  # rank 0 waits this long for the culprit's stacks
+RECONNECT_SECONDS = 10.0
 
 
 class Watchdog:
-    """Watches one heartbeat; start it with :func:`watch_stalls`."""
+    """Watches one heartbeat; start it with :func:`watch_stalls` or :func:`step`."""
 
-    def __init__(self, timeout: float, action: str = "dump") -> None:
+    def __init__(self, timeout: float, action: str = "dump", *, adaptive: bool = False) -> None:
         if timeout <= 0:
             raise ValueError(f"stall timeout must be positive seconds, got {timeout!r}")
         if action not in ACTIONS:
@@ -39,45 +56,191 @@ class Watchdog:
         self.step: int | None = None
         self.last_beat = time.monotonic()
         self.stalls = 0
+        self.durations: collections.deque[float] | None = (
+            collections.deque(maxlen=512) if adaptive else None
+        )
+        self.place = job.Place.from_env()
+        self.board: job.Board | None = None
+        self.job_view_missing: str | None = None
         self._stalled = False
+        self._recovered = False  # set by beat(), taken back to the board by the thread
+        self._job_report: dict[str, Any] | None = None  # rank 0: the stall it reported
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="breakpod-watchdog", daemon=True)
 
     def beat(self, step: int | None = None) -> None:
-        self.last_beat = time.monotonic()
-        if step is not None:
-            self.step = step
+        now = time.monotonic()
+        if self.durations is not None:
+            self.durations.append(now - self.last_beat)
+        self.last_beat = now
+        self.step = step if step is not None else (self.step or 0) + 1
         if self._stalled:
             self._stalled = False
-            announce(f"heartbeat resumed at step {self.step}; the stall is over")
+            self._recovered = True
+            announce(f"steps resumed at step {self.step}; the stall is over")
             events.emit("resumed", step=self.step, why="heartbeat resumed after a stall")
 
     def stop(self) -> None:
         self._stop.set()
 
+    def current_timeout(self) -> float:
+        """The fixed timeout, or in debug mode 10x the p99 step time (with a floor)."""
+        if not self.durations:
+            return self.timeout
+        ordered = sorted(self.durations)
+        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+        return max(self.timeout, DEBUG_FACTOR * p99)
+
     def _run(self) -> None:
-        interval = min(self.timeout / 4, 5.0)
+        interval = min(self.timeout / 4, 1.0)
+        failed = False
         while not self._stop.wait(interval):
-            silent = time.monotonic() - self.last_beat
-            if silent > self.timeout and not self._stalled and not _suspended:
-                self._stalled = True
-                self.stalls += 1
-                try:
-                    self._report(silent)
-                except Exception as e:  # the watchdog must never take the job down
-                    announce(f"stall report failed ({type(e).__name__}: {e})")
+            try:
+                self._tick()
+            except Exception as e:  # the watchdog must never take the job down
+                if not failed:
+                    failed = True
+                    announce(f"stall watchdog error ({type(e).__name__}: {e}); it keeps watching")
+
+    def _tick(self) -> None:
+        silent = time.monotonic() - self.last_beat
+        if silent > self.current_timeout() and not self._stalled and not _suspended:
+            self._stalled = True
+            self.stalls += 1
+            self._begin_stall(silent)
+        elif self.place.distributed:
+            self._share(self._record(silent, stacks=self._stalled))
+        if self.place.rank == 0 and self.board is not None:
+            self._coordinate()
+
+    def _begin_stall(self, silent: float) -> None:
+        if not self.place.distributed:
+            self._report(silent)
+            return
+        record = self._record(silent, stacks=True)
+        self._share(record, change=1)
+        view = self._job_view()
+        announce(stall_report.local_report(self.place.rank, record, silent, view))
+        if self.board is None or self.place.rank != 0:
+            events.emit(
+                "stall",
+                seconds=round(silent, 1),
+                step=self.step,
+                rank=self.place.rank,
+                state=record["state"],
+                frame=record["frame"],
+                stacks=record["stacks"],
+            )
+        self._maybe_inspect()
+
+    def _job_view(self) -> str:
+        if self.board is None:
+            return f"no job view: {self.job_view_missing}; this rank reports alone"
+        if self.place.rank == 0:
+            return "the job-wide report follows on this stderr"
+        return "the job-wide report (culprit, every rank) is on rank 0's stderr"
+
+    def _share(self, record: Mapping[str, Any], change: int = 0) -> None:
+        """Publish this rank's record; (re)connect to the job's store when needed."""
+        if self.board is None and not self._connect():
+            return
+        assert self.board is not None
+        try:
+            if self._recovered:
+                self._recovered = False
+                change -= 1
+            if change:
+                self.board.count_stalled(change)
+            self.board.publish(record)
+        except Exception as e:  # the store went away: report locally from now on
+            self.board, self.job_view_missing = (
+                None,
+                f"lost the job store ({type(e).__name__}: {e})",
+            )
+            self._next_connect = time.monotonic() + RECONNECT_SECONDS
+
+    _next_connect = 0.0
+
+    def _connect(self) -> bool:
+        if time.monotonic() < self._next_connect:
+            return False
+        self._next_connect = time.monotonic() + RECONNECT_SECONDS
+        self.board, self.job_view_missing = job.connect(self.place)
+        return self.board is not None
+
+    def _record(self, silent: float, *, stacks: bool) -> dict[str, Any]:
+        main = sys._current_frames().get(threading.main_thread().ident or -1)
+        progress = collectives.progress
+        state = "parked" if _suspended else "collective" if progress.waiting else "user"
+        record: dict[str, Any] = {
+            "rank": self.place.rank,
+            "step": self.step or 0,
+            "entered": progress.entered,
+            "completed": progress.completed,
+            "op": progress.op,
+            "state": state,
+            "frame": stall_report.where(stall_report.user_frame(main)),
+            "stalled": self._stalled,
+            "silent": round(silent, 1),
+            "time": time.time(),
+        }
+        if stacks:
+            record["stacks"] = format_stacks()
+        return record
+
+    def _coordinate(self) -> None:
+        """Rank 0: one job-wide report per stall, one line when it is over."""
+        assert self.board is not None
+        stalled = self.board.count_stalled()
+        if stalled <= 0:
+            if self._job_report is not None and self._job_report.get("done"):
+                announce("stall over: every rank is stepping again")
+                events.emit("resumed", scope="job", why="every rank is stepping again")
+            self._job_report = None
+            return
+        if self._job_report is None:
+            self._job_report = {"since": time.monotonic()}
+        if not self._job_report.get("done"):
+            self._try_job_report()
+
+    def _try_job_report(self) -> None:
+        assert self.board is not None and self._job_report is not None
+        records = self.board.read()
+        blamed, _ = stall_report.culprits(records)
+        waited = time.monotonic() - self._job_report["since"]
+        if any("stacks" not in records[r] for r in blamed) and waited < STACKS_WAIT:
+            return  # the culprit publishes its stacks when it notices its own stall
+        silent = max((float(r.get("silent", 0)) for r in records.values()), default=0.0)
+        text, blamed = stall_report.job_report(records, self.place.world_size, silent)
+        announce(text)
+        self._job_report["done"] = True
+        ranks = [{k: v for k, v in r.items() if k != "stacks"} for r in records.values()]
+        stacks = {str(r): records[r].get("stacks") for r in blamed}
+        events.emit(
+            "stall",
+            scope="job",
+            seconds=round(silent, 1),
+            culprits=blamed,
+            ranks=ranks,
+            culprit_stacks=stacks,
+            report=text.split("\nstacks of")[0],
+        )
 
     def _report(self, silent: float) -> None:
         stacks = format_stacks()
         where = f"no heartbeat for {silent:.0f}s (last step {self.step})"
         announce(f"stall: {where}; stacks:\n{stacks}")
         events.emit("stall", seconds=round(silent, 1), step=self.step, stacks=stacks)
+        self._maybe_inspect()
+
+    def _maybe_inspect(self) -> None:
         main = sys._current_frames().get(threading.main_thread().ident or -1)
         if self.action == "inspect" and main is not None:
             _inspect(main, self.step)
 
 
 _active: Watchdog | None = None
+_armed = True  # the first step() reads the environment, then this is False unless watching
 _suspended = 0  # debugger sessions holding the process: a park is not a stall
 _suspend_lock = threading.Lock()
 
@@ -98,15 +261,61 @@ def resume() -> None:
         _active.last_beat = time.monotonic()
 
 
-def watch_stalls(timeout: float, *, action: str = "dump") -> Watchdog:
+def watch_stalls(timeout: float, *, action: str = "dump", adaptive: bool = False) -> Watchdog:
     """Start (or replace) the process's stall watchdog."""
-    global _active
+    global _active, _armed
     if _active is not None:
         _active.stop()
-    _active = Watchdog(timeout, action)
+    _active = Watchdog(timeout, action, adaptive=adaptive)
+    if _active.place.distributed:
+        collectives.install()
     _active._thread.start()
+    _armed = True
     emitter.ensure_started()  # stall events reach the broker when one is set
     return _active
+
+
+def step(number: int | None = None) -> None:
+    """Mark a training step boundary (``breakpod.step()``); one global check when off."""
+    if _armed:
+        _step(number)
+
+
+def _step(number: int | None) -> None:
+    global _armed
+    if _active is None:
+        _armed = False
+        _start_from_env(os.environ)
+    if _active is not None:
+        _active.beat(number)
+
+
+def _start_from_env(env: Mapping[str, str]) -> None:
+    try:
+        chosen = stall_timeout_from_env(env)
+    except ConfigError as e:
+        announce(f"{e}; stall detection is off")
+        return
+    if chosen is not None:
+        watch_stalls(chosen[0], adaptive=chosen[1])
+
+
+def stall_timeout_from_env(env: Mapping[str, str]) -> tuple[float, bool] | None:
+    """(seconds, adaptive) from BREAKPOD_STALL_AFTER or debug mode; None when off."""
+    raw = env.get(STALL_AFTER_ENV, "").strip()
+    if raw:
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0 or seconds == float("inf"):
+            raise ConfigError(
+                f"{STALL_AFTER_ENV}={raw!r} is not a positive number of seconds: use e.g. 300"
+            )
+        return seconds, False
+    if env.get(ENV["enabled"], "").strip().lower() not in FALSE:
+        return DEBUG_FLOOR, True
+    return None
 
 
 def heartbeat(step: int | None = None) -> None:
@@ -122,8 +331,7 @@ def format_stacks() -> str:
     for ident, frame in sys._current_frames().items():
         if names.get(ident) == "breakpod-watchdog":
             continue
-        stack = "".join(traceback.format_stack(frame))
-        blocks.append(f'Thread "{names.get(ident, ident)}":\n{stack}')
+        blocks.append(f'Thread "{names.get(ident, ident)}":\n{stall_report.stack_of(frame)}')
     return "\n".join(blocks)
 
 

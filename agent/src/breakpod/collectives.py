@@ -1,0 +1,161 @@
+"""Collective progress: how many collectives this rank entered and completed.
+
+Installed only while stall detection runs (``install()``), never at import:
+the public ``torch.distributed`` collectives are wrapped, and a DDP model gets
+a counting all-reduce comm hook at its next forward (unless it has its own
+hook). Counting is host-side bookkeeping, no device sync. A rank whose
+``entered`` is behind the collective its peers wait in is the one they wait for.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "all_gather_object",
+    "broadcast_object_list",
+)
+
+
+class Progress:
+    """Counters the watchdog thread reads; written by the training thread(s)."""
+
+    def __init__(self) -> None:
+        self.entered = 0
+        self.completed = 0
+        self.op: str | None = None  # the last collective entered
+        self._lock = threading.Lock()
+
+    def enter(self, op: str) -> None:
+        with self._lock:
+            self.entered += 1
+            self.op = op
+
+    def leave(self) -> None:
+        with self._lock:
+            self.completed += 1
+
+    @property
+    def waiting(self) -> bool:
+        return self.entered > self.completed
+
+
+progress = Progress()
+_originals: dict[str, Callable[..., Any]] = {}
+_ddp_forward: Callable[..., Any] | None = None
+
+
+def install() -> bool:
+    """Wrap the collectives of an already-imported torch; False when torch is absent."""
+    if "torch" not in sys.modules or _originals:
+        return bool(_originals)
+    try:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+    except ImportError:
+        return False
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is not None:
+            _originals[name] = fn
+            setattr(dist, name, _counted(fn, name))
+    _hook_ddp(DistributedDataParallel)
+    return True
+
+
+def uninstall() -> None:
+    global _ddp_forward
+    if not _originals:
+        return
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    for name, fn in _originals.items():
+        setattr(dist, name, fn)
+    _originals.clear()
+    if _ddp_forward is not None:
+        DistributedDataParallel.forward = _ddp_forward  # type: ignore[method-assign]
+        _ddp_forward = None
+
+
+def installed() -> bool:
+    return bool(_originals)
+
+
+def _counted(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        progress.enter(name)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            progress.leave()  # an async_op returns at once: it counts as completed here
+
+    counted.__breakpod_original__ = fn  # type: ignore[attr-defined]
+    return counted
+
+
+def _hook_ddp(ddp: Any) -> None:
+    """DDP reduces in C++, past the wrappers: count its buckets with a comm hook."""
+    global _ddp_forward
+    original = ddp.forward
+    _ddp_forward = original
+
+    @functools.wraps(original)
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_breakpod_counted", False):
+            _register_counting_hook(self)
+        return original(self, *args, **kwargs)
+
+    ddp.forward = forward
+
+
+def _register_counting_hook(model: Any) -> None:
+    model._breakpod_counted = True
+    if getattr(model, "_comm_hooks", None):  # the user's own hook: leave it alone
+        return
+    try:
+        import torch
+        import torch.distributed as dist
+
+        # DDP checks the hook's annotations as objects, not the strings this module has.
+        _counting_allreduce.__annotations__ = {
+            "state": object,
+            "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+            "return": torch.futures.Future[torch.Tensor],
+        }
+        model.register_comm_hook(None, _counting_allreduce)
+    except Exception:  # an older DDP or a hook registered another way: count nothing
+        return
+
+
+def _counting_allreduce(state: Any, bucket: Any) -> Any:
+    """DDP's default all-reduce hook (average the bucket), counted once per bucket."""
+    import torch.distributed as dist
+
+    progress.enter("DDP all_reduce")
+    tensor = bucket.buffer().div_(dist.get_world_size(state))
+    all_reduce = _originals.get("all_reduce", dist.all_reduce)  # not counted twice
+    future = all_reduce(tensor, group=state, async_op=True).get_future()  # type: ignore[no-untyped-call]
+
+    def completed(done: Any) -> Any:
+        progress.leave()
+        return done.value()[0]
+
+    return future.then(completed)

@@ -1,0 +1,127 @@
+"""Stall detection from the environment: bad input, off means off, culprits, debug default."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from breakpod import stall_report, watchdog
+from breakpod.errors import ConfigError
+
+
+def rec(step: int, entered: int, state: str = "user", frame: str = "t.py:1 in f") -> dict:
+    return {"step": step, "entered": entered, "state": state, "frame": frame, "op": "all_reduce"}
+
+
+def test_the_rank_outside_the_collective_is_the_culprit_never_the_waiting_ones():
+    records = {0: rec(5, 7, "collective"), 1: rec(5, 6), 2: rec(5, 7, "collective")}
+    assert stall_report.culprits(records)[0] == [1]
+
+
+def test_without_a_collective_the_slowest_step_counter_is_blamed():
+    assert stall_report.culprits({0: rec(9, 0), 1: rec(4, 0), 2: rec(9, 0)})[0] == [1]
+
+
+def test_a_level_job_blames_nobody():
+    blamed, why = stall_report.culprits({0: rec(3, 2, "collective"), 1: rec(3, 2, "collective")})
+    assert blamed == [] and "every rank" in why
+    text, _ = stall_report.job_report({0: rec(3, 2, "collective")}, 2, 5.0)
+    assert "culprit: none found" in text and "rank 1: no status published" in text
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-3", "inf"])
+def test_a_bad_stall_after_is_one_line_naming_the_variable_and_the_job_runs_on(spawn, raw):
+    child = spawn(
+        """
+        import threading, breakpod
+        for _ in range(5):
+            breakpod.step()
+        print(threading.active_count())
+        """,
+        env={"BREAKPOD_STALL_AFTER": raw},
+    )
+    assert child.wait() == 0, child.stderr
+    assert child.stdout().strip() == "1"
+    lines = [line for line in child.stderr.splitlines() if line.strip()]
+    assert (
+        len(lines) == 1
+        and "BREAKPOD_STALL_AFTER" in lines[0]
+        and "stall detection is off" in lines[0]
+    )
+
+
+def test_disabled_means_no_thread_and_no_hooks(spawn):
+    child = spawn(
+        """
+        import threading
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        forward, all_reduce = DistributedDataParallel.forward, dist.all_reduce
+        import breakpod
+        for _ in range(50):
+            breakpod.step()
+        from breakpod import watchdog
+        hooked = DistributedDataParallel.forward is not forward or dist.all_reduce is not all_reduce
+        print(threading.active_count(), hooked, watchdog._armed)
+        """,
+        env={"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29199"},
+    )
+    assert child.wait(timeout=60) == 0, child.stderr
+    assert child.stdout().split() == ["1", "False", "False"]
+    assert child.stderr == ""
+
+
+def test_a_rank_that_cannot_reach_the_store_reports_alone_and_says_why(spawn):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    child = spawn(
+        """
+        import threading, torch, breakpod
+
+        def load_batch():
+            threading.Event().wait()
+
+        breakpod.step()
+        load_batch()
+        """,
+        env={
+            "BREAKPOD_STALL_AFTER": "1",
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        },
+    )
+    child.wait_for(
+        r"stall: rank 1: no step for \d+s; step 1, in user code, at \S+ in load_batch", 40
+    )
+    child.wait_for(rf"no job view: cannot reach the job store at 127.0.0.1:{port}", 5)
+    child.wait_for(r"stacks of rank 1:\n(.*\n)*.*in load_batch", 5)
+    assert child.proc.poll() is None  # the job is not harmed
+
+
+def test_debug_mode_derives_the_timeout_from_step_times_with_a_floor():
+    assert watchdog.stall_timeout_from_env({"ENABLE_REMOTE_DEBUG": "1"}) == (
+        watchdog.DEBUG_FLOOR,
+        True,
+    )
+    assert watchdog.stall_timeout_from_env({}) is None
+    assert watchdog.stall_timeout_from_env({"BREAKPOD_STALL_AFTER": "2.5"}) == (2.5, False)
+    with pytest.raises(ConfigError, match="BREAKPOD_STALL_AFTER"):
+        watchdog.stall_timeout_from_env({"BREAKPOD_STALL_AFTER": "soon"})
+    dog = watchdog.Watchdog(60, adaptive=True)
+    dog.durations.extend([0.1] * 99)  # type: ignore[union-attr]
+    assert dog.current_timeout() == 60  # the floor
+    dog.durations.extend([20.0] * 5)  # type: ignore[union-attr]
+    assert dog.current_timeout() == 200  # 10x the p99
+
+
+def test_step_numbers_count_themselves_when_not_given():
+    dog = watchdog.Watchdog(60)
+    dog.beat()
+    dog.beat()
+    dog.beat(10)
+    dog.beat()
+    assert dog.step == 11

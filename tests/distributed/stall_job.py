@@ -1,0 +1,63 @@
+"""A tiny DDP training job for the stall tests, run under torchrun (gloo, CPU).
+
+STALL_RANK=2 STALL_KIND=block|spin STALL_AT=5 STEPS=200 COLLECTIVE=ddp|all_reduce
+"""
+
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import breakpod
+
+RANK = int(os.environ["RANK"])
+STALL_RANK = int(os.environ.get("STALL_RANK", "-1"))
+STALL_AT = int(os.environ.get("STALL_AT", "5"))
+STALL_KIND = os.environ.get("STALL_KIND", "block")
+STALL_SECONDS = float(os.environ.get("STALL_SECONDS", "0")) or None
+STEPS = int(os.environ.get("STEPS", "200"))
+STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
+COLLECTIVE = os.environ.get("COLLECTIVE", "ddp")
+
+
+def fetch_batch(step):
+    if RANK == STALL_RANK and step == STALL_AT:
+        print(f"rank {RANK} stalls now", file=sys.stderr, flush=True)
+        if STALL_KIND == "block":
+            threading.Event().wait(STALL_SECONDS)  # a dataloader deadlock: blocked in C
+        else:
+            spin_forever()
+    return torch.randn(8, 4)
+
+
+def spin_forever():
+    n = 0
+    while True:  # pure Python, holding the GIL
+        n += 1
+
+
+def main():
+    dist.init_process_group("gloo")
+    model = DistributedDataParallel(torch.nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(STEPS):
+        batch = fetch_batch(step)
+        loss = model(batch).sum()
+        opt.zero_grad()
+        loss.backward()
+        if COLLECTIVE == "all_reduce":
+            dist.all_reduce(loss.detach())
+        opt.step()
+        breakpod.step()
+        time.sleep(STEP_SLEEP)
+    dist.barrier()
+    print(f"rank {RANK} done", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

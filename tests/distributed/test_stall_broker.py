@@ -1,0 +1,57 @@
+"""A stalled torchrun job reported through the broker: one job-wide stall event,
+the ranks grouped under the job in ``breakpod sessions``, ``breakpod stacks JOB``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.brokerkit import ADMIN, AGENT, VIEWER, wait_until
+from tests.distributed.torchrun import Job
+
+PORT = 29166
+JOB = f"job-{PORT}"
+
+
+def cli(broker, token: str, *args: str) -> str:
+    cmd = [sys.executable, "-m", "breakpod.cli", *args, "--broker", broker.url, "--token", token]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def job_stall_event(broker):
+    with broker.client(VIEWER) as c:
+        events = c.get("/v1/events", params={"kind": "stall", "limit": 100}).json()["events"]
+    return next((e for e in events if e["fields"].get("scope") == "job"), None)
+
+
+@pytest.mark.timeout(150)
+def test_the_broker_gets_one_job_stall_event_naming_the_culprit(broker, tmp_path: Path):
+    env = {"BREAKPOD_BROKER_URL": broker.url, "BREAKPOD_TOKEN": AGENT, "STALL_RANK": "2"}
+    job = Job(tmp_path, 3, PORT, BREAKPOD_STALL_AFTER="3", **env)
+    try:
+        job.wait_for(r"rank 2 stalls now", timeout=60)
+        match, _ = job.wait_for(r"^culprit: (.*)$", timeout=13)
+        assert match.group(1).startswith("rank 2 (")
+        event = wait_until(lambda: job_stall_event(broker), timeout=20)
+        assert event["fields"]["culprits"] == [2]
+        assert sorted(r["rank"] for r in event["fields"]["ranks"]) == [0, 1, 2]
+        assert "fetch_batch" in event["fields"]["culprit_stacks"]["2"]
+
+        listing = wait_until(lambda: _all_stalled(cli(broker, VIEWER, "sessions", "--job", JOB)))
+        assert f"job {JOB}: rank 0 stalled, rank 1 stalled, rank 2 stalled" in listing
+
+        stacks = cli(broker, ADMIN, "stacks", JOB)
+        blocks = stacks.split("=== ")[1:]
+        assert [b.split()[:2] for b in blocks] == [["rank", "0"], ["rank", "1"], ["rank", "2"]]
+        assert "fetch_batch" in blocks[2] and "fetch_batch" not in blocks[0]
+    finally:
+        job.kill()
+
+
+def _all_stalled(listing: str) -> str | None:
+    return listing if listing.count(" stalled") >= 3 else None

@@ -1,0 +1,67 @@
+"""Real torchrun jobs (gloo, CPU) for the multi-rank tests; stdin closed, stderr to a file."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+JOB = Path(__file__).with_name("stall_job.py")
+TORCHRUN = Path(sys.executable).with_name("torchrun")
+
+
+class Job:
+    def __init__(self, tmp_path: Path, nproc: int, port: int, **env: str) -> None:
+        self.stderr_path = tmp_path / f"torchrun-{port}.err"
+        clean = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("BREAKPOD_") and k != "ENABLE_REMOTE_DEBUG"
+        }
+        clean.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **env)
+        cmd = [str(TORCHRUN), f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1"]
+        cmd += [f"--master-port={port}", f"--rdzv-id=job-{port}", str(JOB)]
+        with open(self.stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                env=clean,
+                start_new_session=True,  # torchrun and its ranks: one group to kill
+            )
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float) -> tuple[re.Match[str], float]:
+        """The first match on the job's stderr, and when it was seen (monotonic)."""
+        regex = re.compile(pattern, re.MULTILINE)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = regex.search(self.stderr)
+            if match:
+                return match, time.monotonic()
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not seen; rc={self.proc.poll()}; stderr:\n{self.stderr}")
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        """SIGTERM to torchrun (it stops its ranks), then SIGKILL to whatever is left."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=20)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
