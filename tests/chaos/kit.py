@@ -39,8 +39,17 @@ class EmbeddedBroker(BrokerProcess):
         self._wait_ready(timeout)
         return self
 
-    def redis_pid(self) -> int:
-        return int((self.data_dir / "redis" / "redis.pid").read_text())
+    def redis_pid(self, timeout: float = 10.0) -> int:
+        """The embedded server's pid; a restart rewrites the file, so an empty read is retried."""
+        pidfile = self.data_dir / "redis" / "redis.pid"
+        return wait_until(lambda: _read_pid(pidfile), timeout=timeout)
+
+
+def _read_pid(pidfile: Path) -> int | None:
+    try:
+        return int(pidfile.read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def redis_servers(data_dir: Path) -> list[int]:
