@@ -100,7 +100,7 @@ def test_second_client_is_refused_with_one_line(spawn, pdb_client):
     assert child.wait() == 0
 
 
-TOKEN_ENV = {"BREAKPOD_TOKEN": "s3cret", "BREAKPOD_REQUIRE_TOKEN": "1"}
+TOKEN_ENV = {"BREAKPOD_TOKEN": "s3cret-token", "BREAKPOD_REQUIRE_TOKEN": "1"}
 
 
 def test_non_loopback_bind_without_token_is_refused(spawn):
@@ -121,7 +121,7 @@ def test_token_required_when_asked(tokened_child, pdb_client):
     child, host, port = tokened_child
     client = pdb_client(port, host)
     assert "token required" in client.read_until("\n")
-    client.send("s3cret")
+    client.send("s3cret-token")
     assert "attached" in client.read_until()
     client.send("c")
     assert child.wait() == 0
@@ -135,7 +135,7 @@ def test_wrong_token_is_refused(tokened_child, pdb_client):
     assert "wrong or missing token" in client.read_all()
     good = pdb_client(port, host)  # the process still waits for the right client
     good.read_until("\n")
-    good.send("s3cret")
+    good.send("s3cret-token")
     good.read_until()
     good.send("c")
     assert child.wait() == 0
@@ -147,7 +147,7 @@ def test_a_silent_client_does_not_hold_up_the_next_one(tokened_child, pdb_client
     assert "token required" in silent.read_until("\n")  # ... and never answers
     good = pdb_client(port, host)
     good.read_until("\n")
-    good.send("s3cret")
+    good.send("s3cret-token")
     assert "attached" in good.read_until()  # within the client's 10 s timeout
     good.send("c")
     assert child.wait() == 0
@@ -155,7 +155,8 @@ def test_a_silent_client_does_not_hold_up_the_next_one(tokened_child, pdb_client
 
 def test_require_token_without_a_token_is_a_clear_error(spawn):
     child = spawn(SCRIPT, env={"BREAKPOD_REQUIRE_TOKEN": "1"})
-    child.wait_for("BREAKPOD_REQUIRE_TOKEN=1 needs BREAKPOD_TOKEN to be set; using defaults")
+    child.wait_for("BREAKPOD_REQUIRE_TOKEN=1 needs BREAKPOD_TOKEN to be set .*no debugger listener")
+    assert child.wait() == 0 and "finished 42" in child.stdout()  # continued, no listener
 
 
 def test_nobody_attaching_continues_after_the_hold_time(spawn):
@@ -252,3 +253,17 @@ def _pty_session(fd: int, commands: list[str]) -> str:
         if out.rstrip().endswith("(Pdb)") and pending:
             os.write(fd, (pending.pop(0) + "\n").encode())
     return out
+
+
+def test_wrong_tokens_delay_a_remote_guesser_longer_than_everyone_else():
+    from breakpod.throttle import FORGET_AFTER, OVERALL_CAP, Throttle
+
+    throttle = Throttle()
+    assert throttle.wait("203.0.113.5", 100.0) == 0  # no failure yet: judged at once
+    for _ in range(10):
+        throttle.failed("203.0.113.5", 100.0)
+    assert throttle.wait("203.0.113.5", 100.0) == pytest.approx(0.05 * 2**9)
+    assert throttle.wait("198.51.100.7", 100.0) == OVERALL_CAP  # others: the overall cap
+    throttle.failed("127.0.0.1", 100.0)  # loopback (port-forward) peers share the overall one
+    assert throttle.wait("127.0.0.1", 100.0) == OVERALL_CAP
+    assert throttle.wait("203.0.113.5", 101.0 + FORGET_AFTER) == 0  # quiet for a minute

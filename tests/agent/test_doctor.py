@@ -63,7 +63,7 @@ def test_non_loopback_bind_without_token_fails_with_the_fix():
 
 
 def test_json_output_and_a_token_make_the_bind_a_warning():
-    env = {"BREAKPOD_HOST": "0.0.0.0", "BREAKPOD_TOKEN": "s3cret", "BREAKPOD_BACKEND": "pdb"}
+    env = {"BREAKPOD_HOST": "0.0.0.0", "BREAKPOD_TOKEN": "s3cret-token", "BREAKPOD_BACKEND": "pdb"}
     result = run_doctor("--json", env=env)
     checks = {c["name"]: c for c in json.loads(result.stdout)}
     assert checks["bind"]["status"] == "warn" and "token set" in checks["bind"]["found"]
@@ -73,7 +73,7 @@ def test_json_output_and_a_token_make_the_bind_a_warning():
 
 
 def test_auto_backend_warns_that_init_remote_debugger_would_pick_debugpy():
-    result = run_doctor(env={"BREAKPOD_HOST": "0.0.0.0", "BREAKPOD_TOKEN": "s3cret"})
+    result = run_doctor(env={"BREAKPOD_HOST": "0.0.0.0", "BREAKPOD_TOKEN": "s3cret-token"})
     bind = line(result.stdout, "bind")
     assert bind.startswith("warn") and "picks debugpy" in bind and "BREAKPOD_BACKEND=pdb" in bind
 

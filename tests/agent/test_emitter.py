@@ -150,3 +150,68 @@ def test_names_that_are_not_kubernetes_names_are_left_out_of_the_registration():
     assert (good["pod"], good["namespace"], good["node"]) == ("train-0", "ml", "n-1.a")
     bad = identity.describe({"POD_NAME": "x --server=https://evil", "POD_NAMESPACE": "ML_x"})
     assert "pod" not in bad and "namespace" not in bad
+
+
+# -- exact counters and recovery, against a real broker --------------------------------
+
+
+def test_every_event_is_counted_exactly_once_while_a_batch_is_in_flight():
+    e = Emitter(DEAD_URL, None, session_id="s", info={}, queue_size=5, poll_commands=False)
+    for n in range(3):
+        e.emit("log", {"n": n})
+    batch, _ = e._take()  # in flight: its room in the queue stays reserved
+    for n in range(3, 10):
+        e.emit("log", {"n": n})
+    assert (e.in_flight, len(e._queue), e.dropped) == (3, 2, 5)
+    e._requeue(batch)  # the send failed: back in front, nothing more dropped
+    assert [d["fields"]["n"] for d in e._queue] == [0, 1, 2, 8, 9]
+    assert e.dropped + len(e._queue) + e.in_flight + e.sent + e.rejected == 10
+
+
+def stored(broker, session_id: str) -> list[int]:
+    from tests.brokerkit import ADMIN
+
+    with broker.client(ADMIN) as c:
+        page = c.get("/v1/events", params={"session": session_id, "kind": "log", "limit": 1000})
+    assert page.status_code == 200, page.text
+    return [e["fields"]["n"] for e in page.json()["events"]]
+
+
+def test_a_batch_that_lands_late_is_neither_lost_nor_counted_as_dropped(broker):
+    from tests.brokerkit import AGENT
+
+    e = Emitter(broker.url, AGENT, session_id="late", info={}, queue_size=5, poll_commands=False)
+    e._register_or_beat()
+    for n in range(3):
+        e.emit("log", {"n": n})
+    batch, body = e._take()
+    e._client.request("POST", "/v1/events", body)  # it lands ...
+    for n in range(3, 10):
+        e.emit("log", {"n": n})  # ... while the queue fills up ...
+    e._requeue(batch)  # ... and the sender saw a timeout
+    e.start()
+    assert e.flush(timeout=15)
+    e.close()
+    assert stored(broker, "late") == [0, 1, 2, 8, 9]  # the retry was a duplicate, dropped there
+    assert (e.sent, e.dropped, e.in_flight, len(e._queue)) == (5, 5, 0, 0)
+
+
+@pytest.mark.timeout(90)
+def test_delivery_resumes_within_seconds_after_a_broker_outage(start_broker):
+    from tests.brokerkit import AGENT, wait_until
+
+    b = start_broker()
+    e = Emitter(b.url, AGENT, session_id="outage", info={}, poll_commands=False).start()
+    try:
+        e.emit("log", {"n": 0})
+        assert e.flush(timeout=15)
+        b.stop()
+        e.emit("log", {"n": 1})
+        time.sleep(8)  # long enough for an uncapped backoff to reach 8 s
+        b.start()
+        back = time.monotonic()
+        wait_until(lambda: stored(b, "outage") == [0, 1], timeout=20, interval=0.05)
+        recovery = time.monotonic() - back
+    finally:
+        e.close()
+    assert recovery < 4.0, f"delivery resumed {recovery:.2f}s after the broker came back"

@@ -110,13 +110,14 @@ def _partial_prompt_length(text: str) -> int:
 
 
 def _token(token: str | None) -> str:
-    token = token or os.environ.get(ENV["token"])
+    """Stripped, as the listener strips its own (a token read from a file ends in \\n)."""
+    token = (token or os.environ.get(ENV["token"]) or "").strip()
     if token:
         return token
     if sys.stdin.isatty():
         import getpass
 
-        return getpass.getpass("breakpod token: ")
+        return getpass.getpass("breakpod token: ").strip()
     raise AttachError("the listener requires a token: set BREAKPOD_TOKEN or pass --token")
 
 

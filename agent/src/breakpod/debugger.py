@@ -59,9 +59,11 @@ os.register_at_fork(after_in_child=_State.forget_parent_listener)
 
 
 def pdb_listener(settings: Settings) -> Listener:
-    """The process's remote pdb listener, bound on first use."""
+    """The process's remote pdb listener, bound on first use; refused (ConfigError)
+    when a security setting is bad or missing."""
     with _State.lock:
         if _State.pdb is None:
+            _check_not_refused(settings)
             net.check_bind(
                 settings.host,
                 backend="pdb",
@@ -73,8 +75,14 @@ def pdb_listener(settings: Settings) -> Listener:
                 settings.listen_port,
                 token=settings.token,
                 require_token=settings.require_token,
+                attach_idle=settings.attach_idle,
             )
         return _State.pdb
+
+
+def _check_not_refused(settings: Settings) -> None:
+    if settings.refused:
+        raise ConfigError(settings.refused)
 
 
 def active_pdb_listener() -> Listener | None:
@@ -105,8 +113,13 @@ def init_remote_debugger(
     ``BREAKPOD_WAIT_TIMEOUT`` seconds. Returns where the listener is, or
     ``None`` when disabled or when the listener could not start (logged).
     """
-    settings = Settings.from_env(port=port, host=host, backend=backend, enabled=enable)
+    settings, fallbacks = Settings.load(port=port, host=host, backend=backend, enabled=enable)
     if not settings.enabled:
+        return None
+    for line in fallbacks:
+        announce(line)
+    if settings.refused:  # the job goes on without a listener, never with an open one
+        announce(settings.refused)
         return None
     emitter.ensure_started()  # reports to the broker when BREAKPOD_BROKER_URL is set
     chosen = choose_backend(settings.backend)
@@ -147,6 +160,7 @@ def _start_debugpy(settings: Settings) -> Endpoint:
     with _State.lock:
         if _State.debugpy is not None:
             return _State.debugpy
+        _check_not_refused(settings)
         os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # frozen-modules noise
         import debugpy
 

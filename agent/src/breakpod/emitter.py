@@ -3,9 +3,16 @@
 Enabled by ``BREAKPOD_BROKER_URL`` (token: ``BREAKPOD_TOKEN``); without it
 nothing here runs: no thread, no sink, no socket. The training thread only
 appends to a bounded in-memory queue (when full the oldest event is dropped
-and counted); a sender thread posts batches with retry and backoff, and a
-poller thread long-polls commands (``break``, ``resume``, ``detach``,
-``dump-stacks``).
+and counted); a sender thread posts batches with retry and backoff (jittered,
+capped at MAX_BACKOFF so delivery resumes within seconds of the broker's
+return), and a poller thread long-polls commands (``break``, ``resume``,
+``detach``, ``dump-stacks``).
+
+Counters are exact: every event emitted is, at any moment, in exactly one of
+``sent``, ``rejected``, ``dropped``, the queue, or the batch in flight. The
+batch in flight keeps its room in the queue, so a batch whose outcome is
+unknown (a timeout; it may land late) goes back in front and is sent again
+(the broker drops the duplicate ids), never counted as dropped.
 
     emitter.ensure_started()       # idempotent; breakpoint() and listeners call it
     emitter.break_if_requested()   # at a step boundary: park here after a `break`
@@ -20,6 +27,7 @@ import itertools
 import json
 import logging
 import os
+import random
 import sys
 import threading
 import time
@@ -58,7 +66,8 @@ BATCH_BYTES = 512 * 1024
 MAX_EVENT_BYTES = 64 * 1024
 HEARTBEAT_SECONDS = 15.0
 POLL_SECONDS = 20.0
-MAX_BACKOFF = 30.0
+FIRST_BACKOFF = 0.25
+MAX_BACKOFF = 2.0
 
 _lock = threading.Lock()
 _emitter: Emitter | None = None
@@ -126,6 +135,7 @@ class Emitter:
         self.info = identity.describe() if info is None else info
         self.queue_size = max(1, queue_size)
         self.dropped = self.sent = self.rejected = 0
+        self.in_flight = 0  # taken by the sender, outcome not known yet
         self.state: dict[str, Any] = {"state": "running"}
         self._queue: collections.deque[dict[str, Any]] = collections.deque()
         self._qlock = threading.Lock()
@@ -170,11 +180,13 @@ class Emitter:
         doc.update(session=self.session_id, time=at or time.time(), fields=fields)
         self._track_state(kind, fields)
         with self._qlock:
-            if len(self._queue) >= self.queue_size:
-                self._queue.popleft()
-                self.dropped += 1
-            self._queue.append(doc)
             self._idle.clear()
+            if len(self._queue) + self.in_flight >= self.queue_size:
+                self.dropped += 1
+                if not self._queue:  # all the room is in flight: this one cannot wait
+                    return
+                self._queue.popleft()
+            self._queue.append(doc)
         self._wake.set()
 
     def sink(self, event: events.Event) -> None:
@@ -213,7 +225,7 @@ class Emitter:
     # -- the sender thread --------------------------------------------------------------
 
     def _send_loop(self) -> None:
-        backoff = 0.25
+        backoff = FIRST_BACKOFF
         while not self._stop.is_set():
             self._wake.wait(timeout=HEARTBEAT_SECONDS / 3)
             self._wake.clear()
@@ -221,7 +233,7 @@ class Emitter:
                 self._register_or_beat()
                 while self._send_batch():
                     pass
-                backoff, self._reachable = 0.25, True
+                backoff, self._reachable = FIRST_BACKOFF, True
             except BrokerError as e:
                 self._reachable = e.status is not None
                 if e.status == 422 and not self._registered.is_set():  # retrying cannot help
@@ -233,7 +245,7 @@ class Emitter:
                 self._warn_once("send-bug", f"reporting failed ({type(e).__name__}: {e})")
             else:
                 continue
-            self._stop.wait(backoff)
+            self._stop.wait(jittered(backoff))
             backoff = min(backoff * 2, MAX_BACKOFF)
             self._wake.set()
 
@@ -263,15 +275,26 @@ class Emitter:
             self._client.request("POST", "/v1/events", body)
         except BrokerError as e:
             if e.status in (400, 403, 413, 422):  # retrying cannot help: drop, count, say so
-                self.rejected += len(batch)
+                self._settle(batch, rejected=True)
                 self._warn_once("rejected", f"the broker rejected {len(batch)} events: {e}")
                 return True
             if e.status == 404:
                 self._registered.clear()
             self._requeue(batch)
             raise
-        self.sent += len(batch)
+        except BaseException:  # a bug: the events go back, the counters stay exact
+            self._requeue(batch)
+            raise
+        self._settle(batch, rejected=False)
         return True
+
+    def _settle(self, batch: list[dict[str, Any]], *, rejected: bool) -> None:
+        with self._qlock:
+            self.in_flight -= len(batch)
+            if rejected:
+                self.rejected += len(batch)
+            else:
+                self.sent += len(batch)
 
     def _take(self) -> tuple[list[dict[str, Any]], bytes]:
         """Up to BATCH_EVENTS / BATCH_BYTES from the front; encoded outside the lock so
@@ -281,6 +304,7 @@ class Emitter:
             if not batch:
                 self._idle.set()  # under the lock: an emit() right now clears it again
                 return [], b""
+            self.in_flight += len(batch)
         parts: list[bytes] = []
         size = 0
         for doc in batch:
@@ -293,18 +317,16 @@ class Emitter:
         return batch[: len(parts)], b'{"events":[' + b",".join(parts) + b"]}"
 
     def _requeue(self, batch: list[dict[str, Any]]) -> None:
-        """Put a failed batch back in front; if the queue filled meanwhile, drop the oldest."""
+        """Put a batch back in front; the room it kept while in flight is still there."""
         with self._qlock:
-            room = max(0, self.queue_size - len(self._queue))
-            keep = batch[len(batch) - room :] if room < len(batch) else batch
-            self.dropped += len(batch) - len(keep)
-            self._queue.extendleft(reversed(keep))
+            self.in_flight -= len(batch)
+            self._queue.extendleft(reversed(batch))
 
     # -- the poller thread --------------------------------------------------------------
 
     def _poll_loop(self) -> None:
         assert self._poller is not None
-        backoff = 0.25
+        backoff = FIRST_BACKOFF
         path = f"/v1/sessions/{self.session_id}/commands"
         while not self._stop.is_set():
             if not self._registered.wait(timeout=1.0):
@@ -313,7 +335,7 @@ class Emitter:
                 reply = self._poller.request("GET", f"{path}?wait={POLL_SECONDS:g}")
                 for command in reply["commands"]:
                     self._run(path, command)
-                backoff = 0.25
+                backoff = FIRST_BACKOFF
             except Exception as e:  # never let the poller die: commands would stop
                 if isinstance(e, BrokerError) and e.status == 404:
                     self._registered.clear()
@@ -322,7 +344,7 @@ class Emitter:
                     backoff = max(backoff, 5.0)
                 elif not isinstance(e, BrokerError):
                     self._warn_once("poll-bug", f"command poll failed ({type(e).__name__}: {e})")
-                self._stop.wait(backoff)
+                self._stop.wait(jittered(backoff))
                 backoff = min(backoff * 2, MAX_BACKOFF)
 
     def _run(self, path: str, command: dict[str, Any]) -> None:
@@ -336,6 +358,12 @@ class Emitter:
         if key not in self._warned:
             self._warned.add(key)
             log.warning("breakpod: %s", message)
+
+
+def jittered(seconds: float) -> float:
+    """Between half and all of ``seconds``: agents that lost the same broker
+    do not all come back in the same instant."""
+    return seconds * random.uniform(0.5, 1.0)
 
 
 def _encode(doc: dict[str, Any]) -> bytes:

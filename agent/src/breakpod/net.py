@@ -93,7 +93,7 @@ def _listen(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-        sock.listen(4)
+        sock.listen(128)  # a burst of connects must not drop the real client's SYN
     except OSError:
         sock.close()
         raise

@@ -3,7 +3,9 @@
 Differences from plain pdb, all in the direction of keeping a training job
 alive: a client that disconnects or sends EOF ends the session as if
 ``continue`` was typed (or, with ``on_detach="wait"``, the next client takes
-over); ``q`` detaches and continues unless ``quit_mode="exit"``;
+over); a client silent for BREAKPOD_ATTACH_IDLE (gone, or half-open) is
+dropped and the hold time applies again, so the job never stays parked for
+nobody; ``q`` detaches and continues unless ``quit_mode="exit"``;
 ``interact`` talks to the client instead of the process's stdin.
 """
 
@@ -16,6 +18,8 @@ import sys
 from types import FrameType, TracebackType
 
 from breakpod import events, watchdog
+from breakpod.announce import announce
+from breakpod.config import format_seconds
 from breakpod.listener import ClientIO, Listener
 from breakpod.pdb_commands import CommandsMixin, load_builtin_commands
 
@@ -41,7 +45,7 @@ class RemoteSession:
         self.reason = reason
         self.hold_seconds = hold_seconds
         self.on_detach = on_detach
-        self.io = ClientIO()
+        self.io = ClientIO(idle_seconds=listener.attach_idle)
         self._client: socket.socket | None = None
         self._holding = False
 
@@ -107,11 +111,20 @@ class RemotePdb(CommandsMixin):
     do_q = do_exit = do_quit
 
     def do_EOF(self, arg: str) -> bool:
-        self.session.end("client disconnected")
-        if self.session.on_detach == "wait" and self.session.wait():
+        idled = self.session.io.idled
+        self.session.end(self._idle_notice() if idled else "client disconnected")
+        if (idled or self.session.on_detach == "wait") and self.session.wait():
             self.print_stack_entry(self.stack[self.curindex])
             return False
         return self.do_continue(arg)
+
+    def _idle_notice(self) -> str:
+        """Said when an idle client is dropped; the park then waits for another one."""
+        idle = format_seconds(self.session.io.idle_seconds)
+        hold = format_seconds(self.session.hold_seconds)
+        notice = f"the debugger client sent nothing for {idle} and was dropped"
+        announce(f"{notice}; waiting up to {hold} for a debugger again")
+        return notice
 
     def do_interact(self, arg: str) -> None:
         """interact: start an interactive interpreter over this connection."""

@@ -228,9 +228,10 @@ def innermost(tb: TracebackType) -> TracebackType:
 
 
 def env_settings() -> Settings:
-    """Environment settings; a bad value is reported and the defaults used."""
-    try:
-        return Settings.from_env()
-    except ValueError as e:
-        announce(f"{e}; using defaults")
-        return Settings()
+    """Environment settings; each bad value is announced on its own line. A bad
+    ordinary value falls back alone; a bad security value leaves
+    ``Settings.refused`` set, so no listener starts (never the defaults instead)."""
+    settings, problems = Settings.load()
+    for line in problems:
+        announce(line)
+    return settings
