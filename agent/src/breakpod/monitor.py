@@ -185,6 +185,8 @@ class Monitor:
         self._urgent = any(r.urgent for r in rules)
         self._updated = False  # the optimizer ended a step since the last monitor.step()
         self.skipped_steps = 0
+        self._module_checks = False  # some forward/backward hook records stats
+        self._said_compiled = False
         self._shape_active: set[tuple[str, str]] = set()
         self._failed: set[str] = set()
         if enabled:
@@ -251,6 +253,7 @@ class Monitor:
             hook = self._guarded("shape hook", functools.partial(self._record_shapes, name))
             self._handles.append(module.register_forward_hook(hook))
             return
+        self._module_checks = True
         by_name = {r.name: r for r in self.rules}
         watched = [by_name[n] for n in fwd]
         slot = Slot(
@@ -288,6 +291,8 @@ class Monitor:
         """Wrap a hook: a failure is reported once and swallowed; only ``stop`` raises."""
 
         def hook(*args: Any) -> None:
+            if _compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
+                return
             try:
                 fn(*args)
             except AnomalyError:
@@ -462,6 +467,7 @@ class Monitor:
         done, self._current = self._current, StepRecord(self.step_count + 1)
         self.step_count += 1
         self._pending.append(done)
+        self._say_if_compiled(done)
         if self._urgent:  # a break/stop/skip rule needs the verdict before the update
             self._read(done)
             self._evaluate_landed(wait=True, frame=frame)
@@ -469,6 +475,20 @@ class Monitor:
         elif self.step_count % self.check_every == 0 or _keeps_tensors(done):
             self._read(done)  # kept tensors (break/snapshot rules) live one step, not check_every
         self._evaluate_landed(wait=False)
+
+    def _say_if_compiled(self, done: StepRecord) -> None:
+        """Gradients but no module stats: the model ran compiled, where hooks do not run."""
+        kinds = {e.kind for e in done.entries}
+        if self._said_compiled or not self._module_checks or "grads" not in kinds:
+            return
+        if kinds & {"forward", "backward"}:
+            return
+        self._said_compiled = True
+        announce(
+            "monitor: the model ran under torch.compile, where breakpod's module hooks do not "
+            "run; only gradient norms, parameters and the loss are checked (blamed on the "
+            "parameter's module). For per-module checks set BREAKPOD_DISABLE_COMPILE=1"
+        )
 
     def _late_loss(self, loss: Any, frame: FrameType) -> None:
         """``monitor.step(loss)`` after ``opt.step()``: the loss of the step that just ended."""
@@ -594,6 +614,12 @@ class Monitor:
 
 def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
     return [tuple(x.shape) for x in inputs if hasattr(x, "shape")]
+
+
+def _compiling() -> bool:
+    """Inside a torch.compile trace (constant there, so the hook traces to nothing)."""
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    return compiler is not None and bool(compiler.is_compiling())
 
 
 def _optimizer_params(optimizer: Any) -> list[Any]:
