@@ -25,6 +25,7 @@ from typing import Any
 
 from breakpod import events
 from breakpod.announce import announce
+from breakpod.config import BROKER_URL_ENV
 from breakpod.errors import AnomalyError
 from breakpod.pdb_commands import command
 
@@ -135,6 +136,12 @@ def _event(anomaly: Anomaly, ctx: ActionContext) -> None:
     events.emit("anomaly", **anomaly.to_dict())
     if ctx.sink is not None:
         ctx.sink(anomaly)
+    elif not os.environ.get(BROKER_URL_ENV) and "event" not in ctx.failed:
+        ctx.failed.add("event")  # said once: where the rule's events go without a broker
+        announce(
+            f"anomaly events: no broker ({BROKER_URL_ENV} unset) and no sink=; they reach "
+            "breakpod.events sinks and monitor.anomalies only"
+        )
 
 
 def _snapshot(anomaly: Anomaly, ctx: ActionContext) -> None:

@@ -446,7 +446,7 @@ class Monitor:
             if self._handles_steps():
                 self._end_step(loss, frame)
             elif loss is not None:
-                self._late_loss(loss, frame) if self._updated else self.record_loss(loss)
+                self._late_loss(loss) if self._updated else self.record_loss(loss)
             self._updated = False
         except AnomalyError:
             raise
@@ -490,15 +490,15 @@ class Monitor:
             "parameter's module). For per-module checks set BREAKPOD_DISABLE_COMPILE=1"
         )
 
-    def _late_loss(self, loss: Any, frame: FrameType) -> None:
-        """``monitor.step(loss)`` after ``opt.step()``: the loss of the step that just ended."""
+    def _late_loss(self, loss: Any) -> None:
+        """``monitor.step(loss)`` after ``opt.step()``: the loss of the step that just ended.
+
+        Its update is applied already, so it waits for the next read (no extra one).
+        """
         late, self._current = self._current, StepRecord(self.step_count - 1, partial=True)
         self.record_loss(loss)
         self._current, record = late, self._current
         self._pending.append(record)
-        if self._urgent or self.step_count % self.check_every == 0:
-            self._read(record, state=False)
-            self._evaluate_landed(wait=self._urgent, frame=frame)
 
     def _apply_skip(self, step: int) -> None:
         """Drop this step's update: no gradient, so the optimizer's step changes nothing."""
