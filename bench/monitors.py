@@ -2,9 +2,11 @@
 
 Two models (a small ResNet-style CNN, batch 32 x 3x64x64, and a 4-layer
 transformer encoder, batch 16 x 128 tokens x d_model 256), trained with SGD
-under six setups: no monitoring, breakpod disabled, breakpod default rules
-with check_every=1 and 10, the per-layer ``.item()`` checks tutorials paste
-into training loops, and ``torch.autograd.detect_anomaly()``.
+under seven setups: no monitoring, breakpod disabled, breakpod default rules
+with check_every=1 and 10, the default rules plus a ``break`` rule (judged
+before ``optimizer.step()``: one host read per step), the per-layer
+``.item()`` checks tutorials paste into training loops, and
+``torch.autograd.detect_anomaly()``.
 
 The setups run interleaved (a few steps of each, round after round) so that
 drift on a shared machine hits them all alike; each ratio is the median, over
@@ -32,7 +34,7 @@ from torch import nn
 
 import breakpod
 
-TARGETS = {"disabled": 1.01, "check_every=1": 1.10, "check_every=10": 1.05}
+TARGETS = {"disabled": 1.01, "check_every=1": 1.10, "check_every=10": 1.05, "break rule": 1.10}
 
 
 class Block(nn.Module):
@@ -130,6 +132,18 @@ class Breakpod(Setup):
         self.reads = self.monitor.reads
 
 
+class BreakRule(Breakpod):
+    """A ``break`` rule: each step is judged in the optimizer's pre-hook, one read per step."""
+
+    name = "breakpod + a break rule, check_every=10"
+    key = "break rule"
+
+    def __init__(self, model: nn.Module) -> None:
+        Setup.__init__(self, model)
+        rules = [{"name": "nan-break", "check": "nonfinite", "action": "break"}]
+        self.monitor = breakpod.watch(model, rules, optimizer=self.optimizer, check_every=10)
+
+
 class ItemChecks(Setup):
     """The tutorial helpers: a forward hook per layer and a grad-norm loop, each ``.item()``."""
 
@@ -194,6 +208,7 @@ def setups(build: Callable[[], Any]) -> Iterator[Setup]:
     yield Breakpod(fresh(), 1, enabled=False)
     yield Breakpod(fresh(), 1)
     yield Breakpod(fresh(), 10)
+    yield BreakRule(fresh())
     yield ItemChecks(fresh())
     yield DetectAnomaly(fresh())
 

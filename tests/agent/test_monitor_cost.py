@@ -39,7 +39,7 @@ def test_disabled_installs_no_hook_at_all(monkeypatch, env):
     monitor = breakpod.watch(model, optimizer=optimizer, expect={"fc1": "B,16"})
     assert not monitor.enabled
     assert all(not d for d in hook_dicts(model))
-    assert not optimizer._optimizer_step_post_hooks
+    assert not optimizer._optimizer_step_pre_hooks
     model.poison.mode = "forward"
     loss = model(batch(0)[0]).sum()
     monitor.step(loss)
@@ -52,9 +52,9 @@ def test_close_removes_every_hook(monkeypatch):
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     monitor = breakpod.watch(model, optimizer=optimizer)
-    assert any(hook_dicts(model)) and optimizer._optimizer_step_post_hooks
+    assert any(hook_dicts(model)) and optimizer._optimizer_step_pre_hooks
     monitor.close()
-    assert all(not d for d in hook_dicts(model)) and not optimizer._optimizer_step_post_hooks
+    assert all(not d for d in hook_dicts(model)) and not optimizer._optimizer_step_pre_hooks
 
 
 @contextlib.contextmanager

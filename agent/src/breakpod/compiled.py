@@ -4,7 +4,12 @@ Dynamo traces a module's hooks when it compiles, so hooks added *after*
 ``torch.compile(model)`` are not seen by the compiled graph. breakpod's
 debug mode therefore turns compilation off: ``BREAKPOD_DISABLE_COMPILE=1``
 exports ``TORCH_COMPILE_DISABLE=1`` (read by dynamo when it is imported)
-and, if dynamo is already loaded, flips its ``disable`` switch too.
+and, if dynamo is already loaded, flips its ``disable`` switch and drops the
+graphs it already compiled (they would keep running without the hooks).
+
+Hooks never run inside a dynamo trace (they would fail on the tensor marks):
+a compiled model is checked at the step boundary only (gradient norms,
+parameters, the loss), and the monitor says so once.
 """
 
 from __future__ import annotations
@@ -32,7 +37,17 @@ def apply_compile_policy(environ: dict[str, str] | None = None) -> bool:
     config = sys.modules.get("torch._dynamo.config")
     if config is not None:
         config.disable = True  # type: ignore[attr-defined]
+        _drop_compiled_code()
     return True
+
+
+def _drop_compiled_code() -> None:
+    """Graphs compiled before the switch are cached on the code objects and would still
+    run (without breakpod's hooks): drop them so the next call runs eagerly."""
+    dynamo = sys.modules.get("torch._dynamo")
+    reset = getattr(dynamo, "reset", None)
+    if callable(reset):
+        reset()
 
 
 def unwrap_compiled(model: Any) -> Any:

@@ -71,6 +71,7 @@ class StepData:
     loss_tensor: Any = None
     params: dict[int, float] | None = None
     batchnorm: dict[str, list[float]] | None = None
+    partial: bool = False  # only a loss, reported after the optimizer ended its step
 
 
 Found = tuple[Anomaly, Rule]
@@ -92,6 +93,8 @@ class Detector:
     def run(self, data: StepData) -> list[Found]:
         found: list[Found] = []
         for rule in self.rules:
+            if data.partial and rule.check not in ("nonfinite", "loss_spike"):
+                continue
             check = getattr(self, f"_{rule.check}", None)
             if check is not None:
                 found.extend(check(rule, data))
@@ -112,6 +115,8 @@ class Detector:
     # nonfinite: the first producer in execution order, once per outbreak
     def _nonfinite(self, rule: Rule, data: StepData) -> Iterator[Found]:
         first = next((a for a in self._nonfinite_sites(rule, data) if a is not None), None)
+        if data.partial and first is None:
+            return  # a late finite loss says nothing about the step's other tensors
         if self._fires((rule.name,), first is not None, rule) and first is not None:
             params = [
                 self.params[i].name for i, n in (data.params or {}).items() if not math.isfinite(n)
@@ -126,10 +131,14 @@ class Detector:
             yield from (
                 _nonfinite_sample(rule, data.step, s) for s in data.forward if _watched(rule, s)
             )
-        if "loss" in where and data.loss is not None and not math.isfinite(data.loss):
-            yield _anomaly(
-                rule, data, "", "loss", f"loss is {data.loss}", data.loss, data.loss_tensor
-            )
+        loss = data.loss
+        if (
+            "loss" in where
+            and not rule.yields_loss
+            and loss is not None
+            and not math.isfinite(loss)
+        ):
+            yield _anomaly(rule, data, "", "loss", f"loss is {loss}", loss, data.loss_tensor)
         if "gradient" in where:
             yield from (
                 _nonfinite_sample(rule, data.step, s) for s in data.backward if _watched(rule, s)
@@ -245,16 +254,17 @@ class Detector:
 
     def _loss_spike(self, rule: Rule, data: StepData) -> Iterator[Found]:
         loss = data.loss
-        if loss is None or not math.isfinite(loss):
+        if loss is None or not math.isfinite(loss) or rule.yields_loss:
             return
         window = self._losses.setdefault(rule.name, deque(maxlen=rule["window"]))
-        median = statistics.median(window) if len(window) >= rule["min_history"] else math.nan
+        history = len(window)  # the steps the median covers, before this one joins
+        median = statistics.median(window) if history >= rule["min_history"] else math.nan
         spike = median > 0 and loss > rule["factor"] * median
         window.append(loss)
         if self._fires((rule.name,), spike, rule):
             summary = (
                 f"loss {loss:.4g} is {loss / median:.3g}x the median {median:.4g} "
-                f"of the last {len(window) - 1} steps"
+                f"of the last {history} steps"
             )
             yield _anomaly(rule, data, "", "loss", summary, loss, data.loss_tensor), rule
 

@@ -7,12 +7,16 @@ How a step flows:
   shape contracts are checked from metadata, on the host, at once;
 * at the end of each backward, one fused ``_foreach_norm`` gives every
   parameter's gradient norm;
-* at the step boundary (:meth:`Monitor.step`, or the optimizer's step hook)
-  the step's small stats tensors are concatenated into one per device;
+* at the step boundary (:meth:`Monitor.step`, or the optimizer's step
+  *pre*-hook, before the update is applied) the step's small stats tensors
+  are concatenated into one per device;
 * every ``check_every`` steps the host reads them (a non-blocking copy to
   pinned memory on CUDA, evaluated at the next boundary once it landed) and
   :mod:`breakpod.detect` turns them into :class:`~breakpod.anomaly.Anomaly`
-  records, handed to each rule's actions.
+  records, handed to each rule's actions;
+* when a rule would ``break``, ``stop`` or ``skip``, the answer is needed
+  before the update: the boundary then reads once per step and waits, so a
+  park still sees the previous step's weights and ``skip`` can drop the update.
 
 Nothing in a hook reads a tensor on the host. A failure inside the monitor
 is reported once and swallowed; only ``action: stop`` raises into training.
@@ -32,12 +36,13 @@ from typing import Any
 
 from breakpod import checks, emitter, watchdog
 from breakpod.announce import announce
-from breakpod.anomaly import ActionContext, Anomaly, dispatch
+from breakpod.anomaly import ActionContext, Anomaly, dispatch, merge_same_tensor
+from breakpod.anomaly import user_frame as _user_frame
 from breakpod.compiled import apply_compile_policy, unwrap_compiled
 from breakpod.config import parse_bool
 from breakpod.detect import Detector, ParamInfo, Slot
 from breakpod.errors import AnomalyError, ConfigError, RuleError
-from breakpod.rules import Rule, load_rules, parse_rule, read_yaml
+from breakpod.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
 from breakpod.stats import (
     Entry,
     StepRecord,
@@ -106,21 +111,40 @@ def watch(
 def _config(config: Any) -> dict[str, Any]:
     if config is None:
         return {}
+    source = "config"
     if isinstance(config, (str, os.PathLike)):
+        source = f"config file {config}"
         config = read_yaml(Path(config))
     if not isinstance(config, Mapping):
         raise ConfigError(
-            f"config: expected a mapping or a YAML file path, got {type(config).__name__}"
+            f"{source}: expected a mapping or a YAML file path, got {type(config).__name__}"
         )
     unknown = set(config) - {"rules", "defaults", "check_every", "expect", "snapshot_dir"}
     if unknown:
-        raise ConfigError(f"config: unknown key(s) {sorted(unknown)}")
-    return dict(config)
+        raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)}")
+    settings = dict(config)
+    _check_types(source, settings)
+    return settings
+
+
+def _check_types(source: str, settings: dict[str, Any]) -> None:
+    """Strict types, one line naming the field and the value (never a traceback later)."""
+    if "defaults" in settings:
+        strict_bool(source, "defaults", settings["defaults"])
+    expect = settings.get("expect", {})
+    if not isinstance(expect, Mapping) or not all(isinstance(k, str) for k in expect):
+        raise ConfigError(
+            f"{source}: field 'expect': expected a mapping like {{'encoder': 'B,T,256'}}, "
+            f"got {expect!r}"
+        )
+    folder = settings.get("snapshot_dir")
+    if folder is not None and not isinstance(folder, (str, os.PathLike)):
+        raise ConfigError(f"{source}: field 'snapshot_dir': expected a folder path, got {folder!r}")
 
 
 def _merge_rules(settings: dict[str, Any], rules: Any, expect: Mapping[str, Any]) -> list[Rule]:
     """Defaults, then the config's rules, then ``rules=``; ``expect`` adds shape rules."""
-    defaults = bool(settings.get("defaults", True))
+    defaults = settings.get("defaults", True)
     merged = load_rules(settings.get("rules"), rules, defaults=defaults)
     for i, (glob, shape) in enumerate(expect.items()):
         spec = {"name": f"shape:{glob}", "check": "shape", "modules": glob, "expect": shape}
@@ -157,6 +181,12 @@ class Monitor:
         self._pending: list[StepRecord] = []
         self._inflight: list[tuple[list[Any], dict[Any, Any], list[StepRecord]]] = []
         self._backward_queued = False
+        self._optimizer = optimizer
+        self._urgent = any(r.urgent for r in rules)
+        self._updated = False  # the optimizer ended a step since the last monitor.step()
+        self.skipped_steps = 0
+        self._module_checks = False  # some forward/backward hook records stats
+        self._said_compiled = False
         self._shape_active: set[tuple[str, str]] = set()
         self._failed: set[str] = set()
         if enabled:
@@ -193,8 +223,9 @@ class Monitor:
             (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
         ]
         self._install_grad_hooks()
-        if optimizer is not None:
-            self._handles.append(optimizer.register_step_post_hook(lambda *_: self.step()))
+        if optimizer is not None:  # before the update, so a bad step can still be dropped
+            hook = self._guarded("optimizer step hook", self._before_update)
+            self._handles.append(optimizer.register_step_pre_hook(hook))
         self._detector = Detector(self.rules, [info for info, _ in self._params], batchnorm)
 
     def _watched_params(self) -> list[tuple[ParamInfo, Any]]:
@@ -222,6 +253,7 @@ class Monitor:
             hook = self._guarded("shape hook", functools.partial(self._record_shapes, name))
             self._handles.append(module.register_forward_hook(hook))
             return
+        self._module_checks = True
         by_name = {r.name: r for r in self.rules}
         watched = [by_name[n] for n in fwd]
         slot = Slot(
@@ -259,6 +291,8 @@ class Monitor:
         """Wrap a hook: a failure is reported once and swallowed; only ``stop`` raises."""
 
         def hook(*args: Any) -> None:
+            if _compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
+                return
             try:
                 fn(*args)
             except AnomalyError:
@@ -267,6 +301,17 @@ class Monitor:
                 self._fail(where, e)
 
         return hook
+
+    def _before_update(self, optimizer: Any, *_: Any) -> None:
+        """The optimizer's step pre-hook ends the step: checks run before the update."""
+        frame = _user_frame(sys._getframe())
+        self._end_step(None, frame)
+        self._updated = True
+        watchdog.heartbeat(self.step_count)
+        if emitter.pending_break():  # `breakpod send ID break`, held before the update
+            from breakpod import shim
+
+            shim.hold(frame, header="break requested through the broker")
 
     # ------------------------------------------------------------------ hooks (hot path)
     def _forward_hook(
@@ -373,7 +418,7 @@ class Monitor:
         value = float(out.dim())
         anomaly = Anomaly(rule.name, "shape", name, self.step_count, "forward", summary, value)
         anomaly.details, anomaly.tensor = details, out.detach()
-        self._report([(anomaly, rule)])
+        self._report([(anomaly, rule)], _user_frame(sys._getframe()))
 
     # ------------------------------------------------------------------ step boundary
     def record_loss(self, loss: Any) -> None:
@@ -389,20 +434,32 @@ class Monitor:
         self._current.entries.append(Entry("loss", value, tensor=kept))
 
     def step(self, loss: Any = None) -> None:
-        """End a training step: stats are packed, and read every ``check_every`` steps."""
+        """End a training step: stats are packed, and read every ``check_every`` steps.
+
+        With ``optimizer=`` the optimizer's step ends steps; this then only
+        records ``loss`` (for the step the optimizer ended, when called after it).
+        """
         if not self.enabled:
             return
+        frame = _user_frame(sys._getframe(1))
         try:
-            self._end_step(loss)
+            if self._handles_steps():
+                self._end_step(loss, frame)
+            elif loss is not None:
+                self._late_loss(loss) if self._updated else self.record_loss(loss)
+            self._updated = False
         except AnomalyError:
             raise
         except Exception as e:
             self._fail("step boundary", e)
         watchdog.step(self.step_count)
         if emitter.pending_break():  # `breakpod send ID break`: one flag check per step
-            emitter.park_for_break(_user_frame(sys._getframe(1)))
+            emitter.park_for_break(frame)
 
-    def _end_step(self, loss: Any) -> None:
+    def _handles_steps(self) -> bool:
+        return self._optimizer is None
+
+    def _end_step(self, loss: Any, frame: FrameType | None = None) -> None:
         if loss is not None:
             self.record_loss(loss)
         if not self._current.grads_done and self._params:
@@ -410,9 +467,51 @@ class Monitor:
         done, self._current = self._current, StepRecord(self.step_count + 1)
         self.step_count += 1
         self._pending.append(done)
-        if self.step_count % self.check_every == 0 or _keeps_tensors(done):
+        self._say_if_compiled(done)
+        if self._urgent:  # a break/stop/skip rule needs the verdict before the update
+            self._read(done)
+            self._evaluate_landed(wait=True, frame=frame)
+            self._apply_skip(done.step)
+        elif self.step_count % self.check_every == 0 or _keeps_tensors(done):
             self._read(done)  # kept tensors (break/snapshot rules) live one step, not check_every
         self._evaluate_landed(wait=False)
+
+    def _say_if_compiled(self, done: StepRecord) -> None:
+        """Gradients but no module stats: the model ran compiled, where hooks do not run."""
+        kinds = {e.kind for e in done.entries}
+        if self._said_compiled or not self._module_checks or "grads" not in kinds:
+            return
+        if kinds & {"forward", "backward"}:
+            return
+        self._said_compiled = True
+        announce(
+            "monitor: the model ran under torch.compile, where breakpod's module hooks do not "
+            "run; only gradient norms, parameters and the loss are checked (blamed on the "
+            "parameter's module). For per-module checks set BREAKPOD_DISABLE_COMPILE=1"
+        )
+
+    def _late_loss(self, loss: Any) -> None:
+        """``monitor.step(loss)`` after ``opt.step()``: the loss of the step that just ended.
+
+        Its update is applied already, so it waits for the next read (no extra one).
+        """
+        late, self._current = self._current, StepRecord(self.step_count - 1, partial=True)
+        self.record_loss(loss)
+        self._current, record = late, self._current
+        self._pending.append(record)
+
+    def _apply_skip(self, step: int) -> None:
+        """Drop this step's update: no gradient, so the optimizer's step changes nothing."""
+        if not self._ctx.take_skip():
+            return
+        params = _optimizer_params(self._optimizer) or list(self.model.parameters())
+        for p in params:
+            p.grad = None  # optimizers leave a parameter without a gradient untouched
+        self.skipped_steps += 1
+        for anomaly in self.anomalies:
+            if anomaly.step == step:
+                anomaly.skipped = True
+        announce(f"step {step}: update skipped (gradients dropped before the optimizer step)")
 
     def flush(self) -> list[Anomaly]:
         """Read and evaluate everything now (a host sync); returns the new anomalies."""
@@ -424,9 +523,10 @@ class Monitor:
         self._evaluate_landed(wait=True)
         return self.anomalies[before:]
 
-    def _read(self, last: StepRecord) -> None:
+    def _read(self, last: StepRecord, *, state: bool = True) -> None:
         """Start the host copy of every pending step (with the state checks on ``last``)."""
-        self._add_state_checks(last)
+        if state:
+            self._add_state_checks(last)
         steps, self._pending = self._pending, []
         copies = {
             device: to_host(t) for device, t in pack([e for s in steps for e in s.entries]).items()
@@ -449,7 +549,7 @@ class Monitor:
                 )
             )
 
-    def _evaluate_landed(self, *, wait: bool) -> None:
+    def _evaluate_landed(self, *, wait: bool, frame: FrameType | None = None) -> None:
         while self._inflight:
             events, copies, steps = self._inflight[0]
             if not landed(events, wait=wait):
@@ -457,13 +557,18 @@ class Monitor:
             self._inflight.pop(0)
             values = {device: host.tolist() for device, host in copies.items()}
             for step in steps:
-                self._report(self._detector.run(decode(step, values)))
+                self._report(self._detector.run(decode(step, values)), frame)
 
-    def _report(self, found: list[tuple[Anomaly, Rule]]) -> None:
-        self.anomalies.extend(a for a, _ in found)
-        for anomaly, rule in found:
-            dispatch(anomaly, rule.actions, self._ctx)
-            anomaly.tensor = None  # the actions had it; the anomaly list keeps no tensors
+    def _report(self, found: list[tuple[Anomaly, Rule]], frame: FrameType | None = None) -> None:
+        merged = merge_same_tensor(found)
+        self.anomalies.extend(a for a, _ in merged)
+        self._ctx.frame = frame
+        try:
+            for anomaly, actions in merged:
+                dispatch(anomaly, actions, self._ctx)
+                anomaly.tensor = None  # the actions had it; the anomaly list keeps no tensors
+        finally:
+            self._ctx.frame = None
 
     # ------------------------------------------------------------------ lifecycle
     def _fail(self, where: str, error: Exception) -> None:
@@ -488,12 +593,22 @@ class Monitor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def summary_line(self) -> str:
+        """``breakpod.summary(monitor)``: the counts, then the rules (cut at 120 characters)."""
+        state = "on" if self.enabled else "off"
+        line = (
+            f"monitor {state}: step {self.step_count}, {len(self.anomalies)} anomalies, "
+            f"{self.skipped_steps} skipped steps, {self.errors} errors; "
+            f"rules {', '.join(r.name for r in self.rules)}"
+        )
+        return line if len(line) <= 120 else line[:117] + "..."
+
     def __repr__(self) -> str:
         state = "on" if self.enabled else "off"
         return (
             f"<breakpod.Monitor {state} rules={[r.name for r in self.rules]} "
-            f"step={self.step_count} "
-            f"check_every={self.check_every} anomalies={len(self.anomalies)}>"
+            f"step={self.step_count} check_every={self.check_every} "
+            f"anomalies={len(self.anomalies)} skipped_steps={self.skipped_steps}>"
         )
 
 
@@ -501,18 +616,16 @@ def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
     return [tuple(x.shape) for x in inputs if hasattr(x, "shape")]
 
 
-def _user_frame(frame: FrameType) -> FrameType:
-    """The innermost frame outside torch and breakpod (when the optimizer's step
-    hook ends the step, the caller is torch's wrapper); ``frame`` if there is none."""
-    found: FrameType | None = frame
-    while found is not None and _library_frame(found):
-        found = found.f_back
-    return found if found is not None else frame
+def _compiling() -> bool:
+    """Inside a torch.compile trace (constant there, so the hook traces to nothing)."""
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    return compiler is not None and bool(compiler.is_compiling())
 
 
-def _library_frame(frame: FrameType) -> bool:
-    package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
-    return package in ("torch", "breakpod")
+def _optimizer_params(optimizer: Any) -> list[Any]:
+    if optimizer is None:
+        return []
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _keeps_tensors(step: StepRecord) -> bool:

@@ -4,23 +4,27 @@ A rule is a mapping ``{name, check, modules, <params>, consecutive, action}``;
 rules come from a list, a mapping with a ``rules`` key, or a YAML file of
 either shape. The built-in defaults (:func:`default_rules`) apply unless a
 source says ``defaults: false``; a user rule with a default's name replaces
-it. Every mistake is reported at ``watch()`` time as a :class:`RuleError`
-that names the rule and the field.
+it, and a default rule yields the modules a user rule of the same check
+watches (one anomaly, one report). Every mistake is reported at ``watch()``
+time as a :class:`RuleError` that names the rule and the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
+import functools
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from breakpod.errors import RuleError
 
-ACTIONS = ("log", "event", "break", "snapshot", "stop")
+ACTIONS = ("log", "event", "break", "snapshot", "stop", "skip")
+# Actions that need the step's verdict before the optimizer applies its update.
+URGENT = ("break", "stop", "skip")
 WHERE = ("activation", "gradient", "param", "loss")
 RELU_LIKE = ("ReLU", "ReLU6", "Threshold", "Hardtanh")
 # Modules that cannot turn finite inputs (or finite gradients) into non-finite
@@ -72,15 +76,31 @@ class Rule:
     consecutive: int = 1
     actions: tuple[Action, ...] = DEFAULT_ACTIONS
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # User rules of the same check: a default rule leaves them the modules they watch.
+    yields_to: tuple[Rule, ...] = ()
 
     def matches(self, name: str, module: object) -> bool:
         """Does this rule watch the module ``name`` (as in ``named_modules()``)?"""
-        label = name or "<root>"
-        if not any(
-            fnmatch.fnmatchcase(label, g) or fnmatch.fnmatchcase(name, g) for g in self.modules
-        ):
+        if any(rule.matches(name, module) for rule in self.yields_to):
+            return False
+        if not self.matches_name(name):
             return False
         return not self.module_types or type(module).__name__ in self.module_types
+
+    def matches_name(self, name: str) -> bool:
+        """Does a glob of ``modules`` match ``name``? ``*`` stops at dots, ``**`` crosses them."""
+        label = name or "<root>"
+        return any(glob_match(label, g) or glob_match(name, g) for g in self.modules)
+
+    @property
+    def yields_loss(self) -> bool:
+        """A user rule of this check that watches the root module also takes the loss."""
+        return any(rule.matches_name("") and not rule.module_types for rule in self.yields_to)
+
+    @property
+    def urgent(self) -> bool:
+        """Must this rule be evaluated before the optimizer applies the step's update?"""
+        return any(a in URGENT for a in self.actions)
 
     def __getitem__(self, key: str) -> Any:
         return self.params[key]
@@ -89,6 +109,18 @@ class Rule:
     def parks(self) -> bool:
         """Does an action need the offending tensor kept until the step boundary?"""
         return any(a in ("break", "snapshot") for a in self.actions)
+
+
+@functools.cache
+def _glob_regex(glob: str) -> re.Pattern[str]:
+    parts = re.split(r"(\*\*|\*|\?)", glob)
+    wild = {"**": ".*", "*": "[^.]*", "?": "[^.]"}
+    return re.compile("".join(wild.get(p, re.escape(p)) for p in parts) + r"\Z")
+
+
+def glob_match(name: str, glob: str) -> bool:
+    """Module globs: ``*`` and ``?`` never cross a dot (``layers.*`` is not ``layers.0.fc``)."""
+    return glob == "*" or _glob_regex(glob).match(name) is not None
 
 
 def default_rules() -> list[Rule]:
@@ -115,8 +147,13 @@ def load_rules(*sources: Any, defaults: bool = True) -> list[Rule]:
         rules = [parse_rule(spec, i) for i, spec in enumerate(specs)]
         _check_unique(rules)
         merged.update((r.name, r) for r in rules)
+    users = list(merged.values())
     base = [r for r in default_rules() if r.name not in merged] if defaults else []
-    return base + list(merged.values())
+    base = [
+        dataclasses.replace(r, yields_to=tuple(u for u in users if u.check == r.check))
+        for r in base
+    ]
+    return base + users
 
 
 def _specs(source: Any, defaults: bool) -> tuple[list[Any], bool]:
@@ -130,8 +167,16 @@ def _specs(source: Any, defaults: bool) -> tuple[list[Any], bool]:
             raise RuleError(
                 f"rules: unknown top-level key(s) {sorted(unknown)}; use 'rules' and 'defaults'"
             )
-        return _as_list(source.get("rules") or []), defaults and bool(source.get("defaults", True))
+        keep = strict_bool("rules", "defaults", source.get("defaults", True))
+        return _as_list(source.get("rules") or []), defaults and keep
     return _as_list(source), defaults
+
+
+def strict_bool(where: str, field: str, value: Any) -> bool:
+    """YAML's true/false only: the string 'false' would be truthy."""
+    if not isinstance(value, bool):
+        raise RuleError(f"{where}: field {field!r}: expected true or false, got {value!r}")
+    return value
 
 
 def _as_list(value: Any) -> list[Any]:
@@ -149,11 +194,22 @@ def read_yaml(path: Path) -> Any:
             f"rules file {path}: reading YAML needs PyYAML (pip install pyyaml)"
         ) from None
     try:
-        return yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+        return yaml.safe_load(text)
     except OSError as e:
         raise RuleError(f"rules file {path}: cannot read it ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise RuleError(
+            f"rules file {path}: not UTF-8 text (byte {e.start}); save it as UTF-8"
+        ) from None
+    except RecursionError:
+        raise RuleError(f"rules file {path}: nested too deeply to be a rules file") from None
     except yaml.YAMLError as e:
-        raise RuleError(f"rules file {path}: not valid YAML: {e}") from None
+        raise RuleError(f"rules file {path}: not valid YAML: {_one_line(e)}") from None
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
 
 
 def _check_unique(rules: list[Rule]) -> None:
@@ -236,7 +292,8 @@ def _actions(label: str, value: Any) -> tuple[Action, ...]:
 def _number(label: str, field: str, value: Any, *, lo: float = -math.inf) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= lo:
         bound = "" if lo == -math.inf else f" >= {lo:g}"
-        raise _field(label, field, f"expected a number{bound}, got {value!r}")
+        hint = " (YAML reads 1e-3 as a string: write 1.0e-3)" if isinstance(value, str) else ""
+        raise _field(label, field, f"expected a number{bound}, got {value!r}{hint}")
     return float(value)
 
 
@@ -277,7 +334,7 @@ def _expect(label: str, field: str, value: Any) -> Any:
 
     try:
         return ShapeContract.parse(value)
-    except ValueError as e:
+    except (ValueError, TypeError) as e:
         raise _field(label, field, str(e)) from None
 
 

@@ -21,8 +21,15 @@ from types import FrameType, TracebackType
 from breakpod import debugger, emitter, events, net, watchdog
 from breakpod.announce import announce
 from breakpod.config import Settings, format_seconds
-from breakpod.pdb_commands import CommandsMixin, load_builtin_commands
-from breakpod.remote_pdb import SKIP, RemoteSession, post_mortem_remote, set_trace_remote
+from breakpod.errors import AnomalyError
+from breakpod.pdb_commands import CommandsMixin, focus, is_library, load_builtin_commands
+from breakpod.remote_pdb import (
+    SKIP,
+    RemoteSession,
+    inspect_remote,
+    post_mortem_remote,
+    set_trace_remote,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +89,40 @@ def _prepare(frame: FrameType, header: str | None) -> Start | None:
     return lambda: set_trace_remote(session, frame, quit_mode=settings.quit_mode)
 
 
+def hold(frame: FrameType, header: str) -> bool:
+    """Hold the process *now* in a debugger showing ``frame`` (``breakpoint()`` would
+    stop only at the caller's next line: after the optimizer applied the update).
+
+    Returns False when nobody attached in time or no debugger could start.
+    """
+    try:
+        settings = env_settings()
+        if debugger.debugpy_endpoint() is not None:
+            if not _wait_for_dap_client(header, settings.hold_seconds):
+                return False
+            debugger.debugpy_stop_at(frame)  # a DAP client stops at the caller's next line
+            return True
+        with focus(frame):
+            return _hold_pdb(settings, header)
+    except Exception as e:  # the training job outlives any breakpod failure
+        announce(f"{header}: could not start a debugger ({type(e).__name__}: {e}); continuing")
+        return False
+
+
+def _hold_pdb(settings: Settings, reason: str) -> bool:
+    here = sys._getframe(2)  # the park's caller: `where all` shows every frame down to it
+    if use_local_pdb(settings):
+        local = LocalPdb()
+        local.reset()
+        local.interaction(here, None)
+        return True
+    session = open_session(settings, reason, settings.hold_seconds)
+    if session is None:
+        return False
+    inspect_remote(session, here, quit_mode=settings.quit_mode)
+    return True
+
+
 def park(frame: FrameType, settings: Settings, reason: str, *, hold_seconds: float) -> bool:
     """Park in a remote pdb at ``frame`` now; False when nobody attached in time."""
     session = open_session(settings, reason, hold_seconds)
@@ -119,7 +160,9 @@ def _wait_for_dap_client(reason: str, hold: float) -> bool:
     return True
 
 
-def open_session(settings: Settings, reason: str, hold_seconds: float) -> RemoteSession | None:
+def open_session(
+    settings: Settings, reason: str, hold_seconds: float, then: str = "continuing"
+) -> RemoteSession | None:
     """Announce the park and wait for a client; None when the hold time passed."""
     listener = debugger.pdb_listener(settings)
     session = RemoteSession(
@@ -140,7 +183,7 @@ def open_session(settings: Settings, reason: str, hold_seconds: float) -> Remote
         if listener.interrupted
         else f"nobody attached within {format_seconds(hold_seconds)}"
     )
-    announce(f"{why}; continuing")
+    announce(f"{why}; {then}")
     events.emit("resumed", address=address, why=why)
     return None
 
@@ -150,6 +193,7 @@ def post_mortem(
     *,
     reason: str | None = None,
     hold_seconds: float | None = None,
+    then: str = "continuing",
 ) -> None:
     """Inspect a traceback (or an exception's): the DAP client when a debugpy listener
     runs, local pdb on a TTY (see :func:`use_local_pdb`), else a remote pdb session
@@ -159,6 +203,7 @@ def post_mortem(
         raise ValueError("post_mortem() needs a traceback, or must run inside an except block")
     settings = env_settings()
     hold = settings.hold_seconds if hold_seconds is None else hold_seconds
+    tb = user_traceback(tb)
     reason = reason or f"post-mortem at {where(innermost(tb).tb_frame)}"
     if debugger.debugpy_endpoint() is not None:
         _post_mortem_debugpy(exc, tb, reason, hold)
@@ -167,7 +212,7 @@ def post_mortem(
         local.reset()
         local.interaction(None, tb)
     else:
-        session = open_session(settings, reason, hold)
+        session = open_session(settings, reason, hold, then)
         if session is not None:
             post_mortem_remote(session, tb, quit_mode=settings.quit_mode)
 
@@ -206,14 +251,46 @@ def install_excepthook() -> None:
         previous(exc_type, exc, tb)
         if tb is None or issubclass(exc_type, KeyboardInterrupt):
             return
+        if _already_held(exc):
+            announce("the anomaly was already held in a debugger; exiting with status 1")
+            return
         try:
-            reason = f"uncaught {exc_type.__name__} at {where(innermost(tb).tb_frame)}"
-            post_mortem(exc if exc.__traceback__ is tb else tb, reason=reason)
+            reason = (
+                f"uncaught {exc_type.__name__} at {where(innermost(user_traceback(tb)).tb_frame)}"
+            )
+            then = "exiting with status 1"
+            post_mortem(exc if exc.__traceback__ is tb else tb, reason=reason, then=then)
         except Exception as e:
             announce(f"post-mortem failed ({type(e).__name__}: {e})")
 
     hook.__breakpod__ = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _already_held(exc: BaseException) -> bool:
+    """A ``[break, stop]`` anomaly: its break was the one hold; no second post-mortem."""
+    return isinstance(exc, AnomalyError) and bool(getattr(exc.anomaly, "held", False))
+
+
+def user_traceback(tb: TracebackType) -> TracebackType:
+    """``tb`` cut after its innermost user frame (not torch's or breakpod's), when it has one.
+
+    Post-mortem opens on the last entry: the user's ``nll_loss(...)`` line, not
+    torch's ``functional.py``.
+    """
+    entries = []
+    node: TracebackType | None = tb
+    while node is not None:
+        entries.append(node)
+        node = node.tb_next
+    users = [i for i, e in enumerate(entries) if not is_library(e.tb_frame)]
+    if not users or users[-1] == len(entries) - 1:
+        return tb
+    cut: TracebackType | None = None
+    for e in reversed(entries[: users[-1] + 1]):
+        cut = TracebackType(cut, e.tb_frame, e.tb_lasti, e.tb_lineno)
+    assert cut is not None
+    return cut
 
 
 def where(frame: FrameType) -> str:

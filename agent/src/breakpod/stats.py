@@ -36,6 +36,7 @@ class StepRecord:
     step: int
     entries: list[Entry] = dataclasses.field(default_factory=list)
     grads_done: bool = False
+    partial: bool = False  # a loss that arrived after the optimizer ended the step
 
 
 def by_device(items: Sequence[Any], tensor_of: Callable[[Any], Any]) -> dict[Any, list[Any]]:
@@ -116,7 +117,7 @@ def landed(events: list[Any], *, wait: bool) -> bool:
 
 def decode(step: StepRecord, values: dict[Any, list[float]]) -> StepData:
     """Split the host copy back into what each of the step's entries described."""
-    data = StepData(step.step)
+    data = StepData(step.step, partial=step.partial)
     for e in step.entries:
         device, offset, n = e.vec
         _place(data, e, values[device][offset : offset + n])

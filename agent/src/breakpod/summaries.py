@@ -31,6 +31,9 @@ def summary(t: Any) -> str:
 
     if isinstance(t, torch.nn.Parameter | torch.Tensor):
         return _tensor(t)
+    own = getattr(t, "summary_line", None)
+    if callable(own):  # a Monitor: the counts first, so a cut never loses them
+        return str(own())
     text = repr(t)
     return text if len(text) <= 120 else text[:117] + "..."
 

@@ -1,0 +1,55 @@
+"""torch.compile never crashes training; a NaN is found at the right module or we say why."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+SETUP = """
+    import os, sys
+    import torch
+    from torch import nn
+    import breakpod
+
+    backend, setup = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    if setup == "watch-then-compile":
+        monitor = breakpod.watch(model)
+        run = torch.compile(model, backend=backend)
+    elif setup == "watch-compiled":
+        run = torch.compile(model, backend=backend)
+        monitor = breakpod.watch(run)
+    else:  # disable-after-first-call: the switch set after a compiled call
+        run = torch.compile(model, backend=backend)
+        run(torch.randn(2, 4)).sum().backward()
+        os.environ["BREAKPOD_DISABLE_COMPILE"] = "1"
+        monitor = breakpod.watch(model)
+    for step in range(4):
+        x = torch.randn(2, 4)
+        if step == 3:
+            model[0].weight.data[0, 0] = float("nan")  # corrupt the first layer
+        run(x).sum().backward()
+        monitor.step()
+    print("anomalies", [(a.step, a.module) for a in monitor.anomalies], monitor.errors)
+"""
+
+
+SETUPS = ["watch-then-compile", "watch-compiled", "disable-after-first-call"]
+CASES = [(b, s) for b in ("eager", "aot_eager") for s in SETUPS]
+CASES.append(("inductor", "watch-then-compile"))  # a C++ compile: one case only
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("backend", "setup"), CASES)
+def test_compiled_setups_never_crash_and_find_the_nan_at_the_first_layer(spawn, backend, setup):
+    child = spawn(textwrap.dedent(SETUP), env={"PYTHONPATH": ROOT}, args=[backend, setup])
+    assert child.wait(timeout=200) == 0, child.stderr
+    out = child.stdout()
+    assert "anomalies [(3, '0')] 0" in out, out + child.stderr
+    compiled = setup != "disable-after-first-call"
+    assert ("ran under torch.compile" in child.stderr) == compiled, child.stderr

@@ -1,0 +1,67 @@
+"""Bad monitor configuration: one line naming the file, the field and the value."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import breakpod
+from breakpod.errors import ConfigError
+from breakpod.rules import glob_match
+
+
+@pytest.fixture(autouse=True)
+def _enabled(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+
+
+def model() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        (b"rules:\n  - check: nonfinite\n  # \xff\xfe\n", "not UTF-8 text"),
+        (b"rules: " + b"[" * 3000 + b"]" * 3000 + b"\n", "nested too deeply"),
+        (b"expect: [1, 2]\n", "field 'expect'"),
+        (b"expect:\n", "field 'expect'"),
+        (b"snapshot_dir: 5\n", "field 'snapshot_dir'"),
+        (b"defaults: 'false'\n", "field 'defaults'"),
+        (b"rules: {rules: [], defaults: 'no'}\n", "field 'defaults'"),
+        (b"rules:\n  - {check: activation, max_mean_abs: 1e-3}\n", "1.0e-3"),
+    ],
+)
+def test_each_bad_config_file_gets_one_line_naming_file_field_and_value(tmp_path, text, said):
+    path = tmp_path / "monitor.yaml"
+    path.write_bytes(text)
+    with pytest.raises(ConfigError) as info:
+        breakpod.watch(model(), config=path)
+    message = str(info.value)
+    assert said in message and "\n" not in message, message
+    assert "monitor.yaml" in message or "rule" in message, message
+
+
+def test_defaults_false_as_a_bool_still_drops_the_builtin_rules():
+    monitor = breakpod.watch(model(), config={"defaults": False, "rules": []})
+    assert monitor.rules == []
+    monitor.close()
+
+
+def test_module_globs_do_not_cross_dots_unless_doubled():
+    assert glob_match("layers.0", "layers.*")
+    assert not glob_match("layers.0.linear1", "layers.*")
+    assert glob_match("layers.0.linear1", "layers.**")
+    assert glob_match("anything.at.all", "*")
+
+
+def test_the_readme_shape_example_has_no_false_positive_on_a_transformer_encoder():
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    monitor = breakpod.watch(encoder, expect={"layers.*": "B,T,16"})
+    encoder(torch.randn(3, 5, 16)).sum().backward()
+    monitor.step()
+    assert [a for a in monitor.anomalies if a.check == "shape"] == []
+    monitor.close()
