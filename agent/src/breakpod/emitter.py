@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import collections
 import itertools
-import json
 import logging
 import os
 import random
@@ -34,7 +33,7 @@ import time
 from types import FrameType
 from typing import Any
 
-from breakpod import events, identity
+from breakpod import events, identity, protocol
 from breakpod.announce import announce
 from breakpod.config import BROKER_URL_ENV, ENV, parse_int
 from breakpod.errors import BreakpodError, BrokerError
@@ -367,10 +366,10 @@ def jittered(seconds: float) -> float:
 
 
 def _encode(doc: dict[str, Any]) -> bytes:
-    encoded = json.dumps(doc, default=str).encode()
+    encoded = protocol.dumps(doc).encode()
     if len(encoded) <= MAX_EVENT_BYTES:
         return encoded
-    preview = json.dumps(doc["fields"], default=str)[:4096]
+    preview = protocol.dumps(doc["fields"])[:4096]
     return _encode({**doc, "fields": {"truncated": True, "preview": preview}})
 
 

@@ -307,7 +307,7 @@ class Monitor:
         frame = _user_frame(sys._getframe())
         self._end_step(None, frame)
         self._updated = True
-        watchdog.heartbeat(self.step_count)
+        watchdog.step(self.step_count)
         if emitter.pending_break():  # `breakpod send ID break`, held before the update
             from breakpod import shim
 

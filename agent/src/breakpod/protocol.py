@@ -13,6 +13,8 @@ of either package spells these strings.
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Any, Final, Literal, get_args
 
@@ -144,3 +146,34 @@ def vscode_launch(
         "justMyCode": False,
     }
     return {"version": "0.2.0", "configurations": [attach]}
+
+
+# -- JSON ---------------------------------------------------------------------
+
+
+def finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as "nan", "inf", "-inf": JSON has no such
+    numbers (Python's json writes invalid tokens), and an anomaly's loss is often one.
+    Iterative, so a deeply nested value cannot exhaust the stack."""
+    root: list[Any] = [value]
+    stack: list[tuple[Any, Any]] = [(root, 0)]
+    while stack:
+        parent, key = stack.pop()
+        item = parent[key]
+        if isinstance(item, float) and not math.isfinite(item):
+            parent[key] = "nan" if math.isnan(item) else ("inf" if item > 0 else "-inf")
+        elif isinstance(item, dict):
+            parent[key] = mapping = dict(item)
+            stack.extend((mapping, k) for k in mapping)
+        elif isinstance(item, (list, tuple)):
+            parent[key] = items = list(item)
+            stack.extend((items, i) for i in range(len(items)))
+    return root[0]
+
+
+def dumps(doc: Any) -> str:
+    """Strict JSON, as the broker accepts it: non-finite floats become strings."""
+    try:
+        return json.dumps(doc, default=str, allow_nan=False)
+    except ValueError:  # the rare document with a NaN: pay for the copy only then
+        return json.dumps(finite(doc), default=str, allow_nan=False)
