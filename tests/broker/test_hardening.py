@@ -316,3 +316,46 @@ def test_namespace_limited_queries_filter_before_decoding_and_still_match(broker
         assert [e["id"] for e in c.get("/v1/events").json()["events"]] == ["a1", "a2"]
         anomalies = c.get("/v1/events", params={"kind": "anomaly"}).json()["events"]
         assert [e["id"] for e in anomalies] == ["a1"]
+
+
+def test_lua_scripts_are_loaded_again_when_redis_forgot_them(broker, redis_url):
+    """Scripts run by SHA; a restarted Redis has an empty script cache (SCRIPT FLUSH here)."""
+    register(broker, "flushed")
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        r.script_flush()
+        register(broker, "flushed", pod="train-0")  # the register script, called alone
+        r.script_flush()
+        response = post_events(broker, event("f1", "flushed", "parked", address="h:1"))
+        assert response.status_code == 200, response.text  # the ingest script, in a pipeline
+        assert r.hget(keys.session("flushed"), "state") == "parked"
+        r.delete(keys.session("flushed"), keys.alive("flushed"))
+        r.script_flush()
+    with broker.client(VIEWER) as c:  # the prune script, on an expired session
+        assert "flushed" not in {s["id"] for s in c.get("/v1/sessions").json()["sessions"]}
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        assert r.zscore(keys.SESSIONS, "flushed") is None
+
+
+def test_a_pod_name_label_over_63_characters_is_refused(broker):
+    """DNS-1123: each dot-separated label of a subdomain has at most 63 characters."""
+    with broker.client(AGENT) as c:
+        ok = c.put("/v1/sessions/dns", json={"pod": f"{'a' * 63}.b"})
+        long = c.put("/v1/sessions/dns2", json={"pod": f"{'a' * 64}.b"})
+    assert ok.status_code == 200, ok.text
+    assert long.status_code == 422 and "pod" in long.json()["message"]
+
+
+def test_readyz_says_why_when_redis_is_away():
+    """The app in process on a port where no Redis listens: up (healthz), not ready."""
+    from fastapi.testclient import TestClient
+
+    from breakpod_broker.app import create_app
+    from breakpod_broker.redis_server import free_port
+    from breakpod_broker.settings import BrokerSettings
+
+    settings = BrokerSettings(redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    with TestClient(create_app(settings)) as c:
+        ready, alive = c.get("/readyz"), c.get("/healthz")
+    assert ready.status_code == 503
+    assert ready.json()["status"].startswith("redis unavailable: ")
+    assert alive.status_code == 200 and alive.json() == {"status": "ok"}
