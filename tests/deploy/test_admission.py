@@ -256,4 +256,4 @@ def test_json_patch_escapes_and_removes() -> None:
     assert jsonpatch.apply_patch(before, patch) == after
     assert {"op": "replace", "path": "/a~1b", "value": 2} in patch
     assert {"op": "replace", "path": "/same/1/y", "value": 2} in patch
-    assert {"op": "replace", "path": "/keep", "value": [1, 2]} in patch
+    assert {"op": "remove", "path": "/gone"} in patch

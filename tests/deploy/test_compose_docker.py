@@ -87,7 +87,7 @@ def test_no_stack_without_tokens(files: tuple[str, ...], missing: str) -> None:
 
 @needs_compose
 def test_broker_tokens_come_from_the_role_variables() -> None:
-    from breakpod_broker.auth import parse_token_pairs
+    from breakpod_broker.tokens import parse_token_pairs
 
     env = compose_config("compose.yml")["services"]["broker"]["environment"]
     principals = parse_token_pairs(env["BREAKPOD_BROKER_TOKENS"])

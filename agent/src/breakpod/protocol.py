@@ -39,11 +39,18 @@ AGENT_EVENT_KINDS: Final = EVENT_KINDS - {"command"}
 # Anything else an agent wants to say travels as this kind.
 FALLBACK_KIND: Final = "log"
 # Routed to notifiers unless a notifier names its own kinds.
-NOTIFIED_KINDS: Final = ("anomaly", "stall", "parked")
+NOTIFIED_KINDS: Final[tuple[EventKind, ...]] = ("anomaly", "stall", "parked")
+# The broker's record of each step of a command's delivery (queued, delivered, done).
+COMMAND_KIND: Final = "command"
+# Kinds whose fields announce the listener: {"address": HOST:PORT, "backend": listener}.
+LISTENER_KINDS: Final = frozenset({"parked", "listening"})
 
 State = Literal["running", "parked", "attached", "stalled", "finished"]
 STATES: Final = get_args(State)
 LOST: Final = "lost"  # not stored: a session whose heartbeat expired reads as lost
+Lost = Literal["lost"]
+INITIAL_STATE: Final = "running"  # a session's state until an event says otherwise
+FINAL_STATE: Final = "finished"  # never reads as lost, and takes no more commands
 STATE_OF_KIND: Final[dict[str, str]] = {
     "parked": "parked",
     "attached": "attached",
@@ -57,13 +64,18 @@ STATE_OF_KIND: Final[dict[str, str]] = {
 
 CommandName = Literal["break", "resume", "dump-stacks", "detach"]
 COMMANDS: Final = get_args(CommandName)
+COMMAND_ID_PATTERN: Final = r"^[0-9a-f]{1,32}$"  # chosen by the broker
 
 # -- who and where ------------------------------------------------------------
 
 Runtime = Literal["kubernetes", "compose", "docker", "local"]
 RUNTIMES: Final = get_args(Runtime)
+DEFAULT_RUNTIME: Final = "local"
+KUBERNETES: Final = "kubernetes"  # reached through kubectl port-forward to the pod
 ListenerKind = Literal["pdb", "debugpy"]
 LISTENERS: Final = get_args(ListenerKind)
+DEFAULT_LISTENER: Final = "pdb"
+DAP_LISTENER: Final = "debugpy"  # editors (VS Code) attach to this one
 
 SESSION_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SESSION_ID_MAX: Final = 128
@@ -123,6 +135,10 @@ def ack_path(session_id: str, command_id: str) -> str:
 
 def attach_path(session_id: str) -> str:
     return f"{session_path(session_id)}/attach"
+
+
+def token_path(token_id: str) -> str:
+    return f"{TOKENS}/{token_id}"
 
 
 # -- editors ------------------------------------------------------------------

@@ -2,37 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request, Response
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, Field
 
+from breakpod import protocol
 from breakpod_broker import keys, sessions
-from breakpod_broker.auth import Admin, Principal, Role, Viewer, require
+from breakpod_broker.auth import Admin, Viewer, require
 from breakpod_broker.context import BrokerDep, healthz
+from breakpod_broker.models import NewToken, NotifierStatus, Status, TokenIn, TokenInfo
+from breakpod_broker.tokens import Principal, Role
 
 router = APIRouter()
-Namespace = Annotated[str, Field(min_length=1, max_length=253)]
-
-
-class TokenIn(BaseModel):
-    role: Role
-    name: Annotated[str, Field(max_length=128)] = ""
-    namespaces: Annotated[list[Namespace] | None, Field(max_length=100)] = None
-
-
-class TokenInfo(BaseModel):
-    id: str
-    role: Role
-    name: str
-    namespaces: list[str] | None
-
-
-class NewToken(TokenInfo):
-    token: str = Field(description="shown once; the broker keeps only its SHA-256")
 
 
 def _info(p: Principal) -> TokenInfo:
@@ -40,13 +23,13 @@ def _info(p: Principal) -> TokenInfo:
     return TokenInfo(id=p.token_id, role=p.role, name=p.name, namespaces=ns)
 
 
-@router.get("/v1/whoami", response_model=TokenInfo, tags=["admin"])
+@router.get(protocol.WHOAMI, response_model=TokenInfo, tags=["admin"])
 async def whoami(who: Annotated[Principal, Depends(require(Role.agent, Role.viewer))]) -> TokenInfo:
     """The caller's role: any valid token may ask (``breakpod doctor`` checks tokens here)."""
     return _info(who)
 
 
-@router.post("/v1/tokens", response_model=NewToken, status_code=201, tags=["admin"])
+@router.post(protocol.TOKENS, response_model=NewToken, status_code=201, tags=["admin"])
 async def create_token(body: TokenIn, who: Admin, broker: BrokerDep) -> NewToken:
     """A new token; a namespace-limited admin may only make tokens within its namespaces."""
     if not _within(who, body.namespaces):
@@ -58,14 +41,14 @@ async def create_token(body: TokenIn, who: Admin, broker: BrokerDep) -> NewToken
     return NewToken(**_info(made).model_dump(), token=token)
 
 
-@router.get("/v1/tokens", response_model=list[TokenInfo], tags=["admin"])
+@router.get(protocol.TOKENS, response_model=list[TokenInfo], tags=["admin"])
 async def list_tokens(who: Admin, broker: BrokerDep) -> list[TokenInfo]:
     """Tokens the caller could have made: all of them, or for a namespace-limited
     admin those limited to its namespaces."""
     return [_info(p) for p in await broker.tokens.list() if _within(who, p.namespaces)]
 
 
-@router.delete("/v1/tokens/{token_id}", status_code=204, tags=["admin"])
+@router.delete(protocol.token_path("{token_id}"), status_code=204, tags=["admin"])
 async def delete_token(
     token_id: Annotated[str, Path(pattern=r"^[0-9a-f]{12}$")], who: Admin, broker: BrokerDep
 ) -> Response:
@@ -90,14 +73,7 @@ def _within(who: Principal, namespaces: Iterable[str] | None) -> bool:
     return namespaces is not None and set(namespaces) <= who.namespaces
 
 
-class NotifierStatus(BaseModel):
-    name: str
-    format: str
-    kinds: list[str]
-    recent_failures: list[dict[str, str]]
-
-
-@router.get("/v1/notifiers", response_model=list[NotifierStatus], tags=["admin"])
+@router.get(protocol.NOTIFIERS, response_model=list[NotifierStatus], tags=["admin"])
 async def notifier_status(who: Viewer, broker: BrokerDep) -> list[NotifierStatus]:
     """Configured notifiers and their recent delivery failures (all replicas)."""
     failures = [
@@ -136,26 +112,23 @@ async def openapi(who: Viewer, request: Request) -> dict[str, Any]:
     return get_openapi(title=app.title, version=app.version, routes=app.routes)
 
 
-@router.get("/healthz", tags=["operations"])
-async def broker_healthz(broker: BrokerDep) -> Response:
+@router.get("/healthz", tags=["operations"], response_model=Status)
+async def broker_healthz(broker: BrokerDep, response: Response) -> Status:
     """The process is up and, without a Redis URL, so is its embedded redis-server
     (no token needed; 503 while the supervisor restarts a server that died)."""
     embedded = broker.embedded
     if embedded is not None and not embedded.running:
-        body = {"status": f"embedded redis-server down (restarts: {embedded.restarts})"}
-        return Response(json.dumps(body), 503, media_type="application/json")
-    return Response(json.dumps(await healthz()), media_type="application/json")
+        response.status_code = 503
+        return Status(status=f"embedded redis-server down (restarts: {embedded.restarts})")
+    return Status.model_validate(await healthz())
 
 
-@router.get("/readyz", tags=["operations"])
-async def readyz(broker: BrokerDep) -> Response:
+@router.get("/readyz", tags=["operations"], response_model=Status)
+async def readyz(broker: BrokerDep, response: Response) -> Status:
     """Redis answers (no token needed)."""
     try:
         await broker.metrics.ping(broker.redis)
     except Exception as e:  # any Redis failure means: not ready
-        return Response(
-            f'{{"status": "redis unavailable: {type(e).__name__}"}}',
-            503,
-            media_type="application/json",
-        )
-    return Response('{"status": "ready"}', media_type="application/json")
+        response.status_code = 503
+        return Status(status=f"redis unavailable: {type(e).__name__}")
+    return Status(status="ready")

@@ -90,7 +90,8 @@ def _patch(request: Json, rendered: Mapping[str, Any] | None) -> list[Json]:
         raise overlay.OverlayError("spec.containers is not a list of objects")
     if target is not None and not isinstance(target, str):
         raise overlay.OverlayError(f"annotation {overlay.CONTAINER_ANNOTATION} is not a string")
-    return overlay.json_patch(spec, overlay.apply(spec, rendered, target), "/spec")
+    debugged = overlay.apply(spec, rendered, target)
+    return overlay.json_patch({"spec": spec}, {"spec": debugged})  # paths under /spec
 
 
 def _object(parent: Mapping[str, Any], key: str) -> Json:

@@ -20,18 +20,20 @@ from typing import Any
 import redis.asyncio as aioredis
 import redis.exceptions
 from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from breakpod_broker import __version__, admin, attach, commands, events, sessions
-from breakpod_broker.auth import Principal, TokenStore, load_tokens_file, parse_token_pairs
 from breakpod_broker.context import Broker
 from breakpod_broker.limits import finite
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
 from breakpod_broker.redis_server import EmbeddedRedis
+from breakpod_broker.scripts import Scripts
 from breakpod_broker.settings import BrokerSettings
+from breakpod_broker.tokens import Principal, TokenStore, load_tokens_file, parse_token_pairs
 
 log = logging.getLogger(__name__)
 REDIS_TIMEOUT = 5.0  # seconds, for every non-blocking command and connection
@@ -83,8 +85,16 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
         )
         stack.push_async_callback(notifiers.close)
         await notifiers.start()
-        tokens = TokenStore(static, client)
-        yield Broker(settings, client, tokens, metrics, notifiers, blocking, embedded=embedded)
+        yield Broker(
+            settings,
+            client,
+            TokenStore(static, client),
+            metrics,
+            notifiers,
+            Scripts.register_with(client),
+            blocking=blocking,
+            embedded=embedded,
+        )
 
 
 def _static_tokens(settings: BrokerSettings) -> dict[str, Principal]:
@@ -149,9 +159,10 @@ def _describe(error: Any) -> str:
 
 def _jsonable(errors: Any) -> Any:
     """Validation errors echo the input: containers as a short repr (they may be
-    nested too deep for any encoder), NaN and infinities as strings."""
+    nested too deep for any encoder), NaN and infinities as strings, exceptions
+    (pydantic's ``ctx.error``) as their message."""
     shown = [{**e, "input": _short(e.get("input"))} for e in errors]
-    return json.loads(json.dumps(finite(shown), default=str, allow_nan=False))
+    return finite(jsonable_encoder(shown, custom_encoder={Exception: str, bytes: str}))
 
 
 def _short(value: Any) -> Any:

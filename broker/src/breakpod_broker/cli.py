@@ -81,7 +81,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _dev_tokens(existing: str) -> str:
-    from breakpod_broker.auth import dev_tokens
+    from breakpod_broker.tokens import dev_tokens
 
     made = dev_tokens()
     for role, token in made.items():

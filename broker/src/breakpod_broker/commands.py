@@ -10,48 +10,37 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Literal
+from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Query
-from pydantic import BaseModel, Field
+from fastapi import APIRouter, HTTPException, Query
 
+from breakpod import protocol
 from breakpod_broker import keys
 from breakpod_broker.auth import Admin, Agent
 from breakpod_broker.context import Broker, BrokerDep
-from breakpod_broker.events import EventIn, ingest
-from breakpod_broker.sessions import SessionId, SessionOut, owned, visible
+from breakpod_broker.events import ingest
+from breakpod_broker.models import (
+    Ack,
+    Command,
+    CommandId,
+    CommandIn,
+    CommandList,
+    EventIn,
+    SessionId,
+    SessionOut,
+)
+from breakpod_broker.sessions import owned, visible
 
-router = APIRouter(prefix="/v1/sessions", tags=["commands"])
-CommandName = Literal["break", "resume", "dump-stacks", "detach"]
+router = APIRouter(tags=["commands"])
 MAX_PER_POLL = 16
+COMMANDS = protocol.commands_path("{session_id}")
 
 
-class CommandIn(BaseModel):
-    command: CommandName
-    reason: Annotated[str | None, Field(max_length=2000)] = None
-
-
-class Command(CommandIn):
-    id: str
-    session: str
-    created: float
-    by: str = Field(description="id of the token that sent it")
-
-
-class CommandList(BaseModel):
-    commands: list[Command]
-
-
-class Ack(BaseModel):
-    ok: bool = True
-    detail: Annotated[str | None, Field(max_length=10_000)] = None
-
-
-@router.post("/{session_id}/commands", response_model=Command, status_code=202)
+@router.post(COMMANDS, response_model=Command, status_code=202)
 async def send(session_id: SessionId, body: CommandIn, who: Admin, broker: BrokerDep) -> Command:
     """Queue a command for the session's agent (admin only)."""
     session = await visible(broker, who, session_id)
-    if session.state == "finished":
+    if session.state == protocol.FINAL_STATE:
         raise HTTPException(
             409, f"session {session_id!r} has finished: nobody will receive {body.command!r}"
         )
@@ -70,7 +59,7 @@ async def send(session_id: SessionId, body: CommandIn, who: Admin, broker: Broke
     return command
 
 
-@router.get("/{session_id}/commands", response_model=CommandList)
+@router.get(COMMANDS, response_model=CommandList)
 async def poll(
     session_id: SessionId,
     who: Agent,
@@ -114,10 +103,10 @@ async def _take(broker: Broker, session_id: str, wait: float) -> list[str]:
     return taken
 
 
-@router.post("/{session_id}/commands/{command_id}/ack", response_model=Command)
+@router.post(protocol.ack_path("{session_id}", "{command_id}"), response_model=Command)
 async def ack(
     session_id: SessionId,
-    command_id: Annotated[str, Path(pattern=r"^[0-9a-f]{1,32}$")],
+    command_id: CommandId,
     body: Ack,
     who: Agent,
     broker: BrokerDep,
@@ -148,6 +137,14 @@ async def _record(
     event_id = f"cmd-{command.id}-{state}"
     await ingest(
         broker,
-        [EventIn(id=event_id, session=session.id, kind="command", time=None, fields=fields)],
+        [
+            EventIn(
+                id=event_id,
+                session=session.id,
+                kind=protocol.COMMAND_KIND,
+                time=None,
+                fields=fields,
+            )
+        ],
         {session.id: session},
     )

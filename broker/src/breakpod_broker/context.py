@@ -5,17 +5,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 
+from breakpod_broker.metrics import Metrics
+from breakpod_broker.notifiers import Dispatcher
+from breakpod_broker.redis_server import EmbeddedRedis
+from breakpod_broker.scripts import Scripts
 from breakpod_broker.settings import BrokerSettings
-
-if TYPE_CHECKING:
-    from breakpod_broker.auth import TokenStore
-    from breakpod_broker.metrics import Metrics
-    from breakpod_broker.notifiers import Dispatcher
-    from breakpod_broker.redis_server import EmbeddedRedis
+from breakpod_broker.tokens import TokenStore
 
 
 @dataclasses.dataclass
@@ -27,6 +26,7 @@ class Broker:
     tokens: TokenStore
     metrics: Metrics
     notifiers: Dispatcher
+    scripts: Scripts  # registered with ``redis``
     # a second client for BLMOVE/XREAD BLOCK: a socket timeout longer than any
     # block, and its own bounded pool, so waiters never starve ordinary requests
     blocking: Any = None

@@ -20,119 +20,37 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
+from breakpod import protocol
+from breakpod.protocol import EventKind
 from breakpod_broker import keys
-from breakpod_broker.auth import Agent, Credentials, Principal, Viewer
+from breakpod_broker.auth import Agent, Credentials, Viewer
 from breakpod_broker.context import Broker, BrokerDep
-from breakpod_broker.limits import MAX_DEPTH, MAX_FIELDS_BYTES, dotted, finite, too_deep
-from breakpod_broker.sessions import ADDRESS_PATTERN, ID_PATTERN, SessionOut, check_owner, read_many
-from breakpod_broker.settings import EventKind
+from breakpod_broker.limits import MAX_DEPTH, MAX_FIELDS_BYTES, finite, too_deep
+from breakpod_broker.models import (
+    EventBatch,
+    EventIn,
+    EventOut,
+    EventPage,
+    IngestResult,
+    SessionOut,
+)
+from breakpod_broker.sessions import check_owner, read_many
+from breakpod_broker.tokens import Principal
 
-router = APIRouter(prefix="/v1/events", tags=["events"])
+router = APIRouter(tags=["events"])
 log = logging.getLogger(__name__)
-MAX_BATCH = 10_000  # the schema's bound; settings.max_batch is the one applied
 SSE_BLOCK_MS = 2000  # also the keepalive period of an idle stream
 TOKEN_RECHECK_SECONDS = 2.0  # an SSE stream ends this long (+ one block) after revocation
 SCAN_CHUNK = 1000
 SCAN_CHUNKS = 10  # a query reads at most SCAN_CHUNK * SCAN_CHUNKS entries
 MAX_ID = 2**64 - 1
 CURSOR = re.compile(r"^\d{1,20}-\d{1,20}$")
-ADDRESS = re.compile(ADDRESS_PATTERN)
-
-STATE_OF_KIND = {
-    "parked": "parked",
-    "attached": "attached",
-    "detached": "parked",
-    "resumed": "running",
-    "stall": "stalled",
-    "finished": "finished",
-}
-
-# KEYS: global stream, session stream, session hash.
-# ARGV: global maxlen, session maxlen, dedup ttl, retention, seen-key prefix, n,
-#       n x (event id, document), then per state change: index, state, reason,
-#       address, listener. Returns the cursors joined by "," ("" = duplicate):
-#       one bulk reply and two arguments per event keep redis-py's share small.
-# A session hash that expired meanwhile is not recreated (without TTL or owner).
-INGEST_LUA = """
-local n = tonumber(ARGV[6])
-local out = {}
-for i = 1, n do
-  if redis.call('SET', ARGV[5] .. ARGV[5 + 2 * i], '1', 'NX', 'EX', ARGV[3]) then
-    local sid = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'event', ARGV[6 + 2 * i])
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], sid, 'event', ARGV[6 + 2 * i])
-    out[i] = sid
-  else
-    out[i] = ''
-  end
-end
-local live = redis.call('EXISTS', KEYS[3]) == 1
-for b = 7 + 2 * n, #ARGV - 1, 5 do
-  if live and out[tonumber(ARGV[b])] ~= '' then
-    if ARGV[b + 1] ~= '' then
-      redis.call('HSET', KEYS[3], 'state', ARGV[b + 1], 'reason', ARGV[b + 2])
-    end
-    if ARGV[b + 3] ~= '' then
-      redis.call('HSET', KEYS[3], 'address', ARGV[b + 3], 'listener', ARGV[b + 4])
-    end
-  end
-end
-redis.call('EXPIRE', KEYS[2], ARGV[4])
-if live then redis.call('EXPIRE', KEYS[3], ARGV[4]) end
-return table.concat(out, ',')
-"""
+ADDRESS = re.compile(protocol.ADDRESS_PATTERN)
 
 
-class EventIn(BaseModel):
-    id: str = Field(
-        pattern=r"^[A-Za-z0-9._-]{1,128}$", description="chosen by the sender; retries reuse it"
-    )
-    session: str = Field(pattern=ID_PATTERN)
-    kind: EventKind
-    time: float | None = Field(
-        None, ge=0, le=1e11, description="unix seconds; default: when received"
-    )
-    fields: dict[str, Any] = Field(
-        default_factory=dict,
-        description=f"free-form JSON, at most {MAX_DEPTH} levels deep and "
-        f"{MAX_FIELDS_BYTES} bytes; NaN and infinities are stored as strings",
-    )
-
-    @field_validator("fields")
-    @classmethod
-    def _shallow(cls, fields: dict[str, Any]) -> dict[str, Any]:
-        path = too_deep(fields)
-        if path is not None:
-            raise ValueError(
-                f"fields nested more than {MAX_DEPTH} levels deep at fields.{dotted(path)}: "
-                "flatten them"
-            )
-        return fields
-
-
-class EventBatch(BaseModel):
-    events: list[EventIn] = Field(min_length=1, max_length=MAX_BATCH)
-
-
-class IngestResult(BaseModel):
-    accepted: int
-    duplicates: int
-    cursors: list[str | None] = Field(description="stream id per event; null for a duplicate")
-
-
-class EventOut(EventIn):
-    cursor: str
-    namespace: str | None = None
-    received: float
-
-
-class EventPage(BaseModel):
-    events: list[EventOut]
-    cursor: str | None = Field(description="pass as `since` to continue after the last event")
-
-
-@router.post("", response_model=IngestResult)
+@router.post(protocol.EVENTS, response_model=IngestResult)
 async def post_events(batch: EventBatch, who: Agent, broker: BrokerDep) -> IngestResult:
     """Store a batch of events; an agent token may write only its own sessions' events."""
     most = broker.settings.max_batch
@@ -148,7 +66,9 @@ async def _sessions_for(broker: Broker, who: Principal, ids: set[str]) -> dict[s
     for session_id, session in found.items():
         if session is None or not who.may_see(session.namespace):
             raise HTTPException(
-                404, f"no session {session_id!r}: register it first (PUT /v1/sessions/{session_id})"
+                404,
+                f"no session {session_id!r}: register it first "
+                f"(PUT {protocol.session_path(session_id)})",
             )
         check_owner(who, session_id, session.owner)
     return {k: v for k, v in found.items() if v is not None}
@@ -168,11 +88,10 @@ async def ingest(
     started = time.perf_counter()
     async with broker.redis.pipeline(transaction=False) as pipe:
         for session_id, indexes in by_session.items():
-            pipe.eval(
-                INGEST_LUA,
-                3,
-                *_lua_keys(session_id),
-                *_lua_args(broker, session_id, events, encoded, indexes),
+            await broker.scripts.ingest(
+                keys=_lua_keys(session_id),
+                args=_lua_args(broker, session_id, events, encoded, indexes),
+                client=pipe,
             )
         replies = await pipe.execute()
     broker.metrics.redis_latency.labels("ingest").observe(time.perf_counter() - started)
@@ -218,7 +137,7 @@ def _lua_args(
     for n, i in enumerate(indexes, start=1):
         event = events[i]
         args += [event.id, encoded[i]]
-        state = STATE_OF_KIND.get(event.kind, "")
+        state = protocol.STATE_OF_KIND.get(event.kind, "")
         address, backend = _listener(event)
         if state or address:
             fields = event.fields
@@ -251,10 +170,11 @@ def _fields_json(doc: dict[str, Any]) -> str:
 
 def _listener(event: EventIn) -> tuple[str, str]:
     """(address, backend) when the event announces a listener, else ("", "")."""
-    address, backend = event.fields.get("address"), event.fields.get("backend", "pdb")
-    if event.kind not in ("parked", "listening") or not isinstance(address, str):
+    fields = event.fields
+    address, backend = fields.get("address"), fields.get("backend", protocol.DEFAULT_LISTENER)
+    if event.kind not in protocol.LISTENER_KINDS or not isinstance(address, str):
         return "", ""
-    if not ADDRESS.match(address) or backend not in ("pdb", "debugpy"):
+    if not ADDRESS.match(address) or backend not in protocol.LISTENERS:
         return "", ""
     return address, backend
 
@@ -264,7 +184,7 @@ class Filters:
 
     def __init__(
         self,
-        session: Annotated[str | None, Query(pattern=ID_PATTERN)] = None,
+        session: Annotated[str | None, Query(pattern=protocol.SESSION_ID_PATTERN)] = None,
         kind: Annotated[list[EventKind] | None, Query()] = None,
     ) -> None:
         self.session = session
@@ -293,7 +213,7 @@ Since = Annotated[
 ]
 
 
-@router.get("", response_model=EventPage)
+@router.get(protocol.EVENTS, response_model=EventPage)
 async def list_events(
     who: Viewer,
     broker: BrokerDep,
@@ -402,7 +322,7 @@ def parse_since(since: str) -> str:
 
 
 @router.get(
-    "/stream",
+    protocol.EVENTS_STREAM,
     response_class=StreamingResponse,
     responses={200: {"content": {"text/event-stream": {}}}},
 )

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import collections
 import time
-import typing
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from breakpod_broker.sessions import State
+from breakpod import protocol
 
 Counting = Callable[[], Awaitable[dict[str, int]]]
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -75,6 +74,6 @@ class Metrics:
         return self._counts
 
     def render(self, sessions_by_state: dict[str, int]) -> bytes:
-        for state in (*typing.get_args(State), "lost"):
+        for state in (*protocol.STATES, protocol.LOST):
             self.sessions.labels(state).set(sessions_by_state.get(state, 0))
         return generate_latest(self.registry)

@@ -21,17 +21,15 @@ import secrets
 import socket
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 from redis.exceptions import RedisError, ResponseError
 
 from breakpod_broker import keys
-from breakpod_broker.sessions import SessionOut
+from breakpod_broker.metrics import Metrics
+from breakpod_broker.models import SessionOut
 from breakpod_broker.settings import Notifier
-
-if TYPE_CHECKING:
-    from breakpod_broker.metrics import Metrics
 
 log = logging.getLogger(__name__)
 MAX_IN_FLIGHT = 1000  # deliveries one replica runs at once; the rest wait in Redis

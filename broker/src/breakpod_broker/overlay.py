@@ -23,6 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jsonpatch
+
 CONTAINER_ANNOTATION = "breakpod.dev/container"
 INJECT_LABEL = "breakpod.dev/inject"
 
@@ -98,35 +100,7 @@ def apply(
     return out
 
 
-def json_patch(before: Any, after: Any, path: str = "") -> list[Json]:
-    """RFC 6902 operations that turn ``before`` into ``after``.
-
-    Objects and same-length lists (the containers) are patched item by item;
-    a list that changes length (env, ports) is replaced whole.
-    """
-    if isinstance(before, dict) and isinstance(after, dict):
-        return _dict_patch(before, after, path)
-    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
-        return [
-            op
-            for i, (b, a) in enumerate(zip(before, after, strict=True))
-            for op in json_patch(b, a, f"{path}/{i}")
-        ]
-    return [] if before == after else [{"op": "replace", "path": path, "value": after}]
-
-
-def _dict_patch(before: Json, after: Json, path: str) -> list[Json]:
-    ops: list[Json] = []
-    for key in sorted(before.keys() - after.keys()):
-        ops.append({"op": "remove", "path": f"{path}/{_escape(key)}"})
-    for key, value in after.items():
-        sub = f"{path}/{_escape(key)}"
-        if key not in before:
-            ops.append({"op": "add", "path": sub, "value": value})
-        else:
-            ops.extend(json_patch(before[key], value, sub))
+def json_patch(before: Any, after: Any) -> list[Json]:
+    """RFC 6902 operations that turn ``before`` into ``after`` (``jsonpatch``'s diff)."""
+    ops: list[Json] = jsonpatch.make_patch(before, after).patch
     return ops
-
-
-def _escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")

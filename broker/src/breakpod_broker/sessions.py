@@ -8,112 +8,24 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path, Query
-from pydantic import BaseModel, Field, ValidationError
+from fastapi import APIRouter, HTTPException, Query
+from pydantic import BaseModel, ValidationError
 
+from breakpod import protocol
 from breakpod_broker import keys
-from breakpod_broker.auth import Agent, Principal, Viewer
+from breakpod_broker.auth import Agent, Viewer
 from breakpod_broker.context import Broker, BrokerDep
+from breakpod_broker.models import Heartbeat, SessionId, SessionIn, SessionList, SessionOut
+from breakpod_broker.tokens import Principal
 
-# no ":" in ids: Redis keys join a session id and an event id with ":"
-ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
-SessionId = Annotated[str, Path(pattern=ID_PATTERN, description="session id chosen by the agent")]
-State = Literal["running", "parked", "attached", "stalled", "finished"]
-ADDRESS_PATTERN = r"^\[?[A-Za-z0-9._:-]{1,200}\]?:\d{1,5}$"
-# Kubernetes object names (they reach the engineer's kubectl): DNS-1123 label / subdomain
-DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
-DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-Name = Annotated[str | None, Field(max_length=253)]
-Label = Annotated[str | None, Field(pattern=DNS_LABEL, examples=["ml-team"])]
-Subdomain = Annotated[
-    str | None, Field(max_length=253, pattern=DNS_SUBDOMAIN, examples=["train-0"])
-]
-Address = Annotated[str | None, Field(pattern=ADDRESS_PATTERN, examples=["127.0.0.1:5678"])]
-
-router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+router = APIRouter(tags=["sessions"])
 log = logging.getLogger(__name__)
-
-# KEYS: session hash, alive key, session index. ARGV: token id, namespace ("" for
-# none), now, retention, heartbeat ttl, session id, n fields to clear, the n
-# names, then field/value pairs. Returns "" when written, else (nothing written)
-# "owner" when another token registered the session, or "namespace:NS" when it
-# was registered in another namespace NS. Owner and namespace never change once
-# set, whoever asks; one script, so two registrants of one new id get one owner.
-REGISTER_LUA = """
-local owner = redis.call('HGET', KEYS[1], 'owner')
-if owner and owner ~= ARGV[1] then return 'owner' end
-if owner then
-  local ns = redis.call('HGET', KEYS[1], 'namespace') or ''
-  if ns ~= ARGV[2] then return 'namespace:' .. ns end
-end
-local n = tonumber(ARGV[7])
-redis.call('HSETNX', KEYS[1], 'created', ARGV[3])
-redis.call('HSET', KEYS[1], 'owner', ARGV[1])
-if n > 0 then redis.call('HDEL', KEYS[1], unpack(ARGV, 8, 7 + n)) end
-if #ARGV > 7 + n then redis.call('HSET', KEYS[1], unpack(ARGV, 8 + n)) end
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
-redis.call('ZADD', KEYS[3], ARGV[3], ARGV[6])
-return ''
-"""
-
-# KEYS: session hashes. ARGV: their ids. Drops from the index only ids whose
-# hash is still gone (another replica may have re-registered one meanwhile).
-PRUNE_LUA = """
-for i, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 0 then redis.call('ZREM', ARGV[#ARGV], ARGV[i]) end
-end
-return 0
-"""
+SESSION = protocol.session_path("{session_id}")
 
 
-class SessionIn(BaseModel):
-    """What an agent says about itself when it registers."""
-
-    job: Name = None
-    pod: Subdomain = None
-    namespace: Label = None
-    node: Subdomain = None
-    container: Label = None
-    host: Name = None
-    pid: int | None = Field(default=None, ge=0, le=2**31)
-    rank: int | None = Field(default=None, ge=0, le=1 << 20)
-    world_size: int | None = Field(default=None, ge=0, le=1 << 20)
-    local_rank: int | None = Field(default=None, ge=0, le=1 << 20)
-    gpu: Name = None
-    runtime: Literal["kubernetes", "compose", "docker", "local"] = "local"
-    listener: Literal["pdb", "debugpy"] | None = None
-    address: Address = Field(
-        default=None, description="listener HOST:PORT inside the process's network"
-    )
-    attach_address: Address = Field(
-        default=None, description="HOST:PORT published for engineers, if any"
-    )
-    state: State = "running"
-    reason: Annotated[str | None, Field(max_length=2000)] = None
-
-
-class Heartbeat(BaseModel):
-    state: State | None = None
-    reason: Annotated[str | None, Field(max_length=2000)] = None
-
-
-class SessionOut(SessionIn):
-    id: str
-    state: State | Literal["lost"] = "running"  # type: ignore[assignment]
-    created: float
-    updated: float
-    last_seen: float
-    owner: str = Field(description="id of the token that registered the session")
-
-
-class SessionList(BaseModel):
-    sessions: list[SessionOut]
-
-
-@router.put("/{session_id}", response_model=SessionOut)
+@router.put(SESSION, response_model=SessionOut)
 async def register(
     session_id: SessionId, body: SessionIn, who: Agent, broker: BrokerDep
 ) -> SessionOut:
@@ -126,21 +38,19 @@ async def register(
     fields = {**_strings(body), "updated": str(now), "last_seen": str(now)}
     cleared = [k for k, v in body.model_dump().items() if v is None]
     s = broker.settings
-    refused = await broker.redis.eval(
-        REGISTER_LUA,
-        3,
-        keys.session(session_id),
-        keys.alive(session_id),
-        keys.SESSIONS,
-        *(who.token_id, body.namespace or "", now, s.retention_seconds),
-        *(s.heartbeat_ttl_seconds, session_id, len(cleared), *cleared),
-        *(x for pair in fields.items() for x in pair),
+    refused = await broker.scripts.register(
+        keys=[keys.session(session_id), keys.alive(session_id), keys.SESSIONS],
+        args=[
+            *(who.token_id, body.namespace or "", now, s.retention_seconds),
+            *(s.heartbeat_ttl_seconds, session_id, len(cleared), *cleared),
+            *(x for pair in fields.items() for x in pair),
+        ],
     )
     _refuse_registration(session_id, refused)
     return await load(broker, session_id)
 
 
-@router.post("/{session_id}/heartbeat", response_model=SessionOut)
+@router.post(protocol.heartbeat_path("{session_id}"), response_model=SessionOut)
 async def heartbeat(
     session_id: SessionId, body: Heartbeat, who: Agent, broker: BrokerDep
 ) -> SessionOut:
@@ -154,7 +64,7 @@ async def heartbeat(
     return await load(broker, session_id)
 
 
-@router.get("", response_model=SessionList)
+@router.get(protocol.SESSIONS, response_model=SessionList)
 async def list_sessions(
     who: Viewer, broker: BrokerDep, state: Annotated[str | None, Query(max_length=32)] = None
 ) -> SessionList:
@@ -165,7 +75,7 @@ async def list_sessions(
     return SessionList(sessions=visible)
 
 
-@router.get("/{session_id}", response_model=SessionOut)
+@router.get(SESSION, response_model=SessionOut)
 async def get_session(session_id: SessionId, who: Viewer, broker: BrokerDep) -> SessionOut:
     return await visible(broker, who, session_id)
 
@@ -216,7 +126,8 @@ async def load(broker: Broker, session_id: str) -> SessionOut:
     if session is None:
         raise HTTPException(
             404,
-            f"no session {session_id!r}: an agent registers it with PUT /v1/sessions/{session_id}",
+            f"no session {session_id!r}: an agent registers it with "
+            f"PUT {protocol.session_path(session_id)}",
         )
     return session
 
@@ -237,17 +148,15 @@ async def read_many(broker: Broker, session_ids: list[str]) -> list[SessionOut |
     ]
     gone = [i for i, s in zip(session_ids, found, strict=True) if s is None]
     if gone:  # expired: prune the index
-        await broker.redis.eval(
-            PRUNE_LUA, len(gone), *map(keys.session, gone), *gone, keys.SESSIONS
-        )
+        await broker.scripts.prune(keys=[*map(keys.session, gone)], args=[*gone, keys.SESSIONS])
     return found
 
 
 def _decode(session_id: str, fields: dict[str, str], alive: int) -> SessionOut | None:
     if not fields:
         return None
-    if not alive and fields.get("state") != "finished":
-        fields["state"] = "lost"
+    if not alive and fields.get("state") != protocol.FINAL_STATE:
+        fields["state"] = protocol.LOST
     data = {**fields, "id": session_id}
     try:
         return SessionOut.model_validate(data)

@@ -11,21 +11,8 @@ from typing import Literal
 from pydantic import BaseModel, Field, HttpUrl
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-EventKind = Literal[
-    "anomaly",
-    "stall",
-    "parked",
-    "listening",
-    "attached",
-    "detached",
-    "resumed",
-    "finished",
-    "command",
-    "ci_failure",
-    "log",
-]
-
-DEFAULT_ROUTED: tuple[EventKind, ...] = ("anomaly", "stall", "parked")
+from breakpod import protocol
+from breakpod.protocol import EventKind
 
 
 class Notifier(BaseModel):
@@ -34,7 +21,7 @@ class Notifier(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     url: HttpUrl
     format: Literal["json", "slack"] = "json"
-    kinds: list[EventKind] = Field(default_factory=lambda: list(DEFAULT_ROUTED))
+    kinds: list[EventKind] = Field(default_factory=lambda: list(protocol.NOTIFIED_KINDS))
     retries: int = Field(default=3, ge=0, le=10)
     backoff_seconds: float = Field(default=0.5, gt=0, le=60)
     timeout_seconds: float = Field(default=5.0, gt=0, le=60)

@@ -1,0 +1,95 @@
+"""The Lua scripts the broker runs in Redis, each one atomic across replicas.
+
+Loaded once per client with ``register_script``: calls send the script's SHA
+(EVALSHA), and redis-py loads the text again when Redis answers NOSCRIPT (a
+restarted or replaced server), in pipelines too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# KEYS: session hash, alive key, session index. ARGV: token id, namespace ("" for
+# none), now, retention, heartbeat ttl, session id, n fields to clear, the n
+# names, then field/value pairs. Returns "" when written, else (nothing written)
+# "owner" when another token registered the session, or "namespace:NS" when it
+# was registered in another namespace NS. Owner and namespace never change once
+# set, whoever asks; one script, so two registrants of one new id get one owner.
+REGISTER_LUA = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if owner and owner ~= ARGV[1] then return 'owner' end
+if owner then
+  local ns = redis.call('HGET', KEYS[1], 'namespace') or ''
+  if ns ~= ARGV[2] then return 'namespace:' .. ns end
+end
+local n = tonumber(ARGV[7])
+redis.call('HSETNX', KEYS[1], 'created', ARGV[3])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1])
+if n > 0 then redis.call('HDEL', KEYS[1], unpack(ARGV, 8, 7 + n)) end
+if #ARGV > 7 + n then redis.call('HSET', KEYS[1], unpack(ARGV, 8 + n)) end
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[6])
+return ''
+"""
+
+# KEYS: session hashes. ARGV: their ids. Drops from the index only ids whose
+# hash is still gone (another replica may have re-registered one meanwhile).
+PRUNE_LUA = """
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 0 then redis.call('ZREM', ARGV[#ARGV], ARGV[i]) end
+end
+return 0
+"""
+
+# KEYS: global stream, session stream, session hash.
+# ARGV: global maxlen, session maxlen, dedup ttl, retention, seen-key prefix, n,
+#       n x (event id, document), then per state change: index, state, reason,
+#       address, listener. Returns the cursors joined by "," ("" = duplicate):
+#       one bulk reply and two arguments per event keep redis-py's share small.
+# A session hash that expired meanwhile is not recreated (without TTL or owner).
+INGEST_LUA = """
+local n = tonumber(ARGV[6])
+local out = {}
+for i = 1, n do
+  if redis.call('SET', ARGV[5] .. ARGV[5 + 2 * i], '1', 'NX', 'EX', ARGV[3]) then
+    local sid = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'event', ARGV[6 + 2 * i])
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], sid, 'event', ARGV[6 + 2 * i])
+    out[i] = sid
+  else
+    out[i] = ''
+  end
+end
+local live = redis.call('EXISTS', KEYS[3]) == 1
+for b = 7 + 2 * n, #ARGV - 1, 5 do
+  if live and out[tonumber(ARGV[b])] ~= '' then
+    if ARGV[b + 1] ~= '' then
+      redis.call('HSET', KEYS[3], 'state', ARGV[b + 1], 'reason', ARGV[b + 2])
+    end
+    if ARGV[b + 3] ~= '' then
+      redis.call('HSET', KEYS[3], 'address', ARGV[b + 3], 'listener', ARGV[b + 4])
+    end
+  end
+end
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+if live then redis.call('EXPIRE', KEYS[3], ARGV[4]) end
+return table.concat(out, ',')
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Scripts:
+    """The scripts, registered with one client (call them with ``client=pipe`` in a pipeline)."""
+
+    register: Any
+    prune: Any
+    ingest: Any
+
+    @classmethod
+    def register_with(cls, redis: Any) -> Scripts:
+        return cls(
+            redis.register_script(REGISTER_LUA),
+            redis.register_script(PRUNE_LUA),
+            redis.register_script(INGEST_LUA),
+        )

@@ -1,0 +1,243 @@
+"""The layout the design promises, checked from the code itself.
+
+* No import circles: from each package's own imports (grimp reads them all,
+  those deferred into functions and those under TYPE_CHECKING included).
+* Layers: a module imports only from its own layer or the ones below it
+  (the lists below are the design; change them with the design).
+* One protocol: no string of the agent/broker protocol (event kinds, states,
+  commands, runtimes, listeners, API paths) is spelled outside
+  ``breakpod/protocol.py``; docstrings may name them.
+
+Each check is a function of a package, so the agent's layout is checked by the
+same code once its restructure lands (marked xfail until then).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import pytest
+
+grimp = pytest.importorskip("grimp", reason="pip install -r requirements-dev.txt")
+
+from breakpod import protocol  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKER_SRC = ROOT / "broker" / "src" / "breakpod_broker"
+AGENT_SRC = ROOT / "agent" / "src" / "breakpod"
+AGENT_PENDING = pytest.mark.xfail(reason="agent restructure pending", strict=True)
+
+# Top to bottom. independent=False: the modules of that layer may import each other
+# (the no-cycle test still holds among them).
+BROKER_LAYERS = (
+    grimp.Layer("cli"),
+    grimp.Layer("app", "admission"),  # the two ASGI apps
+    grimp.Layer("admin", "attach", "commands", "events", "sessions", independent=False),  # routes
+    grimp.Layer("auth"),  # FastAPI dependencies: token and role checks
+    grimp.Layer("context"),  # what every request handler gets
+    grimp.Layer("notifiers", "metrics", "redis_server", "overlay", independent=False),
+    grimp.Layer(
+        *("models", "scripts", "tokens", "settings", "limits", "keys", "errors"),
+        independent=False,
+    ),
+)
+
+
+# -- import graph -------------------------------------------------------------
+
+
+def find_cycle(package: str) -> list[str] | None:
+    """One import circle among ``package``'s modules (first module repeated last), or None."""
+    graph = grimp.build_graph(package)
+    imports = {m: sorted(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+    done: set[str] = set()
+    for start in sorted(imports):
+        cycle = _cycle_from(start, imports, done)
+        if cycle is not None:
+            return cycle
+    return None
+
+
+def _cycle_from(start: str, imports: dict[str, list[str]], done: set[str]) -> list[str] | None:
+    """Iterative depth-first search; ``done`` holds modules known to reach no circle."""
+    path: list[str] = []
+    on_path: set[str] = set()
+    stack: list[tuple[str, Iterator[str]]] = []
+
+    def enter(module: str) -> None:
+        path.append(module)
+        on_path.add(module)
+        stack.append((module, iter(imports.get(module, ()))))
+
+    if start not in done:
+        enter(start)
+    while stack:
+        module, pending = stack[-1]
+        child = next(pending, None)
+        if child is None:
+            stack.pop()
+            on_path.discard(path.pop())
+            done.add(module)
+        elif child in on_path:
+            return [*path[path.index(child) :], child]
+        elif child not in done:
+            enter(child)
+    return None
+
+
+def layer_violations(package: str, layers: Iterable[grimp.Layer]) -> list[str]:
+    graph = grimp.build_graph(package)
+    illegal = graph.find_illegal_dependencies_for_layers(layers=tuple(layers), containers={package})
+    return sorted(
+        f"{' | '.join(sorted(route.heads))} -> {' -> '.join(route.middle) or '.'} -> "
+        f"{' | '.join(sorted(route.tails))} ({dep.importer} sits below {dep.imported})"
+        for dep in illegal
+        for route in dep.routes
+    )
+
+
+@pytest.mark.parametrize(
+    "package", ["breakpod_broker", pytest.param("breakpod", marks=AGENT_PENDING)]
+)
+def test_no_import_circles(package: str) -> None:
+    cycle = find_cycle(package)
+    assert cycle is None, "import circle: " + " -> ".join(cycle or ())
+
+
+def test_broker_layers_point_down_only() -> None:
+    assert layer_violations("breakpod_broker", BROKER_LAYERS) == []
+
+
+def test_broker_layer_list_names_every_module() -> None:
+    """A new module must be placed in a layer, or the layer test would not see it."""
+    named = {f"breakpod_broker.{tail}" for layer in BROKER_LAYERS for tail in layer.module_tails}
+    modules = set(grimp.build_graph("breakpod_broker").modules) - {"breakpod_broker"}
+    assert modules - named == set()
+    assert named - modules == set()
+
+
+def test_the_graph_checks_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A circle (one import deferred into a function) and an upward import are found."""
+    package = tmp_path / "circled"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "low.py").write_text("def later():\n    from circled import high\n")
+    (package / "high.py").write_text("from circled import low\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert find_cycle("circled") in (
+        ["circled.high", "circled.low", "circled.high"],
+        ["circled.low", "circled.high", "circled.low"],
+    )
+    assert layer_violations("circled", [grimp.Layer("high"), grimp.Layer("low")]) != []
+    assert layer_violations("breakpod_broker", reversed(BROKER_LAYERS)) != []
+
+
+def test_the_broker_takes_only_the_protocol_from_the_agent() -> None:
+    graph = grimp.build_graph("breakpod_broker", "breakpod")
+    used = {
+        imported
+        for importer in graph.find_children("breakpod_broker") | {"breakpod_broker"}
+        for imported in graph.find_modules_directly_imported_by(importer)
+        if imported.split(".")[0] == "breakpod"
+    }
+    assert used == {"breakpod.protocol"}
+
+
+def test_the_protocol_is_standard_library_only() -> None:
+    tree = ast.parse((AGENT_SRC / "protocol.py").read_text())
+    imported = {
+        alias.name for n in ast.walk(tree) if isinstance(n, ast.Import) for alias in n.names
+    }
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    tops = {name.split(".")[0] for name in imported}
+    assert tops <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+# -- protocol strings -----------------------------------------------------------
+
+
+def protocol_strings() -> dict[str, str]:
+    """Every protocol value that must be spelled only in protocol.py -> what it is."""
+    groups = {
+        "event kind": protocol.EVENT_KINDS,
+        "session state": (*protocol.STATES, protocol.LOST),
+        "command": protocol.COMMANDS,
+        "runtime": protocol.RUNTIMES,
+        "listener": protocol.LISTENERS,
+    }
+    return {value: what for what, values in groups.items() for value in values}
+
+
+def spelled_protocol_strings(root: Path, allowed: set[str]) -> list[str]:
+    """``file:line: 'text' (what)`` for each string constant under ``root`` (but in the
+    files named in ``allowed``, relative to ``root``) that is a protocol value or an
+    API path. Docstrings and comments may name them; dictionary keys name fields."""
+    values = protocol_strings()
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).as_posix() in allowed:
+            continue
+        for node in _code_strings(ast.parse(path.read_text(), str(path))):
+            what = values.get(node.value) or ("API path" if _is_api_path(node.value) else None)
+            if what:
+                found.append(
+                    f"{path.relative_to(root.parent)}:{node.lineno}: {node.value!r} ({what})"
+                )
+    return found
+
+
+def _is_api_path(text: str) -> bool:
+    return text == protocol.API or f"{protocol.API}/" in text
+
+
+def _code_strings(tree: ast.AST) -> Iterator[ast.Constant]:
+    skipped = {id(doc) for doc in _docstrings(tree)}
+    skipped |= {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys if k}
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and id(node) not in skipped
+        ):
+            yield node
+
+
+def _docstrings(tree: ast.AST) -> Iterator[ast.AST]:
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.body
+        ):
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                yield first.value
+
+
+@pytest.mark.parametrize(
+    ("root", "allowed"),
+    [
+        pytest.param(BROKER_SRC, set(), id="breakpod_broker"),
+        pytest.param(AGENT_SRC, {"protocol.py"}, id="breakpod", marks=AGENT_PENDING),
+    ],
+)
+def test_no_protocol_string_is_spelled_outside_the_protocol(root: Path, allowed: set[str]) -> None:
+    assert spelled_protocol_strings(root, allowed) == []
+
+
+def test_the_string_scan_finds_what_it_looks_for(tmp_path: Path) -> None:
+    """The scan itself: it must be able to fail."""
+    (tmp_path / "routes.py").write_text(
+        '"""Docstrings may say parked and /v1/sessions."""\n'
+        'STATE = {"parked": "attached"}\n'  # the key names a field; the value is a state
+        'PATH = f"/v1/sessions/{1}"\n'
+        'NOT_PROTOCOL = "parking"\n'
+    )
+    (tmp_path / "protocol.py").write_text('KIND = "stall"\n')
+    found = spelled_protocol_strings(tmp_path, {"protocol.py"})
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "'attached' (session state)",
+        "'/v1/sessions/' (API path)",
+    ]
