@@ -23,7 +23,6 @@ from fastapi.responses import Response
 
 from breakpod import protocol
 from breakpod_broker.auth import Viewer
-from breakpod_broker.context import BrokerDep
 
 router = APIRouter(tags=["dashboard"])
 CONFIG = f"{protocol.API}/dashboard"
@@ -80,16 +79,14 @@ def _asset(name: str) -> Response:
 
 
 @router.get(CONFIG)
-async def config(who: Viewer, broker: BrokerDep) -> dict[str, Any]:
+async def config(who: Viewer) -> dict[str, Any]:
     """What the page needs to read sessions and events; a viewer token is needed."""
     states = [*URGENT, *(s for s in protocol.STATES if s not in URGENT), protocol.LOST]
     return {
         "states": states,
         "urgent": list(URGENT),
-        "final_state": protocol.FINAL_STATE,
         "state_of_kind": protocol.STATE_OF_KIND,
         "event_kinds": sorted(protocol.EVENT_KINDS),
-        "heartbeat_ttl_seconds": broker.settings.heartbeat_ttl_seconds,
         "role": who.role.value,
         "paths": {
             "sessions": protocol.SESSIONS,
