@@ -151,6 +151,7 @@ def test_ranks_appear_turn_parked_live_filter_and_escape_agent_text(broker, spaw
     _check_escaped(page)
     _check_filters(page)
     _check_attach(page, ranks[1]["id"])
+    _check_states_it_does_not_know(page, ranks[0]["id"])
     _send(broker, ranks[1]["id"], "resume")  # the loop then ends: running, then finished
     cell = f"document.querySelector(`.rank[data-session='{ranks[1]['id']}']`).dataset.state"
     until(page, f"['running', 'finished'].includes({cell})")
@@ -217,6 +218,19 @@ def _check_attach(page, session_id):
     page.click(f".rank[data-session='{session_id}']")
     page.wait_for_selector(f"#detail .attach pre:has-text('breakpod attach {session_id}')")
     page.wait_for_selector("#detail .timeline li[data-kind='parked']")
+
+
+def _check_states_it_does_not_know(page, session_id):
+    """A protocol state added later ("waiting") has its colour; one the page has never
+    heard of is drawn in the neutral colour under its own name, not its job's colour."""
+    cell = f".rank[data-session='{session_id}']"
+    colours = {}
+    for state in ("waiting", "teleported"):
+        page.evaluate(f"app.sessions.get('{session_id}').state = '{state}'; render()")
+        page.wait_for_selector(f"{cell}[data-state='{state}']")
+        assert state in page.get_attribute(cell, "title")
+        colours[state] = page.eval_on_selector(cell, "e => getComputedStyle(e).backgroundColor")
+    assert colours == {"waiting": "rgb(161, 98, 7)", "teleported": "rgb(139, 92, 246)"}
 
 
 def test_the_broker_serves_the_page_it_ships(broker):
