@@ -35,7 +35,9 @@ AGENT_PENDING = pytest.mark.xfail(reason="agent restructure pending", strict=Tru
 BROKER_LAYERS = (
     grimp.Layer("cli"),
     grimp.Layer("app", "admission"),  # the two ASGI apps
-    grimp.Layer("admin", "attach", "commands", "events", "sessions", independent=False),  # routes
+    grimp.Layer(
+        *("admin", "attach", "commands", "dashboard", "events", "sessions"), independent=False
+    ),  # routes
     grimp.Layer("auth"),  # FastAPI dependencies: token and role checks
     grimp.Layer("context"),  # what every request handler gets
     grimp.Layer("notifiers", "metrics", "redis_server", "overlay", independent=False),

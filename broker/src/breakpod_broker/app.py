@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from breakpod_broker import __version__, admin, attach, commands, events, sessions
+from breakpod_broker import __version__, admin, attach, commands, dashboard, events, sessions
 from breakpod_broker.context import Broker
 from breakpod_broker.limits import finite
 from breakpod_broker.metrics import Metrics
@@ -57,7 +57,7 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    for module in (sessions, events, commands, attach, admin):
+    for module in (sessions, events, commands, attach, admin, dashboard):
         app.include_router(module.router)
     _add_error_handlers(app)
     app.add_middleware(BodyLimit)

@@ -1,0 +1,240 @@
+"""The dashboard in real headless chromium, against a real broker, Redis and agents.
+
+Measured and printed (run with -s): page load to first data, and the time
+from the broker receiving an agent's event to the page showing it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import httpx
+
+from breakpod_broker import dashboard
+from tests.brokerkit import ADMIN, AGENT, AGENT2, VIEWER, register, wait_until
+
+STATIC = Path(dashboard.__file__).parent / "static"
+XSS_JOB = "<img src=x onerror=\"window.__xss='job'\">"
+XSS_REASON = "</td><script>window.__xss='reason'</script>"
+LIVE_LATENCY_S = 2.0  # the issue's bound: a rank turns parked on the page within 2 s
+
+# A training loop with a real agent: it registers, heartbeats, and parks at its
+# next step boundary when an admin sends "break" through the broker.
+LOOP = """
+    import time
+    from breakpod import emitter, events
+    seen = []
+    events.add_sink(lambda event: seen.append(event.kind))
+    emitter.ensure_started()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and "resumed" not in seen:
+        time.sleep(0.01)
+        emitter.break_if_requested()
+"""
+
+
+def agent_env(broker, rank, world_size=2, job="train-live"):
+    return {
+        "BREAKPOD_BROKER_URL": broker.url,
+        "BREAKPOD_TOKEN": AGENT,
+        "BREAKPOD_JOB": job,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+    }
+
+
+def sessions(broker, **query):
+    with broker.client(VIEWER) as c:
+        return c.get("/v1/sessions", params=query).json()["sessions"]
+
+
+def until(page, expression, timeout=15.0):
+    """Poll an expression (the page's CSP forbids the eval behind wait_for_function)."""
+    return wait_until(lambda: page.evaluate(expression), timeout=timeout, interval=0.02)
+
+
+def jobs_shown(page, count):
+    until(page, f"document.querySelectorAll('article.job').length === {count}")
+
+
+def login(page, broker, token=VIEWER):
+    started = time.perf_counter()
+    page.goto(broker.url + "/")
+    page.fill("#token", token)
+    page.click("#login button[type=submit]")
+    return started
+
+
+# -- without a browser: headers, no data in the page, the config route ----------------
+
+
+def test_the_page_and_its_assets_carry_no_data_and_a_strict_csp(broker):
+    register(broker, "s1", job="secret-job-name", namespace="team-a")
+    with broker.client() as c:
+        for path in ("/", "/dashboard/app.js", "/dashboard/style.css"):
+            response = c.get(path)
+            assert response.status_code == 200, path
+            csp = response.headers["content-security-policy"]
+            assert "script-src 'self'" in csp and "default-src 'none'" in csp
+            assert "unsafe-inline" not in csp and "http" not in csp
+            assert response.headers["x-content-type-options"] == "nosniff"
+            assert "secret-job-name" not in response.text and "s1" not in response.text.split()
+        assert c.get("/dashboard/../app.py").status_code == 404
+        assert c.get("/dashboard/keys.py").status_code == 404
+        assert c.get("/v1/dashboard").status_code == 401
+    with broker.client(AGENT) as c:
+        assert c.get("/v1/dashboard").status_code == 403
+    with broker.client(VIEWER) as c:
+        config = c.get("/v1/dashboard").json()
+    assert config["states"][:2] == config["urgent"] == ["stalled", "parked"]
+    assert "lost" in config["states"] and config["state_of_kind"]["parked"] == "parked"
+
+
+def test_the_shipped_files_load_nothing_from_elsewhere_and_write_no_html():
+    html = (STATIC / "index.html").read_text()
+    script = (STATIC / "app.js").read_text()
+    assert re.findall(r"<script[^>]*>([^<]+)</script>", html) == []  # no inline script
+    assert " style=" not in html and "<style" not in html
+    for text in (html, script, (STATIC / "style.css").read_text()):
+        assert "http://" not in text and "https://" not in text and "//cdn" not in text
+    assert "innerHTML" not in script and "insertAdjacentHTML" not in script
+    assert "document.write" not in script and "eval(" not in script
+    assert "EventSource" not in script  # the stream is read with fetch: the token in a header
+
+
+# -- in chromium --------------------------------------------------------------------
+
+
+def test_without_a_token_the_page_asks_for_one_and_shows_no_data(broker, page):
+    register(broker, "s1", job="secret-job-name")
+    page.goto(broker.url + "/")
+    page.wait_for_selector("#login:not([hidden]) #token")
+    assert page.is_hidden("#main")
+    assert "secret-job-name" not in page.content()
+    page.fill("#token", "not-a-known-token")
+    page.click("#login button[type=submit]")
+    page.wait_for_selector("#login-error:has-text('token refused')")
+    assert "secret-job-name" not in page.content()
+    assert page.evaluate("sessionStorage.getItem('breakpod.token')") is None
+
+
+def test_ranks_appear_turn_parked_live_filter_and_escape_agent_text(broker, spawn, page):
+    register(broker, "xss-1", token=AGENT2, job=XSS_JOB, namespace="team-b")
+    with broker.client(AGENT2) as c:
+        beat = c.post("/v1/sessions/xss-1/heartbeat", json={"reason": XSS_REASON})
+        assert beat.status_code == 200, beat.text
+    children = [spawn(LOOP, env=agent_env(broker, rank)) for rank in (0, 1)]
+    ranks = wait_until(lambda: _by_rank(broker, "train-live", 2), timeout=30)
+
+    started = login(page, broker)
+    for session in ranks.values():
+        page.wait_for_selector(f".rank[data-session='{session['id']}'][data-state='running']")
+    first_data = time.perf_counter() - started
+    in_page = int(page.evaluate("document.documentElement.dataset.firstDataMs"))
+    page.evaluate("window.__sameDocument = true")
+    _watch_parked(page, ranks[1]["id"])
+
+    _send(broker, ranks[1]["id"], "break")
+    children[1].wait_for("break requested through the broker")
+    shown_at = until(page, "window.__parkedAt") / 1000
+    received = _received(broker, ranks[1]["id"], "parked")
+    latency = shown_at - received
+    print(f"\nfirst data {first_data * 1000:.0f} ms after goto ({in_page} ms in the page); ")
+    print(f"agent event received -> parked on the page: {latency * 1000:.0f} ms")
+    assert page.evaluate("window.__sameDocument") is True  # no reload
+    assert 0 <= latency < LIVE_LATENCY_S, latency
+    assert page.get_attribute(f".rank[data-session='{ranks[0]['id']}']", "data-state") == "running"
+    assert page.get_attribute("article.job >> nth=0", "data-job") == "train-live"  # parked first
+
+    _check_escaped(page)
+    _check_filters(page)
+    _check_attach(page, ranks[1]["id"])
+    _check_states_it_does_not_know(page, ranks[0]["id"])
+    _send(broker, ranks[1]["id"], "resume")  # the loop then ends: running, then finished
+    cell = f"document.querySelector(`.rank[data-session='{ranks[1]['id']}']`).dataset.state"
+    until(page, f"['running', 'finished'].includes({cell})")
+
+
+def _by_rank(broker, job, world_size):
+    found = {s["rank"]: s for s in sessions(broker) if s["job"] == job}
+    return found if len(found) == world_size else None
+
+
+def _watch_parked(page, session_id):
+    """Record (Date.now) when the rank's cell first reads parked, whatever re-renders it."""
+    page.evaluate(
+        """(id) => {
+            const seen = () => {
+                const cell = document.querySelector(`.rank[data-session="${id}"]`);
+                if (cell && cell.dataset.state === "parked" && !window.__parkedAt)
+                    window.__parkedAt = Date.now();
+            };
+            new MutationObserver(seen).observe(document.getElementById("jobs"),
+                {childList: true, subtree: true, attributes: true});
+        }""",
+        session_id,
+    )
+
+
+def _send(broker, session_id, command):
+    with broker.client(ADMIN) as c:
+        sent = c.post(f"/v1/sessions/{session_id}/commands", json={"command": command})
+        assert sent.status_code in (200, 201, 202), sent.text
+
+
+def _received(broker, session_id, kind):
+    with broker.client(VIEWER) as c:
+        page = c.get("/v1/events", params={"session": session_id, "kind": kind}).json()
+    return page["events"][-1]["received"]
+
+
+def _check_escaped(page):
+    job = page.locator("article.job", has=page.locator(".job-name", has_text=XSS_JOB))
+    assert job.locator(".job-name").text_content() == XSS_JOB
+    assert job.locator("td.reason").text_content() == XSS_REASON
+    assert page.locator("#jobs img, #jobs script").count() == 0
+    assert page.evaluate("window.__xss") is None
+
+
+def _check_filters(page):
+    page.select_option("#f-namespace", "team-b")
+    jobs_shown(page, 1)
+    assert page.get_attribute("article.job", "data-namespace") == "team-b"
+    page.select_option("#f-namespace", "")
+    page.select_option("#f-state", "parked")
+    jobs_shown(page, 1)
+    assert page.get_attribute("article.job", "data-job") == "train-live"
+    page.select_option("#f-state", "")
+    page.fill("#f-job", "img src")
+    jobs_shown(page, 1)
+    assert page.get_attribute("article.job", "data-namespace") == "team-b"
+    page.fill("#f-job", "")
+    jobs_shown(page, 2)
+
+
+def _check_attach(page, session_id):
+    page.click(f".rank[data-session='{session_id}']")
+    page.wait_for_selector(f"#detail .attach pre:has-text('breakpod attach {session_id}')")
+    page.wait_for_selector("#detail .timeline li[data-kind='parked']")
+
+
+def _check_states_it_does_not_know(page, session_id):
+    """A protocol state added later ("waiting") has its colour; one the page has never
+    heard of is drawn in the neutral colour under its own name, not its job's colour."""
+    cell = f".rank[data-session='{session_id}']"
+    colours = {}
+    for state in ("waiting", "teleported"):
+        page.evaluate(f"app.sessions.get('{session_id}').state = '{state}'; render()")
+        page.wait_for_selector(f"{cell}[data-state='{state}']")
+        assert state in page.get_attribute(cell, "title")
+        colours[state] = page.eval_on_selector(cell, "e => getComputedStyle(e).backgroundColor")
+    assert colours == {"waiting": "rgb(161, 98, 7)", "teleported": "rgb(139, 92, 246)"}
+
+
+def test_the_broker_serves_the_page_it_ships(broker):
+    """The files the page names are the files in the package."""
+    html = httpx.get(broker.url + "/", timeout=10).text
+    for name in re.findall(r'(?:src|href)="/dashboard/([^"]+)"', html):
+        assert (STATIC / name).is_file() and name in dashboard.FILES
