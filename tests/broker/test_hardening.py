@@ -14,6 +14,7 @@ import httpx
 import pytest
 import redis
 
+from breakpod import protocol
 from breakpod_broker import events as broker_events
 from breakpod_broker import keys, scripts
 from tests.brokerkit import ADMIN, AGENT, AGENT2, VIEWER, post_events, register
@@ -252,14 +253,25 @@ def _strict(text: str):
     return json.loads(text, parse_constant=refuse)
 
 
-def test_nan_and_infinity_become_strings_in_queries_and_streams(broker, redis_url):
+def test_nan_and_infinity_in_fields_get_422_naming_the_path(broker):
+    register(broker, "s1")
+    body = {"events": [event("e1", loss=1.0, grad=[0.5, math.inf])]}
+    with broker.client(AGENT) as c:
+        raw = json.dumps(body)  # Python's json writes the invalid token Infinity
+        response = c.post("/v1/events", content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert detail.startswith("events.0.fields.grad.1:") and '"inf"' in detail
+
+
+def test_agent_encoded_nan_and_stored_nan_read_as_strings(broker, redis_url):
     register(broker, "s1")
     body = {"events": [event("e1", loss=math.nan, grad=[math.inf, -math.inf, 1.5])]}
     with broker.client(AGENT) as c:
-        raw = json.dumps(body)  # what the agent's json.dumps writes: NaN, Infinity
+        raw = protocol.dumps(body)  # what the agent sends
         response = c.post("/v1/events", content=raw, headers={"content-type": "application/json"})
         assert response.status_code == 200, response.text
-    with redis.Redis.from_url(redis_url) as r:  # one stored before ingest normalised
+    with redis.Redis.from_url(redis_url) as r:  # one stored by an older broker, NaN and all
         doc = {**event("e2", loss=math.nan), "namespace": None, "time": 1.0, "received": 1.0}
         r.xadd(keys.EVENTS, {"event": json.dumps(doc)})
     expected = [{"loss": "nan", "grad": ["inf", "-inf", 1.5]}, {"loss": "nan"}]

@@ -25,9 +25,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from breakpod import protocol
 from breakpod_broker import __version__, admin, attach, commands, dashboard, events, sessions
 from breakpod_broker.context import Broker
-from breakpod_broker.limits import finite
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
 from breakpod_broker.redis_server import EmbeddedRedis
@@ -162,7 +162,7 @@ def _jsonable(errors: Any) -> Any:
     nested too deep for any encoder), NaN and infinities as strings, exceptions
     (pydantic's ``ctx.error``) as their message."""
     shown = [{**e, "input": _short(e.get("input"))} for e in errors]
-    return finite(jsonable_encoder(shown, custom_encoder={Exception: str, bytes: str}))
+    return protocol.finite(jsonable_encoder(shown, custom_encoder={Exception: str, bytes: str}))
 
 
 def _short(value: Any) -> Any:

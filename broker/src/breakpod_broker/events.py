@@ -27,7 +27,7 @@ from breakpod.protocol import EventKind
 from breakpod_broker import keys
 from breakpod_broker.auth import Agent, Credentials, Viewer
 from breakpod_broker.context import Broker, BrokerDep
-from breakpod_broker.limits import MAX_DEPTH, MAX_FIELDS_BYTES, finite, too_deep
+from breakpod_broker.limits import MAX_DEPTH, MAX_FIELDS_BYTES, dotted, nonfinite, too_deep
 from breakpod_broker.models import (
     EventBatch,
     EventIn,
@@ -147,14 +147,17 @@ def _lua_args(
 
 
 def _dumps(doc: dict[str, Any], index: int) -> str:
-    """Strict JSON; NaN and infinities in ``doc``'s fields are replaced in place
-    (only then: walking every event's fields would slow ingest down). 422 when the
-    fields are over MAX_FIELDS_BYTES."""
+    """Strict JSON. 422 for a NaN or infinity (walked for only then: walking every
+    event's fields would slow ingest down) or fields over MAX_FIELDS_BYTES."""
     try:
         text = json.dumps(doc, default=str, allow_nan=False)
     except ValueError:
-        doc["fields"] = finite(doc["fields"])
-        text = json.dumps(doc, default=str, allow_nan=False)
+        path = dotted(nonfinite(doc["fields"]) or [])
+        raise HTTPException(
+            422,
+            f"events.{index}.fields.{path}: NaN and infinities are not JSON: "
+            'send them as the strings "nan", "inf", "-inf"',
+        ) from None
     if len(text) > MAX_FIELDS_BYTES and len(_fields_json(doc)) > MAX_FIELDS_BYTES:
         raise HTTPException(
             422,
@@ -297,7 +300,7 @@ def _decode(cursor: str, fields: dict[str, str]) -> dict[str, Any] | None:
         log.warning("event %s: stored record is not an event (or too deep), skipped", cursor)
         return None
     if "NaN" in raw or "Infinity" in raw:  # stored before ingest normalised them
-        doc = finite(doc)
+        doc = protocol.finite(doc)
     doc["cursor"] = cursor
     return dict(doc)
 

@@ -2,8 +2,9 @@
 
 An event's ``fields`` are free-form JSON from the agent. They are bounded in
 depth (a deeply nested document would make every later read that covers it
-fail) and in size, and NaN / infinities are made strings (JSON has no such
-numbers). Every walker here is iterative: no input can exhaust the stack.
+fail) and in size, and hold no NaN or infinity (JSON has no such numbers: agents
+send them as the strings protocol.finite makes). Every walker here is iterative:
+no input can exhaust the stack.
 """
 
 from __future__ import annotations
@@ -38,20 +39,15 @@ def dotted(path: list[Any]) -> str:
     return ".".join(parts if len(parts) <= 8 else [*parts[:8], "..."])
 
 
-def finite(value: Any) -> Any:
-    """``value`` with NaN and infinities as "nan", "inf", "-inf": JSON has no such
-    numbers, and Python's json writes them as invalid tokens (NaN, Infinity)."""
-    root: list[Any] = [value]
-    stack: list[tuple[Any, Any]] = [(root, 0)]
+def nonfinite(value: Any) -> list[Any] | None:
+    """The path of the first NaN or infinity in ``value``, else None."""
+    stack: list[tuple[Any, list[Any]]] = [(value, [])]
     while stack:
-        parent, key = stack.pop()
-        item = parent[key]
+        item, path = stack.pop()
         if isinstance(item, float) and not math.isfinite(item):
-            parent[key] = "nan" if math.isnan(item) else ("inf" if item > 0 else "-inf")
-        elif isinstance(item, dict):
-            parent[key] = mapping = dict(item)
-            stack.extend((mapping, k) for k in mapping)
+            return path
+        if isinstance(item, dict):
+            stack.extend((child, [*path, key]) for key, child in item.items())
         elif isinstance(item, list):
-            parent[key] = items = list(item)
-            stack.extend((items, i) for i in range(len(items)))
-    return root[0]
+            stack.extend((child, [*path, i]) for i, child in enumerate(item))
+    return None

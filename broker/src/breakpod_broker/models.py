@@ -105,7 +105,7 @@ class EventIn(BaseModel):
     fields: dict[str, Any] = Field(
         default_factory=dict,
         description=f"free-form JSON, at most {MAX_DEPTH} levels deep and "
-        f"{MAX_FIELDS_BYTES} bytes; NaN and infinities are stored as strings",
+        f'{MAX_FIELDS_BYTES} bytes; NaN and infinities as the strings "nan", "inf", "-inf"',
     )
 
     @field_validator("fields")
