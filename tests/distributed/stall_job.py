@@ -64,7 +64,7 @@ def main():
         breakpod.step()
         time.sleep(STEP_SLEEP)
     dist.barrier()
-    total = sum(float(p.double().sum()) for p in model.parameters())
+    total = sum(float(p.detach().double().sum()) for p in model.parameters())
     print(f"rank {RANK} done, parameters {total!r}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
 
