@@ -1,8 +1,10 @@
 """A tiny DDP training job for the stall tests, run under torchrun (gloo, CPU).
 
 STALL_RANK=2 STALL_KIND=block|spin STALL_AT=5 STEPS=200 COLLECTIVE=ddp|all_reduce
+PARK_RANK=1 PARK_AT=3 (breakpoint() there)  PG_TIMEOUT=SECONDS (the process group's own)
 """
 
+import datetime
 import os
 import sys
 import threading
@@ -22,6 +24,9 @@ STALL_SECONDS = float(os.environ.get("STALL_SECONDS", "0")) or None
 STEPS = int(os.environ.get("STEPS", "200"))
 STEP_SLEEP = float(os.environ.get("STEP_SLEEP", "0"))
 COLLECTIVE = os.environ.get("COLLECTIVE", "ddp")
+PARK_RANK = int(os.environ.get("PARK_RANK", "-1"))
+PARK_AT = int(os.environ.get("PARK_AT", "3"))
+PG_TIMEOUT = float(os.environ.get("PG_TIMEOUT", "0")) or None
 
 
 def fetch_batch(step):
@@ -41,10 +46,14 @@ def spin_forever():
 
 
 def main():
-    dist.init_process_group("gloo")
+    timeout = datetime.timedelta(seconds=PG_TIMEOUT) if PG_TIMEOUT else None
+    dist.init_process_group("gloo", timeout=timeout)
+    torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(STEPS):
+        if RANK == PARK_RANK and step == PARK_AT:
+            breakpoint()
         batch = fetch_batch(step)
         loss = model(batch).sum()
         opt.zero_grad()
@@ -55,7 +64,8 @@ def main():
         breakpod.step()
         time.sleep(STEP_SLEEP)
     dist.barrier()
-    print(f"rank {RANK} done", flush=True)
+    total = sum(float(p.detach().double().sum()) for p in model.parameters())
+    print(f"rank {RANK} done, parameters {total!r}", file=sys.stderr, flush=True)
     dist.destroy_process_group()
 
 

@@ -40,7 +40,7 @@ def test_a_rank_blocked_in_data_loading_is_the_culprit_and_recovery_is_said_once
     match, seen = job.wait_for(r"^culprit: (.*)$", timeout=STALL_AFTER + 10)
     assert seen - stalled < STALL_AFTER + 10
     assert match.group(1).startswith("rank 2 (") and "fetch_batch" in match.group(1)
-    report = job.stderr.split("breakpod: stall: the job")[1]
+    report = job.stderr.split("] stall: the job")[1]
     assert re.search(r"stacks of rank 2:\n(.*\n)*.*in fetch_batch", report)
     assert re.search(r"^rank 0: step \d+, in collective #\d+", report, re.MULTILINE)
     assert job.wait(timeout=60) == 0, job.stderr

@@ -176,19 +176,48 @@ def _short(value: Any) -> str:
 
 
 def run_send(args: argparse.Namespace) -> int:
+    """``breakpod send SESSION|JOB COMMAND``: to one session, or to every live rank of a job
+    (a job's ranks agree among themselves on the step a ``break`` parks them at)."""
+    broker = client(args)
     body = {"command": args.command, "reason": args.reason}
-    sent = client(args).request("POST", f"/v1/sessions/{args.session}/commands", body)
-    print(f"queued {sent['command']} for {args.session} (command {sent['id']})")
+    targets = [args.session]
+    if not _is_session(broker, args.session):
+        sessions = broker.request("GET", "/v1/sessions")["sessions"]
+        targets = [s["id"] for s in job_sessions(sessions, args.session)]
+    for target in targets:
+        sent = broker.request("POST", f"/v1/sessions/{target}/commands", body)
+        print(f"queued {sent['command']} for {target} (command {sent['id']})")
     return 0
+
+
+def _is_session(broker: BrokerClient, target: str) -> bool:
+    try:
+        broker.request("GET", f"/v1/sessions/{target}")
+    except BrokerError:
+        return False
+    return True
+
+
+def rank_session(sessions: list[dict[str, Any]], job: str, rank: int) -> str:
+    """The session id of ``rank`` of ``job``; a one-line error naming the job's ranks."""
+    ranks = job_sessions(sessions, job)
+    for s in ranks:
+        if s.get("rank") == rank:
+            return str(s["id"])
+    known = ", ".join(str(s.get("rank")) for s in ranks)
+    raise BrokerError(f"job {job!r} has no rank {rank}; its ranks: {known}")
 
 
 def attach_session(args: argparse.Namespace) -> int:
     """``breakpod attach SESSION_ID``: resolve it through the broker, then attach."""
     from breakpod import attach
 
-    info = client(args).request(
-        "GET", f"/v1/sessions/{args.target}/attach?local_port={_free_port()}"
-    )
+    broker = client(args)
+    target = args.target
+    if getattr(args, "rank", None) is not None:
+        sessions = broker.request("GET", "/v1/sessions")["sessions"]
+        target = rank_session(sessions, args.target, args.rank)
+    info = broker.request("GET", f"/v1/sessions/{target}/attach?local_port={_free_port()}")
     host, port = net.parse_address(info["connect"])
     if args.vscode or info["listener"] == "debugpy":
         launch = info.get("vscode_launch") or json.loads(

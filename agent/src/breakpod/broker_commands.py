@@ -1,6 +1,7 @@
 """What the agent does with each command the broker delivers.
 
-    break        park at the next step boundary (emitter.break_if_requested())
+    break        park at the next step boundary (emitter.break_if_requested()); in a
+                 job in debug mode every rank parks at one agreed step (job_pause.py)
     resume       stop waiting for a debugger, or hang up on the attached one; continue
     detach       hang up on the attached debugger (the program follows BREAKPOD_ON_DETACH)
     dump-stacks  send every thread's stack as a ``log`` event
@@ -14,7 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from breakpod import debugger, shim, watchdog
+from breakpod import debugger, job, shim, watchdog
+from breakpod.announce import announce
 from breakpod.listener import Listener
 
 if TYPE_CHECKING:
@@ -37,7 +39,13 @@ def run(emitter: Emitter, name: str) -> Result:
 def do_break(emitter: Emitter) -> Result:
     from breakpod import emitter as module
 
+    why_alone = watchdog.request_job_break()
+    if why_alone is None:
+        return True, "the job parks at a step boundary every rank agrees on"
     module.request_break()
+    if job.Place.from_env().distributed:
+        announce(f"break: this rank parks alone; the job was not paused ({why_alone})")
+        return True, f"will park at the next step boundary; the job was not paused ({why_alone})"
     return True, "will park at the next step boundary"
 
 

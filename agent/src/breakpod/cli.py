@@ -66,6 +66,7 @@ def add_attach(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default="${workspaceFolder}",
         help="matching local source root (default: ${workspaceFolder})",
     )
+    p.add_argument("--rank", type=int, help="with a JOB as target: attach to this rank of the job")
     p.add_argument("--broker", metavar="URL", help="broker URL (default: $BREAKPOD_BROKER_URL)")
     p.add_argument("--broker-token", help="broker token (default: $BREAKPOD_TOKEN)")
     p.set_defaults(func=run_attach)
@@ -74,7 +75,7 @@ def add_attach(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run_attach(args: argparse.Namespace) -> int:
     from breakpod import attach, net
 
-    if ":" not in args.target and not args.target.isdigit():  # a session id
+    if args.rank is not None or (":" not in args.target and not args.target.isdigit()):
         from breakpod.broker_cli import attach_session
 
         return attach_session(args)
@@ -169,8 +170,13 @@ def add_events(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def add_send(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from breakpod import broker_cli
 
-    p = commands.add_parser("send", help="send a command to a session's agent")
-    p.add_argument("session", metavar="SESSION_ID")
+    p = commands.add_parser(
+        "send",
+        help="send a command to a session's agent, or to every rank of a job",
+        description="A JOB (its id in `breakpod sessions`) gets the command on every live rank: "
+        "`break` parks them all at one step boundary, `resume` continues them all.",
+    )
+    p.add_argument("session", metavar="SESSION_ID|JOB")
     p.add_argument("command", choices=["break", "resume", "dump-stacks", "detach"])
     p.add_argument("--reason", help="recorded with the command")
     broker_cli.add_broker_flags(p)

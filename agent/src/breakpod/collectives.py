@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,16 +41,19 @@ class Progress:
         self.entered = 0
         self.completed = 0
         self.op: str | None = None  # the last collective entered
+        self.changed_at = time.monotonic()  # the last enter or leave: progress
         self._lock = threading.Lock()
 
     def enter(self, op: str) -> None:
         with self._lock:
             self.entered += 1
             self.op = op
+            self.changed_at = time.monotonic()
 
     def leave(self) -> None:
         with self._lock:
             self.completed += 1
+            self.changed_at = time.monotonic()
 
     @property
     def waiting(self) -> bool:

@@ -8,8 +8,13 @@ needed. A counter ``.../stalled`` says how many ranks are stalled now, so rank
 
 A record: ``rank, step, entered, completed, op, state, frame, stalled, time``
 and, while stalled, ``stacks``. States: ``collective`` (inside collective #N),
-``user`` (in user code), ``parked`` (held by a debugger). Part 2 adds more
-(``waiting-for-peer``) and a pause flag under the same prefix.
+``user`` (in user code), ``parked`` (held by a debugger), ``waiting-for-peer``
+(paused because another rank is parked).
+
+Pauses (``job_pause.py``) use the same prefix: a counter ``.../parked`` (how many
+ranks a debugger holds now), ``.../park/<N>`` (where and why rank N parked) and
+``.../break`` (a job-wide break: the step every rank parks at, and whether it is
+over).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 CONNECT_SECONDS = 5.0
-STATES = ("collective", "user", "parked")
+STATES = ("collective", "user", "parked", "waiting-for-peer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +74,24 @@ class Board:
 
     def count_stalled(self, change: int = 0) -> int:
         return int(self.store.add(f"{self.prefix}/stalled", change))
+
+    def count_parked(self, change: int = 0) -> int:
+        return int(self.store.add(f"{self.prefix}/parked", change))
+
+    def put(self, name: str, doc: Mapping[str, Any]) -> None:
+        self.store.set(f"{self.prefix}/{name}", json.dumps(doc))
+
+    def get(self, name: str) -> dict[str, Any] | None:
+        key = f"{self.prefix}/{name}"
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def replace(
+        self, name: str, seen: Mapping[str, Any] | None, doc: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Write ``doc`` unless another rank changed ``name`` since ``seen``; the value now."""
+        expected = json.dumps(seen) if seen is not None else ""
+        now = self.store.compare_set(f"{self.prefix}/{name}", expected, json.dumps(doc))
+        return dict(json.loads(now))
 
     def read(self) -> dict[int, dict[str, Any]]:
         """Every rank's last record; ranks that never published are absent."""

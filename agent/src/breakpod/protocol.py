@@ -24,6 +24,7 @@ EventKind = Literal[
     "anomaly",
     "stall",
     "parked",
+    "waiting",
     "listening",
     "attached",
     "detached",
@@ -45,7 +46,7 @@ COMMAND_KIND: Final = "command"
 # Kinds whose fields announce the listener: {"address": HOST:PORT, "backend": listener}.
 LISTENER_KINDS: Final = frozenset({"parked", "listening"})
 
-State = Literal["running", "parked", "attached", "stalled", "finished"]
+State = Literal["running", "parked", "waiting", "attached", "stalled", "finished"]
 STATES: Final = get_args(State)
 LOST: Final = "lost"  # not stored: a session whose heartbeat expired reads as lost
 Lost = Literal["lost"]
@@ -53,6 +54,7 @@ INITIAL_STATE: Final = "running"  # a session's state until an event says otherw
 FINAL_STATE: Final = "finished"  # never reads as lost, and takes no more commands
 STATE_OF_KIND: Final[dict[str, str]] = {
     "parked": "parked",
+    "waiting": "waiting",  # paused because another rank of its job is parked
     "attached": "attached",
     "detached": "parked",  # the process keeps waiting for the next client
     "resumed": "running",

@@ -147,6 +147,7 @@ def _wait_for_dap_client(reason: str, hold: float) -> bool:
         f"{reason}: waiting up to {format_seconds(hold)} for a DAP client on {endpoint.address}"
     )
     events.emit("parked", backend="debugpy", address=endpoint.address, reason=reason)
+    watchdog.note_park(reason, sys._getframe(1))
     watchdog.suspend()
     try:
         attached = debugger.wait_for_debugpy_client(hold)
@@ -176,6 +177,7 @@ def open_session(
         f"attach with: breakpod attach {target}  (or: nc {target.replace(':', ' ')})"
     )
     events.emit("parked", backend="pdb", address=address, reason=reason)
+    watchdog.note_park(reason, sys._getframe(1))  # the job's other ranks pause (debug mode)
     if session.wait():
         return session
     why = (

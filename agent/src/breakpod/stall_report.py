@@ -64,6 +64,8 @@ def state_text(record: Record) -> str:
     state = record.get("state")
     if state == "collective":
         return f"in collective #{record['entered']} ({record.get('op') or '?'})"
+    if state == "waiting-for-peer":
+        return "waiting for a parked rank"
     return "parked" if state == "parked" else "in user code"
 
 

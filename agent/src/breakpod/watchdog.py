@@ -15,6 +15,12 @@ main thread's frame. In a distributed job each rank also publishes its status
 on the job's rank board (``job.py``) and rank 0 prints one job-wide report
 naming the culprit rank (``stall_report.py``). A stall is reported once; when
 steps resume, a ``resumed`` event and one line follow.
+
+In debug mode a distributed job's watchdog also runs the job pause
+(``job_pause.py``): a parked peer pauses this rank at its next step boundary,
+and the process group's own timeout (``job_timeouts.py``) is enforced here
+while no rank is parked: a collective that makes no progress for that long is
+a stall, reported, then this rank exits with status 1 as torch would have.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-from breakpod import collectives, emitter, events, job, stall_report
+from breakpod import collectives, emitter, events, job, job_pause, job_timeouts, stall_report
 from breakpod.announce import announce
 from breakpod.config import ENV, FALSE
 from breakpod.errors import ConfigError
@@ -41,12 +47,21 @@ DEBUG_FLOOR = 60.0  # debug mode's default timeout until the step times say more
 DEBUG_FACTOR = 10.0  # x the p99 step time
 STACKS_WAIT = 5.0  # rank 0 waits this long for the culprit's stacks
 RECONNECT_SECONDS = 10.0
+PAUSE_INTERVAL = 0.5  # a parked peer is noticed within this (plus its own tick)
+EXIT_GRACE = 8.0  # after a collective timeout: time for rank 0's job report
 
 
 class Watchdog:
     """Watches one heartbeat; start it with :func:`watch_stalls` or :func:`step`."""
 
-    def __init__(self, timeout: float, action: str = "dump", *, adaptive: bool = False) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        action: str = "dump",
+        *,
+        adaptive: bool = False,
+        after_first_step: bool = False,
+    ) -> None:
         if timeout <= 0:
             raise ValueError(f"stall timeout must be positive seconds, got {timeout!r}")
         if action not in ACTIONS:
@@ -65,6 +80,12 @@ class Watchdog:
         self._stalled = False
         self._recovered = False  # set by beat(), taken back to the board by the thread
         self._job_report: dict[str, Any] | None = None  # rank 0: the stall it reported
+        self.after_first_step = after_first_step  # no step-silence stall before one step
+        pausing = self.place.distributed and job_timeouts.debug_mode()
+        self.pause = job_pause.JobPause(self.place) if pausing else None
+        self.job_stalled = False  # another rank reported a stall: publish stacks too
+        self.exit_at: float | None = None  # a collective timed out: exit then
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="breakpod-watchdog", daemon=True)
 
@@ -82,6 +103,23 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def at_boundary(self, frame: FrameType) -> None:
+        """Training thread, after the beat: park for a job break, or wait for a parked peer."""
+        pause = self.pause
+        if pause is None:
+            return
+        if pause.break_at is not None and (self.step or 0) >= pause.break_at:
+            pause.break_at = None
+            from breakpod import shim
+
+            shim.set_trace(frame=frame, header=f"job-wide break at step {self.step}")
+            return
+        pause.wait_at_step(self.step or 0)
 
     def current_timeout(self) -> float:
         """The fixed timeout, or in debug mode 10x the p99 step time (with a floor)."""
@@ -92,9 +130,13 @@ class Watchdog:
         return max(self.timeout, DEBUG_FACTOR * p99)
 
     def _run(self) -> None:
-        interval = min(self.timeout / 4, 1.0)
+        interval = min(self.timeout / 4, 1.0 if self.pause is None else PAUSE_INTERVAL)
         failed = False
-        while not self._stop.wait(interval):
+        while not self._stop.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._tick()
             except Exception as e:  # the watchdog must never take the job down
@@ -103,15 +145,68 @@ class Watchdog:
                     announce(f"stall watchdog error ({type(e).__name__}: {e}); it keeps watching")
 
     def _tick(self) -> None:
-        silent = time.monotonic() - self.last_beat
-        if silent > self.current_timeout() and not self._stalled and not _suspended:
+        if self.pause is not None:
+            self._tick_pause(self.pause)
+        overdue = self._collective_overdue()
+        silent = time.monotonic() - max(self.last_beat, self.pause.over_at if self.pause else 0)
+        if overdue is not None and not self._stalled:
+            self._collective_timeout(overdue)
+        elif silent > self.current_timeout() and not self._stalled and not self._held():
             self._stalled = True
             self.stalls += 1
             self._begin_stall(silent)
         elif self.place.distributed:
-            self._share(self._record(silent, stacks=self._stalled))
+            self._share(self._record(silent, stacks=self._stalled or self.job_stalled))
         if self.place.rank == 0 and self.board is not None:
             self._coordinate()
+        if self.exit_at is not None and time.monotonic() >= self.exit_at:
+            _exit_like_torch()
+
+    def _held(self) -> bool:
+        """Parked, waiting for a parked peer, or before the first step when asked."""
+        if _suspended or (self.pause is not None and self.pause.paused):
+            return True
+        return self.after_first_step and self.step is None
+
+    def _tick_pause(self, pause: job_pause.JobPause) -> None:
+        if self.board is None and not self._connect():
+            pause.lost()
+            return
+        assert self.board is not None
+        try:
+            pause.tick(self.board, bool(_suspended), self.step or 0, self._step_seconds())
+            self.job_stalled = self.board.count_stalled() > 0
+        except Exception as e:  # the store went away: this rank no longer waits for peers
+            self.board, self.job_view_missing = None, f"lost the job store ({type(e).__name__})"
+            self._next_connect = time.monotonic() + RECONNECT_SECONDS
+            pause.lost()
+
+    def _step_seconds(self) -> float | None:
+        if not self.durations:
+            return None
+        ordered = sorted(self.durations)
+        return ordered[len(ordered) // 2]
+
+    def _collective_overdue(self) -> float | None:
+        """Seconds one collective made no progress past the process group's own timeout,
+        with no rank parked (debug mode owns that timeout, see job_timeouts)."""
+        limit, pause = job_timeouts.user_timeout, self.pause
+        progress = collectives.progress
+        if limit is None or pause is None or not progress.waiting or self._held():
+            return None
+        waited = time.monotonic() - max(progress.changed_at, pause.over_at)
+        return waited if waited > limit else None
+
+    def _collective_timeout(self, waited: float) -> None:
+        self._stalled = True
+        self.stalls += 1
+        limit = job_timeouts.user_timeout
+        announce(
+            f"collective #{collectives.progress.entered} made no progress for {waited:.0f}s, "
+            f"past the process group's timeout ({limit:g}s), and no rank is parked"
+        )
+        self._begin_stall(waited)
+        self.exit_at = time.monotonic() + (EXIT_GRACE if self.place.rank != 0 else STACKS_WAIT + 2)
 
     def _begin_stall(self, silent: float) -> None:
         if not self.place.distributed:
@@ -172,6 +267,8 @@ class Watchdog:
         main = sys._current_frames().get(threading.main_thread().ident or -1)
         progress = collectives.progress
         state = "parked" if _suspended else "collective" if progress.waiting else "user"
+        if state == "user" and self.pause is not None and self.pause.paused:
+            state = "waiting-for-peer"
         record: dict[str, Any] = {
             "rank": self.place.rank,
             "step": self.step or 0,
@@ -250,6 +347,8 @@ def suspend() -> None:
     global _suspended
     with _suspend_lock:
         _suspended += 1
+    if _active is not None:
+        _active.wake()  # peers learn of the park now, not at the next tick
 
 
 def resume() -> None:
@@ -259,14 +358,65 @@ def resume() -> None:
         _suspended = max(0, _suspended - 1)
     if _active is not None:
         _active.last_beat = time.monotonic()
+        pause = _active.pause
+        if pause is not None and pause.parked_for is not None and pause.break_at is None:
+            pause.break_done, pause.parked_for = pause.parked_for, None  # the job break is over
+        _active.wake()
 
 
-def watch_stalls(timeout: float, *, action: str = "dump", adaptive: bool = False) -> Watchdog:
+def note_park(reason: str, frame: FrameType | None) -> None:
+    """Before a park: where and why, for the job's other ranks; says when they won't pause."""
+    place = _active.place if _active is not None else job.Place.from_env()
+    if not place.distributed:
+        return
+    where = stall_report.where(stall_report.user_frame(frame))
+    if _active is not None and _active.pause is not None:
+        _active.pause.park_note = job_pause.note_for(reason, where)
+        if _active.board is None:
+            announce(f"this rank parks alone: the job was not paused ({_active.job_view_missing})")
+        return
+    announce(f"this rank parks alone: the job was not paused ({_why_no_pause()})")
+
+
+def request_job_break() -> str | None:
+    """A broker ``break``: ask every rank to park at one step; why not, when it cannot."""
+    if _active is None or _active.pause is None:
+        return _why_no_pause()
+    if _active.board is None:
+        return _active.job_view_missing or "the job store is not reachable"
+    _active.pause.break_wanted = True
+    _active.wake()
+    return None
+
+
+def _why_no_pause() -> str:
+    if not job_timeouts.debug_mode():
+        return f"debug mode is off: {ENV['enabled']}=1 pauses the whole job"
+    if _active is None:
+        return "no breakpod.step() yet and no process group started"
+    return "not a job of several ranks"
+
+
+def start_for_job() -> None:
+    """``init_process_group`` in debug mode: watch collectives before the first step."""
+    global _armed
+    if _active is None:
+        _start_from_env(os.environ, after_first_step=True)
+        _armed = True
+
+
+def watch_stalls(
+    timeout: float,
+    *,
+    action: str = "dump",
+    adaptive: bool = False,
+    after_first_step: bool = False,
+) -> Watchdog:
     """Start (or replace) the process's stall watchdog."""
     global _active, _armed
     if _active is not None:
         _active.stop()
-    _active = Watchdog(timeout, action, adaptive=adaptive)
+    _active = Watchdog(timeout, action, adaptive=adaptive, after_first_step=after_first_step)
     if _active.place.distributed:
         collectives.install()
     _active._thread.start()
@@ -288,16 +438,18 @@ def _step(number: int | None) -> None:
         _start_from_env(os.environ)
     if _active is not None:
         _active.beat(number)
+        if _active.pause is not None:
+            _active.at_boundary(sys._getframe(2))
 
 
-def _start_from_env(env: Mapping[str, str]) -> None:
+def _start_from_env(env: Mapping[str, str], *, after_first_step: bool = False) -> None:
     try:
         chosen = stall_timeout_from_env(env)
     except ConfigError as e:
         announce(f"{e}; stall detection is off")
         return
     if chosen is not None:
-        watch_stalls(chosen[0], adaptive=chosen[1])
+        watch_stalls(chosen[0], adaptive=chosen[1], after_first_step=after_first_step)
 
 
 def stall_timeout_from_env(env: Mapping[str, str]) -> tuple[float, bool] | None:
@@ -344,3 +496,14 @@ def _inspect(frame: FrameType, step: int | None) -> None:
     session = shim.open_session(settings, reason, settings.hold_seconds)
     if session is not None:
         inspect_remote(session, frame, quit_mode="detach")
+
+
+def _exit_like_torch() -> None:
+    """The process group's own timeout passed: end this rank as torch would have."""
+    announce("exiting with status 1, as the process group's timeout would have")
+    try:
+        started = emitter.ensure_started()
+        if started is not None:
+            started.flush(2.0)  # the stall event reaches the broker first
+    finally:
+        os._exit(1)

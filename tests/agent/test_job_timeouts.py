@@ -1,0 +1,57 @@
+"""Debug mode owns the process group's timeout; debug mode off touches nothing
+(a real one-rank gloo group in a child process, the installed autostart .pth)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+PROBE = """
+import datetime, json, threading
+import torch, torch.distributed as dist
+import breakpod
+wrapped = hasattr(dist.init_process_group, "__breakpod_original__")
+dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=15))
+breakpod.step()
+gloo = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+print(json.dumps({
+    "wrapped": wrapped,
+    "timeout": gloo.options._timeout.total_seconds(),
+    "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("breakpod")),
+}))
+dist.destroy_process_group()
+"""
+
+
+def probe(**env: str) -> dict[str, object]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
+    clean.pop("ENABLE_REMOTE_DEBUG", None)
+    clean.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        env=clean,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert done.returncode == 0, done.stderr
+    return dict(json.loads(done.stdout.splitlines()[-1]))
+
+
+def test_debug_mode_off_wraps_nothing_starts_no_thread_and_keeps_the_timeout():
+    found = probe()
+    assert found == {"wrapped": False, "timeout": 15.0, "threads": []}
+
+
+def test_debug_mode_gives_the_group_room_for_a_park_and_watches_the_users_timeout():
+    found = probe(ENABLE_REMOTE_DEBUG="1", BREAKPOD_HOLD_SECONDS="60")
+    assert found["wrapped"] is True
+    assert found["timeout"] == 60 + 1800  # the hold time + an attached session's margin
+    assert found["threads"] == ["breakpod-watchdog"]

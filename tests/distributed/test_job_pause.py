@@ -1,0 +1,108 @@
+"""One rank parks, the whole job waits past its own collective timeout, then resumes in
+step (real torchrun, gloo, CPU, debug mode); a real hang still fails fast."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.torchrun import Job
+
+PG_TIMEOUT = 15.0
+
+
+def free_ports(count: int) -> int:
+    """A base port with ``count`` free ports from it (base + LOCAL_RANK)."""
+    for base in range(47300, 48300, 10):
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free port range")
+
+
+def debug_env(base: int, **env: str) -> dict[str, str]:
+    return {
+        "ENABLE_REMOTE_DEBUG": "1",
+        "PYTHONBREAKPOINT": "breakpod.set_trace",
+        "BREAKPOD_PORT": str(base),
+        "BREAKPOD_HOLD_SECONDS": "120",
+        "PG_TIMEOUT": str(PG_TIMEOUT),
+        **env,
+    }
+
+
+def pdb_session(port: int, *commands: str, timeout: float = 30.0) -> str:
+    """Attach to a parked rank's pdb, send each command at a prompt, return the dialogue."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        seen = b""
+        for command in commands:
+            while not seen.endswith(b"(Pdb) "):
+                chunk = sock.recv(4096)
+                assert chunk, seen.decode(errors="replace")
+                seen += chunk
+            sock.sendall(command.encode() + b"\n")
+            seen += command.encode() + b"\n"
+        while chunk := sock.recv(4096):
+            seen += chunk
+    return seen.decode(errors="replace")
+
+
+def parameters(stderr: str) -> dict[str, str]:
+    # ranks share one stderr file: a line may run into another's
+    return dict(re.findall(r"rank (\d+) done, parameters (-?[0-9.]+(?:e[-+]?\d+)?)", stderr))
+
+
+@pytest.mark.slow  # about 60 s: a 35 s park past a 15 s timeout
+@pytest.mark.timeout(240)
+def test_a_park_longer_than_the_process_group_timeout_pauses_the_job_then_it_finishes(
+    tmp_path: Path,
+):
+    base = free_ports(2)
+    env = debug_env(base, PARK_RANK="1", PARK_AT="3", STEPS="8", STEP_SLEEP="0.1")
+    job = Job(tmp_path, 2, 29470, **env)
+    try:
+        job.wait_for(r"\[rank 1\] breakpoint\(\) at .*waiting up to", timeout=90)
+        said, _ = job.wait_for(r"^breakpod: \[rank 0\] rank 1 parked at (.*)$", timeout=5)
+        assert re.match(r"stall_job\.py:\d+ in main \(breakpoint\); this rank waits", said[1])
+        time.sleep(35)  # nobody attaches; the job's own timeout (15 s) passes twice
+        assert job.proc.poll() is None, job.stderr
+        dialogue = pdb_session(base + 1, "p step", "c")
+        assert "\n3\n" in dialogue
+        assert job.wait(timeout=90) == 0, job.stderr
+    finally:
+        job.kill()
+    found = parameters(job.stderr)
+    assert set(found) == {"0", "1"} and found["0"] == found["1"], job.stderr
+    assert job.stderr.count("rank 1 parked at") == 1
+    assert "breakpod: [rank 0] rank 1 resumed; this rank continues" in job.stderr
+    assert "stall:" not in job.stderr
+
+
+@pytest.mark.slow  # about 40 s
+@pytest.mark.timeout(180)
+def test_a_real_hang_still_fails_within_the_process_group_timeout_with_a_stall_report(
+    tmp_path: Path,
+):
+    base = free_ports(2)
+    env = debug_env(base, STALL_RANK="1", STALL_AT="3", STEPS="8", STEP_SLEEP="0.1")
+    job = Job(tmp_path, 2, 29472, **env)
+    try:
+        _, hung = job.wait_for(r"rank 1 stalls now", timeout=90)
+        rc = job.wait(timeout=PG_TIMEOUT + 45)
+        failed = time.monotonic() - hung
+    finally:
+        job.kill()
+    assert rc != 0, job.stderr
+    assert failed < PG_TIMEOUT + 25, (failed, job.stderr)
+    match = re.search(r"^culprit: (.*)$", job.stderr, re.MULTILINE)
+    assert match and match[1].startswith("rank 1 ("), job.stderr
+    assert "fetch_batch" in match[1]
+    assert "past the process group's timeout (15s), and no rank is parked" in job.stderr
