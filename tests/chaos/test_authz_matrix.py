@@ -42,6 +42,7 @@ make-token     401  401     403     403    403     403    403      201     201/4
 list-tokens    401  401     403     403    403     403    403      200     200
 delete-token   401  401     403     403    403     403    403      204     204/404
 whoami         401  401     200     200    200     200    200      200     200
+dashboard      401  401     403     403    403     200    200      200     200
 notifiers      401  401     403     403    403     200    200      200     200
 metrics        401  401     403     403    403     200    403      200     403
 openapi        401  401     403     403    403     200    200      200     200
@@ -132,6 +133,7 @@ ROUTES: dict[str, Call] = {
     "list-tokens": lambda c, s, w: c.get("/v1/tokens"),
     "delete-token": lambda c, s, w: c.delete(f"/v1/tokens/{w.made[s]}"),
     "whoami": lambda c, s, w: c.get("/v1/whoami"),
+    "dashboard": lambda c, s, w: c.get("/v1/dashboard"),
     "notifiers": lambda c, s, w: c.get("/v1/notifiers"),
     "metrics": lambda c, s, w: c.get("/metrics"),
     "openapi": lambda c, s, w: c.get("/openapi.json"),
@@ -177,6 +179,7 @@ def test_the_matrix_covers_every_route_of_the_app(broker):
         "/v1/tokens",
         "/v1/tokens/{token_id}",
         "/v1/whoami",
+        "/v1/dashboard",
         "/v1/notifiers",
         "/metrics",
         "/openapi.json",
