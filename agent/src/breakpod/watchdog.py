@@ -29,10 +29,11 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-from breakpod import collectives, emitter, events, job, stall_report
+from breakpod import collectives, events, holding, job, shim, stall_report, wiring
 from breakpod.announce import announce
 from breakpod.config import ENV, FALSE
 from breakpod.errors import ConfigError
+from breakpod.remote_pdb import inspect_remote
 
 log = logging.getLogger(__name__)
 ACTIONS = ("dump", "inspect")
@@ -104,7 +105,7 @@ class Watchdog:
 
     def _tick(self) -> None:
         silent = time.monotonic() - self.last_beat
-        if silent > self.current_timeout() and not self._stalled and not _suspended:
+        if silent > self.current_timeout() and not self._stalled and not holding.is_held():
             self._stalled = True
             self.stalls += 1
             self._begin_stall(silent)
@@ -171,7 +172,7 @@ class Watchdog:
     def _record(self, silent: float, *, stacks: bool) -> dict[str, Any]:
         main = sys._current_frames().get(threading.main_thread().ident or -1)
         progress = collectives.progress
-        state = "parked" if _suspended else "collective" if progress.waiting else "user"
+        state = "parked" if holding.is_held() else "collective" if progress.waiting else "user"
         record: dict[str, Any] = {
             "rank": self.place.rank,
             "step": self.step or 0,
@@ -241,24 +242,24 @@ class Watchdog:
 
 _active: Watchdog | None = None
 _armed = True  # the first step() reads the environment, then this is False unless watching
-_suspended = 0  # debugger sessions holding the process: a park is not a stall
-_suspend_lock = threading.Lock()
 
 
 def suspend() -> None:
     """A debugger holds the process (parked or attached): stop counting silence."""
-    global _suspended
-    with _suspend_lock:
-        _suspended += 1
+    holding.hold()
 
 
 def resume() -> None:
     """The debugger let go: count silence again, from now."""
-    global _suspended
-    with _suspend_lock:
-        _suspended = max(0, _suspended - 1)
+    holding.release()
+
+
+def _count_from_now() -> None:
     if _active is not None:
         _active.last_beat = time.monotonic()
+
+
+holding.on_release(_count_from_now)
 
 
 def watch_stalls(timeout: float, *, action: str = "dump", adaptive: bool = False) -> Watchdog:
@@ -271,7 +272,7 @@ def watch_stalls(timeout: float, *, action: str = "dump", adaptive: bool = False
         collectives.install()
     _active._thread.start()
     _armed = True
-    emitter.ensure_started()  # stall events reach the broker when one is set
+    wiring.connect()  # stall events reach the broker when one is set
     return _active
 
 
@@ -336,9 +337,6 @@ def format_stacks() -> str:
 
 
 def _inspect(frame: FrameType, step: int | None) -> None:
-    from breakpod import shim
-    from breakpod.remote_pdb import inspect_remote
-
     reason = f"stall at step {step}: main thread at {shim.where(frame)}"
     settings = shim.env_settings()
     session = shim.open_session(settings, reason, settings.hold_seconds)
