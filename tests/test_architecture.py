@@ -47,10 +47,6 @@ BROKER_LAYERS = (
 
 # The agent's layers (ARCHITECTURE.md draws them), top to bottom, as full module
 # names so that a move of a module renames it here too.
-def _agent_layer(*names: str) -> grimp.Layer:
-    return grimp.Layer(*(f"breakpod.{name}" for name in names), independent=False)
-
-
 AGENT_LAYERS = (
     # CLI and integrations: entered from outside (console script, pytest, .pth, runner)
     grimp.Layer(
