@@ -29,6 +29,8 @@ EXPECTED = {
     "AnomalyError",
     "RuleError",
     "summary",
+    "break_if_requested",
+    "emit",
 }
 
 

@@ -114,7 +114,11 @@ def test_inactive_plugin_loads_no_debugger_code(run_pytest):
     probe = TESTS + (
         "\ndef test_probe():\n"
         "    import sys\n"
-        "    loaded = {'breakpod.shim', 'breakpod.debugger', 'breakpod.listener'}\n"
+        "    loaded = {\n"
+        "        'breakpod.shim',\n"
+        "        'breakpod.debugger',\n"
+        "        'breakpod.listener',\n"
+        "    }\n"
         "    assert not loaded & set(sys.modules)\n"
     )
     child = run_pytest(probe)

@@ -24,13 +24,14 @@ SCRIPT = """
 
 LOOP = """
     import time
+    import breakpod
     from breakpod import emitter, events
     seen = []
     events.add_sink(lambda event: seen.append(event.kind))
     emitter.ensure_started()
     for step in range(3000):
         time.sleep(0.01)
-        emitter.break_if_requested()   # what the monitors' step() does
+        breakpod.break_if_requested()   # what the monitors' step() does
         if "resumed" in seen:
             break
     print("finished", seen)

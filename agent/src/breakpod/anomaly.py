@@ -23,7 +23,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from breakpod import events
+from breakpod import events, protocol, shim
 from breakpod.announce import announce
 from breakpod.config import BROKER_URL_ENV
 from breakpod.errors import AnomalyError
@@ -133,7 +133,7 @@ def _log(anomaly: Anomaly, ctx: ActionContext) -> None:
 
 
 def _event(anomaly: Anomaly, ctx: ActionContext) -> None:
-    events.emit("anomaly", **anomaly.to_dict())
+    events.emit(protocol.ANOMALY, **anomaly.to_dict())
     if ctx.sink is not None:
         ctx.sink(anomaly)
     elif not os.environ.get(BROKER_URL_ENV) and "event" not in ctx.failed:
@@ -179,8 +179,6 @@ def park(anomaly: Anomaly, ctx: ActionContext) -> None:
     ``anomaly`` (with ``.tensor``) joins the frame's locals for the session. When
     the hold expires, ``BREAKPOD_ON_EXPIRE`` says whether to continue, skip or exit.
     """
-    from breakpod import shim
-
     frame = ctx.frame if ctx.frame is not None else _caller_frame()
     added = "anomaly" not in frame.f_locals
     if added:
@@ -231,7 +229,7 @@ def _expired(anomaly: Anomaly, ctx: ActionContext) -> None:
     elif policy == "exit":
         why = f"anomaly hold expired ({ON_EXPIRE_ENV}=exit): {anomaly}"
         announce(f"{why}; exiting with status {EXPIRED_STATUS}")
-        events.emit("finished", status=EXPIRED_STATUS, why=why, **anomaly.to_dict())
+        events.emit(protocol.FINISHED, status=EXPIRED_STATUS, why=why, **anomaly.to_dict())
         raise SystemExit(EXPIRED_STATUS)
 
 

@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
+from breakpod import protocol
 from breakpod.config import ENV
 from breakpod.errors import AttachError
 from breakpod.listener import TOKEN_PROMPT
@@ -139,18 +140,8 @@ def _history() -> Iterator[None]:
 
 
 def vscode_launch(host: str, port: int, remote_root: str, local_root: str) -> str:
-    """A VS Code ``launch.json`` that attaches to a debugpy listener."""
-    config = {
-        "version": "0.2.0",
-        "configurations": [
-            {
-                "name": f"breakpod: attach {host}:{port}",
-                "type": "debugpy",
-                "request": "attach",
-                "connect": {"host": host, "port": port},
-                "pathMappings": [{"localRoot": local_root, "remoteRoot": remote_root}],
-                "justMyCode": False,
-            }
-        ],
-    }
+    """A VS Code ``launch.json`` that attaches to a debugpy listener (the protocol's)."""
+    config = protocol.vscode_launch(
+        f"attach {host}:{port}", host, port, local_root=local_root, remote_root=remote_root
+    )
     return json.dumps(config, indent=2)

@@ -1,6 +1,7 @@
-"""A small HTTP client for the broker, on the standard library only.
+"""The agent's only HTTP code: a typed client for the broker, standard library only.
 
-One client holds one keep-alive connection and is not thread-safe: the
+One method per route the agent and the CLI call, the paths from
+:mod:`breakpod.protocol`. One client holds one keep-alive connection and is not thread-safe: the
 emitter's sender and poller threads and the CLI each have their own.
 Failures become :class:`~breakpod.errors.BrokerError` with a message a
 person can act on.
@@ -16,6 +17,7 @@ import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
+from breakpod import protocol
 from breakpod.config import BROKER_URL_ENV, ENV
 from breakpod.errors import BrokerError
 
@@ -35,6 +37,59 @@ class BrokerClient:
         self.token = _clean_token(token)
         self.timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
+
+    # -- the API, one method per route ------------------------------------------------
+
+    def register(self, session_id: str, info: dict[str, Any]) -> Any:
+        """Create or refresh the session (idempotent: also after the broker lost it)."""
+        return self.request("PUT", protocol.session_path(session_id), info)
+
+    def heartbeat(self, session_id: str) -> Any:
+        return self.request("POST", protocol.heartbeat_path(session_id), {})
+
+    def post_events(self, body: bytes | dict[str, Any]) -> Any:
+        """``{"events": [...]}``, or the same already encoded."""
+        return self.request("POST", protocol.EVENTS, body)
+
+    def poll(self, session_id: str, wait: float) -> list[dict[str, Any]]:
+        """Commands for the session; the broker holds the call up to ``wait`` seconds."""
+        reply = self.request("GET", f"{protocol.commands_path(session_id)}?wait={wait:g}")
+        return list(reply["commands"])
+
+    def ack(self, session_id: str, command_id: str, ok: bool, detail: str) -> Any:
+        body = {"ok": ok, "detail": detail}
+        return self.request("POST", protocol.ack_path(session_id, command_id), body)
+
+    def send_command(self, session_id: str, command: dict[str, Any]) -> str:
+        """Queue a command for a session; its id."""
+        return str(self.request("POST", protocol.commands_path(session_id), command)["id"])
+
+    def sessions(self, query: str = "") -> list[dict[str, Any]]:
+        path = f"{protocol.SESSIONS}?{query}" if query else protocol.SESSIONS
+        return list(self.request("GET", path)["sessions"])
+
+    def events(self, query: str = "") -> list[dict[str, Any]]:
+        path = f"{protocol.EVENTS}?{query}" if query else protocol.EVENTS
+        return list(self.request("GET", path)["events"])
+
+    def event_stream(self, query: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+        path = f"{protocol.EVENTS_STREAM}?{query}" if query else protocol.EVENTS_STREAM
+        return self.stream(path)
+
+    def attach_info(self, session_id: str, local_port: int) -> dict[str, Any]:
+        path = f"{protocol.attach_path(session_id)}?local_port={local_port}"
+        return dict(self.request("GET", path))
+
+    def whoami(self) -> dict[str, Any]:
+        """Who the token is (any valid token may ask)."""
+        reply = self.request("GET", protocol.WHOAMI)
+        return reply if isinstance(reply, dict) else {}
+
+    def healthz(self) -> Any:
+        """The broker's health; needs no token."""
+        return self.request("GET", protocol.HEALTHZ)
+
+    # -- transport ----------------------------------------------------------------------
 
     def request(
         self, method: str, path: str, body: Any = None, *, timeout: float | None = None

@@ -1,55 +1,51 @@
 """What the agent does with each command the broker delivers.
 
-    break        park at the next step boundary (emitter.break_if_requested()); in a
+    break        park at the next step boundary (breakpod.break_if_requested()); in a
                  job in debug mode every rank parks at one agreed step (job_pause.py)
     resume       stop waiting for a debugger, or hang up on the attached one; continue
     detach       hang up on the attached debugger (the program follows BREAKPOD_ON_DETACH)
     dump-stacks  send every thread's stack as a ``log`` event
 
-Each returns (ok, detail); the detail goes back in the acknowledgement.
+Each returns (ok, detail); the detail goes back in the acknowledgement. The
+emitter calls :func:`run` as its ``on_command`` callback and knows nothing of
+what the commands do.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from breakpod import debugger, job, shim, watchdog
+from breakpod import debugger, events, job, protocol, shim, watchdog
 from breakpod.announce import announce
 from breakpod.listener import Listener
-
-if TYPE_CHECKING:
-    from breakpod.emitter import Emitter
 
 Result = tuple[bool, str]
 MAX_DETAIL = 10_000
 
 
-def run(emitter: Emitter, name: str) -> Result:
+def run(name: str) -> Result:
     handler = HANDLERS.get(name)
     if handler is None:
         return False, f"this agent does not know the command {name!r}"
     try:
-        return handler(emitter)
+        return handler()
     except Exception as e:  # a command must never take the process down
         return False, f"{type(e).__name__}: {e}"
 
 
-def do_break(emitter: Emitter) -> Result:
-    from breakpod import emitter as module
-
+def do_break() -> Result:
     why_alone = watchdog.request_job_break()
     if why_alone is None:
         return True, "the job parks at a step boundary every rank agrees on"
-    module.request_break()
+    events.request_break()
     if job.Place.from_env().distributed:
         announce(f"break: this rank parks alone; the job was not paused ({why_alone})")
         return True, f"will park at the next step boundary; the job was not paused ({why_alone})"
     return True, "will park at the next step boundary"
 
 
-def do_resume(emitter: Emitter) -> Result:
+def do_resume() -> Result:
     if debugger.cancel_debugpy_wait():
         return True, "stopped waiting for a DAP client; the program continues"
     listener = debugger.active_pdb_listener()
@@ -64,16 +60,16 @@ def do_resume(emitter: Emitter) -> Result:
     return True, "hung up on the attached debugger; the program continues"
 
 
-def do_detach(emitter: Emitter) -> Result:
+def do_detach() -> Result:
     listener = debugger.active_pdb_listener()
     if listener is None or not listener.disconnect():
         return False, "no debugger is attached"
     return True, "hung up on the attached debugger"
 
 
-def do_dump_stacks(emitter: Emitter) -> Result:
+def do_dump_stacks() -> Result:
     text = watchdog.format_stacks()
-    emitter.emit("log", {"message": "stacks of every thread", "stacks": text})
+    events.emit(protocol.FALLBACK_KIND, message="stacks of every thread", stacks=text)
     return True, text[-MAX_DETAIL:]
 
 
@@ -83,9 +79,9 @@ def _interrupt_next_wait(listener: Listener, seconds: float = 2.0) -> None:
         time.sleep(0.05)
 
 
-HANDLERS: dict[str, Callable[[Emitter], Result]] = {
-    "break": do_break,
-    "resume": do_resume,
-    "detach": do_detach,
-    "dump-stacks": do_dump_stacks,
+HANDLERS: dict[str, Callable[[], Result]] = {
+    protocol.BREAK: do_break,
+    protocol.RESUME: do_resume,
+    protocol.DETACH: do_detach,
+    protocol.DUMP_STACKS: do_dump_stacks,
 }

@@ -1,8 +1,10 @@
 """The process's listeners: a remote pdb socket and/or a debugpy (DAP) listener.
 
 State is process-wide and created on first use, so calling
-:func:`init_remote_debugger` twice, or ``breakpoint()`` after it, reuses the
+``init_remote_debugger()`` twice, or ``breakpoint()`` after it, reuses the
 same port. Nothing here runs, imports debugpy or binds anything until asked.
+Parking is a layer above (``shim``); :func:`start_listener` takes the
+``breakpoint()`` hook it installs beside debugpy as an argument.
 """
 
 from __future__ import annotations
@@ -15,16 +17,20 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
-from breakpod import emitter, events, net
+from breakpod import events, net, protocol, wiring
 from breakpod.announce import announce
-from breakpod.config import BACKENDS, Settings, format_seconds
+from breakpod.config import BACKENDS, Settings
 from breakpod.errors import BreakpodError, ConfigError
 from breakpod.listener import Listener
 
 log = logging.getLogger(__name__)
+PDB = protocol.DEFAULT_LISTENER
+DAP = protocol.DAP_LISTENER
+DEBUGPY_MODULE = DAP  # the listener is named after the package that provides it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +72,7 @@ def pdb_listener(settings: Settings) -> Listener:
             _check_not_refused(settings)
             net.check_bind(
                 settings.host,
-                backend="pdb",
+                backend=PDB,
                 token=settings.token,
                 allow_insecure=settings.allow_insecure,
             )
@@ -95,25 +101,14 @@ def debugpy_endpoint() -> Endpoint | None:
     return _State.debugpy
 
 
-def init_remote_debugger(
-    port: int | None = None,
-    host: str | None = None,
-    backend: str | None = None,
-    wait: bool = False,
-    *,
-    enable: bool | None = None,
-) -> Endpoint | None:
-    """Get a debugger listener ready in this process, or do nothing when disabled.
+BreakpointHook = Callable[..., None]
 
-    Disabled (the default) unless ``ENABLE_REMOTE_DEBUG`` is true or
-    ``enable=True``. ``backend`` is ``"auto"`` (debugpy when importable, else
-    pdb; also read from ``BREAKPOD_BACKEND``), ``"pdb"`` or ``"debugpy"``.
-    The port is ``port`` (or ``BREAKPOD_PORT``, default 5678) plus
-    ``LOCAL_RANK``. ``wait=True`` blocks until a client attaches, at most
-    ``BREAKPOD_WAIT_TIMEOUT`` seconds. Returns where the listener is, or
-    ``None`` when disabled or when the listener could not start (logged).
-    """
-    settings, fallbacks = Settings.load(port=port, host=host, backend=backend, enabled=enable)
+
+def start_listener(
+    settings: Settings, fallbacks: list[str], breakpoint_hook: BreakpointHook
+) -> Endpoint | None:
+    """Start the listener ``settings`` ask for (``init_remote_debugger()`` does the
+    waiting); ``None`` when disabled or when it could not start (announced)."""
     if not settings.enabled:
         return None
     for line in fallbacks:
@@ -121,19 +116,18 @@ def init_remote_debugger(
     if settings.refused:  # the job goes on without a listener, never with an open one
         announce(settings.refused)
         return None
-    emitter.ensure_started()  # reports to the broker when BREAKPOD_BROKER_URL is set
+    wiring.connect()  # reports to the broker when BREAKPOD_BROKER_URL is set
     chosen = choose_backend(settings.backend)
     net.check_bind(
         settings.host, backend=chosen, token=settings.token, allow_insecure=settings.allow_insecure
     )
     try:
-        endpoint = _start_debugpy(settings) if chosen == "debugpy" else _start_pdb(settings)
+        if chosen == DAP:
+            return _start_debugpy(settings, breakpoint_hook)
+        return _start_pdb(settings)
     except (BreakpodError, OSError, RuntimeError) as e:
         announce(f"could not start the {chosen} listener: {e}")
         return None
-    if wait:
-        _wait_for_client(endpoint, settings, sys._getframe(1))
-    return endpoint
 
 
 def choose_backend(requested: str) -> str:
@@ -141,14 +135,14 @@ def choose_backend(requested: str) -> str:
         raise ConfigError(f"backend={requested!r} is not one of: {', '.join(BACKENDS)}")
     if requested != "auto":
         return requested
-    chosen = "debugpy" if importlib.util.find_spec("debugpy") else "pdb"
+    chosen = DAP if importlib.util.find_spec(DEBUGPY_MODULE) else PDB
     log.info("backend auto: using %s", chosen)
     return chosen
 
 
 def _start_pdb(settings: Settings) -> Endpoint:
     listener = pdb_listener(settings)
-    endpoint = Endpoint("pdb", listener.host, listener.port)
+    endpoint = Endpoint(PDB, listener.host, listener.port)
     announce(
         f"remote pdb ready on {endpoint.address}: breakpoint() and crashes park here; "
         f"attach with: breakpod attach {endpoint.address}"
@@ -156,7 +150,7 @@ def _start_pdb(settings: Settings) -> Endpoint:
     return endpoint
 
 
-def _start_debugpy(settings: Settings) -> Endpoint:
+def _start_debugpy(settings: Settings, breakpoint_hook: BreakpointHook) -> Endpoint:
     with _State.lock:
         if _State.debugpy is not None:
             return _State.debugpy
@@ -170,29 +164,17 @@ def _start_debugpy(settings: Settings) -> Endpoint:
                 "anyone who reaches this port can run code in this process"
             )
         host, port = debugpy.listen((settings.host, settings.listen_port))
-        _State.debugpy = Endpoint("debugpy", host, port)
+        _State.debugpy = Endpoint(DAP, host, port)
         # debugpy installs a breakpointhook that ignores breakpoint() until an IDE is
         # attached; ours waits for one (up to the hold time), like the pdb path.
-        from breakpod.shim import set_trace
-
-        sys.breakpointhook = set_trace
+        sys.breakpointhook = breakpoint_hook
     address = _State.debugpy.address
     announce(
         f"debugpy listening on {address}: attach VS Code or any DAP client "
         f"(breakpod attach --vscode {address} prints a launch.json)"
     )
-    events.emit("listening", backend="debugpy", address=address)
+    events.emit(protocol.LISTENING, backend=DAP, address=address)
     return _State.debugpy
-
-
-def _wait_for_client(endpoint: Endpoint, settings: Settings, frame: FrameType) -> None:
-    if endpoint.backend == "pdb":
-        from breakpod import shim
-
-        reason = "init_remote_debugger(wait=True)"
-        shim.park(frame, settings, reason, hold_seconds=settings.wait_timeout)  # announces
-    elif not wait_for_debugpy_client(settings.wait_timeout):
-        announce(f"nobody attached within {format_seconds(settings.wait_timeout)}; continuing")
 
 
 def wait_for_debugpy_client(timeout: float) -> bool:

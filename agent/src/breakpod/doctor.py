@@ -13,14 +13,13 @@ import importlib.util
 import json
 import os
 import socket
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from breakpod import debugger, hosting, net, shim
+from breakpod.broker_client import BrokerClient
 from breakpod.config import BROKER_URL_ENV, ENV, SHIM, Settings, format_seconds, parse_bool
-from breakpod.errors import BreakpodError
+from breakpod.errors import BreakpodError, BrokerError
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 HTTP_TIMEOUT = 3.0
@@ -256,15 +255,15 @@ def check_broker(ctx: Context) -> Iterator[Check]:
 
 
 def broker_check(url: str, token: str | None) -> Check:
-    """Health (no token), then an authenticated call; align the paths with the broker's API."""
-    status, why = _http_get(f"{url}/healthz", None)
+    """Health (no token), then an authenticated call, through the agent's own client."""
+    status, why = _call(url, None, BrokerClient.healthz)
     if status != 200:
         return Check(
             "broker", FAIL, f"{url} unreachable ({why})", f"check {BROKER_URL_ENV} and the network"
         )
     if not token:
         return Check("broker", FAIL, f"{url} is up, but no token is set", f"set {ENV['token']}")
-    status, why = _http_get(f"{url}/v1/whoami", token)  # any valid token, whatever its role
+    status, why = _call(url, token, BrokerClient.whoami)  # any valid token, whatever its role
     if status in (401, 403):
         return Check(
             "broker",
@@ -277,18 +276,19 @@ def broker_check(url: str, token: str | None) -> Check:
     return Check("broker", OK, f"{url} reachable, token accepted")
 
 
-def _http_get(url: str, token: str | None) -> tuple[int | None, str]:
-    request = urllib.request.Request(url)
-    if token:
-        request.add_header("Authorization", f"Bearer {token}")
+def _call(
+    url: str, token: str | None, call: Callable[[BrokerClient], Any]
+) -> tuple[int | None, str]:
+    """(HTTP status, what to show): None when the broker was not reached."""
     try:
-        with urllib.request.urlopen(request, timeout=HTTP_TIMEOUT) as response:
-            return response.status, f"HTTP {response.status}"
-    except urllib.error.HTTPError as e:
-        return e.code, f"HTTP {e.code}"
-    except (OSError, ValueError) as e:
-        reason = getattr(e, "reason", e)
-        return None, str(reason)
+        client = BrokerClient(url, token, timeout=HTTP_TIMEOUT)
+        try:
+            call(client)
+        finally:
+            client.close()
+    except BrokerError as e:
+        return e.status, f"HTTP {e.status}" if e.status is not None else str(e)
+    return 200, "HTTP 200"
 
 
 def check_torch(ctx: Context) -> Iterator[Check]:

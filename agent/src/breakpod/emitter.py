@@ -1,4 +1,5 @@
-"""Ships this process's events to the broker and runs the commands it sends back.
+"""Ships this process's events to the broker and hands the commands it sends back
+to a callback (``on_command``: the broker link passes ``broker_commands.run``).
 
 Enabled by ``BREAKPOD_BROKER_URL`` (token: ``BREAKPOD_TOKEN``); without it
 nothing here runs: no thread, no sink, no socket. The training thread only
@@ -14,9 +15,8 @@ batch in flight keeps its room in the queue, so a batch whose outcome is
 unknown (a timeout; it may land late) goes back in front and is sent again
 (the broker drops the duplicate ids), never counted as dropped.
 
-    emitter.ensure_started()       # idempotent; breakpoint() and listeners call it
-    emitter.break_if_requested()   # at a step boundary: park here after a `break`
-    emitter.pending_break()        # or test (and clear) the flag yourself
+    emitter.ensure_started()       # idempotent: the process's emitter, or None
+    breakpod.break_if_requested()  # at a step boundary: park here after a `break`
 """
 
 from __future__ import annotations
@@ -27,39 +27,26 @@ import itertools
 import logging
 import os
 import random
-import sys
 import threading
 import time
-from types import FrameType
+from collections.abc import Callable
 from typing import Any
 
-from breakpod import events, identity, protocol
+from breakpod import events, identity, protocol, wiring
 from breakpod.announce import announce
+from breakpod.broker_client import BrokerClient
 from breakpod.config import BROKER_URL_ENV, ENV, parse_int
 from breakpod.errors import BreakpodError, BrokerError
+from breakpod.events import pending_break, request_break
 
 log = logging.getLogger(__name__)
 
 ENV_TOKEN = ENV["token"]
 ENV_QUEUE = "BREAKPOD_EMIT_QUEUE"
-# The wire protocol's event kinds the agent sends; the broker accepts these (its
-# settings.EventKind, pinned by a test). Anything else travels as "log".
-KINDS = frozenset(
-    {
-        "anomaly",
-        "stall",
-        "parked",
-        "listening",
-        "attached",
-        "detached",
-        "resumed",
-        "finished",
-        "ci_failure",
-        "log",
-    }
-)
-STATE_OF_KIND = {"parked": "parked", "attached": "attached", "detached": "parked"}
-STATE_OF_KIND |= {"resumed": "running", "stall": "stalled", "finished": "finished"}
+# What the agent sends (the broker records "command" events itself); anything
+# else travels as protocol.FALLBACK_KIND.
+KINDS = protocol.AGENT_EVENT_KINDS
+STATE_OF_KIND = protocol.STATE_OF_KIND
 BATCH_EVENTS = 500
 BATCH_BYTES = 512 * 1024
 MAX_EVENT_BYTES = 64 * 1024
@@ -68,51 +55,41 @@ POLL_SECONDS = 20.0
 FIRST_BACKOFF = 0.25
 MAX_BACKOFF = 2.0
 
+# (ok, detail) for a command name; the detail goes back in the acknowledgement.
+CommandHandler = Callable[[str], tuple[bool, str]]
+__all__ = ["Emitter", "ensure_started", "pending_break", "request_break", "start_once"]
+
 _lock = threading.Lock()
 _emitter: Emitter | None = None
 _start_failed = False
-_break = threading.Event()
 
 
 def ensure_started() -> Emitter | None:
-    """The process's emitter, started on first call; ``None`` when no broker is configured."""
+    """The process's emitter, started on first call through the broker link
+    (commands handled); ``None`` when no broker is configured."""
+    if _emitter is None and not _start_failed and os.environ.get(BROKER_URL_ENV):
+        wiring.connect()
+    return _emitter
+
+
+def start_once(on_command: CommandHandler) -> Emitter | None:
+    """Start the process's emitter (idempotent); ``None`` without a broker or when
+    its settings are bad (announced once)."""
     global _emitter, _start_failed
     if _emitter is not None or _start_failed or not os.environ.get(BROKER_URL_ENV):
         return _emitter
     with _lock:
         if _emitter is None and not _start_failed:
             try:
-                _emitter = Emitter.from_env().start()
+                _emitter = Emitter.from_env(on_command=on_command).start()
             except (BreakpodError, ValueError) as e:
                 _start_failed = True
                 announce(f"not reporting to the broker: {e}")
     return _emitter
 
 
-def pending_break() -> bool:
-    """True once after a ``break`` command arrived (then cleared). Costs one flag check."""
-    if not _break.is_set():
-        return False
-    _break.clear()
-    return True
-
-
-def request_break() -> None:
-    """What a ``break`` command does: the next step boundary parks."""
-    _break.set()
-
-
-def break_if_requested(frame: FrameType | None = None) -> None:
-    """Call at a step boundary: parks in ``frame`` (default: the caller) on a ``break``."""
-    if pending_break():
-        park_for_break(frame if frame is not None else sys._getframe(1))
-
-
-def park_for_break(frame: FrameType) -> None:
-    """What a ``break`` command does once a step boundary is reached."""
-    from breakpod import shim
-
-    shim.set_trace(frame=frame, header="break requested through the broker")
+def _no_commands(name: str) -> tuple[bool, str]:
+    return False, f"this agent handles no commands ({name!r} ignored)"
 
 
 class Emitter:
@@ -127,15 +104,15 @@ class Emitter:
         info: dict[str, Any] | None = None,
         queue_size: int = 10_000,
         poll_commands: bool = True,
+        on_command: CommandHandler = _no_commands,
     ) -> None:
-        from breakpod.broker_client import BrokerClient
-
         self.session_id = session_id or identity.session_id()
         self.info = identity.describe() if info is None else info
         self.queue_size = max(1, queue_size)
         self.dropped = self.sent = self.rejected = 0
         self.in_flight = 0  # taken by the sender, outcome not known yet
-        self.state: dict[str, Any] = {"state": "running"}
+        self.on_command = on_command
+        self.state: dict[str, Any] = {"state": protocol.INITIAL_STATE}
         self._queue: collections.deque[dict[str, Any]] = collections.deque()
         self._qlock = threading.Lock()
         self._seq = itertools.count(1)
@@ -151,9 +128,10 @@ class Emitter:
         self._threads: list[threading.Thread] = []
 
     @classmethod
-    def from_env(cls) -> Emitter:
+    def from_env(cls, on_command: CommandHandler = _no_commands) -> Emitter:
         size = parse_int(ENV_QUEUE, os.environ.get(ENV_QUEUE, "10000"))  # ConfigError: announced
-        return cls(os.environ[BROKER_URL_ENV], os.environ.get(ENV_TOKEN), queue_size=size)
+        url, token = os.environ[BROKER_URL_ENV], os.environ.get(ENV_TOKEN)
+        return cls(url, token, queue_size=size, on_command=on_command)
 
     def start(self) -> Emitter:
         targets = [self._send_loop] + ([self._poll_loop] if self._poller is not None else [])
@@ -174,7 +152,7 @@ class Emitter:
         """Queue an event; never blocks on the network. Unknown kinds travel as ``log``."""
         fields = dict(fields or {})
         if kind not in KINDS:
-            kind, fields = "log", {**fields, "event": kind}
+            kind, fields = protocol.FALLBACK_KIND, {**fields, "event": kind}
         doc: dict[str, Any] = {"id": f"{self.session_id}.{next(self._seq)}", "kind": kind}
         doc.update(session=self.session_id, time=at or time.time(), fields=fields)
         self._track_state(kind, fields)
@@ -197,8 +175,8 @@ class Emitter:
         if state is not None:
             reason = fields.get("reason") or fields.get("why")  # as the broker records it
             self.state = {**self.state, "state": state, "reason": reason}
-        if kind in ("parked", "listening") and fields.get("address"):
-            backend = fields.get("backend", "pdb")
+        if kind in protocol.LISTENER_KINDS and fields.get("address"):
+            backend = fields.get("backend", protocol.DEFAULT_LISTENER)
             self.state = {**self.state, "address": fields["address"], "listener": backend}
 
     def flush(self, timeout: float = 5.0) -> bool:
@@ -217,7 +195,7 @@ class Emitter:
         """At exit: report ``finished`` and give the sender a moment to deliver it."""
         if self._stop.is_set():
             return
-        self.emit("finished", {"reason": "process exited"})
+        self.emit(protocol.FINISHED, {"reason": "process exited"})
         self.flush(timeout=3.0 if self._reachable else 0.2)  # never hold up an exit for long
         self.close(timeout=0.5)
 
@@ -250,13 +228,12 @@ class Emitter:
 
     def _register_or_beat(self) -> None:
         now = time.monotonic()
-        path = f"/v1/sessions/{self.session_id}"
         try:
             if not self._registered.is_set():
-                self._client.request("PUT", path, {**self.info, **self.state})
+                self._client.register(self.session_id, {**self.info, **self.state})
                 self._registered.set()
             elif now >= self._next_beat:
-                self._client.request("POST", f"{path}/heartbeat", {})
+                self._client.heartbeat(self.session_id)
             else:
                 return
         except BrokerError as e:
@@ -271,7 +248,7 @@ class Emitter:
         if not batch:
             return False
         try:
-            self._client.request("POST", "/v1/events", body)
+            self._client.post_events(body)
         except BrokerError as e:
             if e.status in (400, 403, 413, 422):  # retrying cannot help: drop, count, say so
                 self._settle(batch, rejected=True)
@@ -326,14 +303,12 @@ class Emitter:
     def _poll_loop(self) -> None:
         assert self._poller is not None
         backoff = FIRST_BACKOFF
-        path = f"/v1/sessions/{self.session_id}/commands"
         while not self._stop.is_set():
             if not self._registered.wait(timeout=1.0):
                 continue
             try:
-                reply = self._poller.request("GET", f"{path}?wait={POLL_SECONDS:g}")
-                for command in reply["commands"]:
-                    self._run(path, command)
+                for command in self._poller.poll(self.session_id, POLL_SECONDS):
+                    self._run(command)
                 backoff = FIRST_BACKOFF
             except Exception as e:  # never let the poller die: commands would stop
                 if isinstance(e, BrokerError) and e.status == 404:
@@ -346,12 +321,13 @@ class Emitter:
                 self._stop.wait(jittered(backoff))
                 backoff = min(backoff * 2, MAX_BACKOFF)
 
-    def _run(self, path: str, command: dict[str, Any]) -> None:
-        from breakpod import broker_commands
-
-        ok, detail = broker_commands.run(self, command["command"])
+    def _run(self, command: dict[str, Any]) -> None:
+        try:
+            ok, detail = self.on_command(command["command"])
+        except Exception as e:  # a command must never take the process down
+            ok, detail = False, f"{type(e).__name__}: {e}"
         assert self._poller is not None
-        self._poller.request("POST", f"{path}/{command['id']}/ack", {"ok": ok, "detail": detail})
+        self._poller.ack(self.session_id, command["id"], ok, detail)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:

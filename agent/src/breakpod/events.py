@@ -3,12 +3,18 @@
 A sink is any callable taking an :class:`Event` (the broker emitter is one).
 Publishing with no sinks costs one empty-list check. A sink that raises is
 logged once and never affects the caller.
+
+The hub also carries the one request that travels the other way: a ``break``
+from the broker (:func:`request_break`), read at the next step boundary
+(:func:`pending_break`). Layers below the broker link publish and read here and
+never import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -49,3 +55,19 @@ def emit(kind: str, **fields: Any) -> None:
             if id(sink) not in _failed:
                 _failed.add(id(sink))
                 log.exception("breakpod event sink %r failed; further failures are silent", sink)
+
+
+_break = threading.Event()
+
+
+def request_break() -> None:
+    """What a ``break`` command does: the next step boundary parks."""
+    _break.set()
+
+
+def pending_break() -> bool:
+    """True once after a ``break`` was requested (then cleared). Costs one flag check."""
+    if not _break.is_set():
+        return False
+    _break.clear()
+    return True

@@ -12,15 +12,14 @@ import re
 import secrets
 import socket
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from breakpod import hosting
+from breakpod import hosting, protocol
 
-# Kubernetes object names; the broker refuses anything else (they end up in kubectl argv).
-DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-DNS_SUBDOMAIN = re.compile(rf"(?=.{{1,253}}$){DNS_LABEL.pattern}(\.{DNS_LABEL.pattern})*")
+RUNTIME_ENV = "BREAKPOD_RUNTIME"
+CONTAINER_RUNTIME = protocol.DOCKER  # any container runtime hosting detects
 CONTAINER_ID = re.compile(r"(?:docker[-/]|containers/|cri-containerd-|crio-)([0-9a-f]{64})")
 
 
@@ -29,9 +28,9 @@ def describe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     env = os.environ if env is None else env
     info: dict[str, Any] = {
         "job": env.get("BREAKPOD_JOB") or _torchrun_job(env) or _job_name(env),
-        "pod": _dns_name(env.get("POD_NAME"), DNS_SUBDOMAIN),
-        "namespace": _dns_name(env.get("POD_NAMESPACE"), DNS_LABEL),
-        "node": _dns_name(env.get("NODE_NAME"), DNS_SUBDOMAIN),
+        "pod": _dns_name(env.get("POD_NAME"), protocol.is_dns_subdomain),
+        "namespace": _dns_name(env.get("POD_NAMESPACE"), protocol.is_dns_label),
+        "node": _dns_name(env.get("NODE_NAME"), protocol.is_dns_subdomain),
         "container": container_id(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
@@ -63,11 +62,11 @@ def runtime(env: Mapping[str, str]) -> str:
     "kubernetes" needs the downward-API pod and namespace (the port-forward
     names them); any container runtime ``hosting`` detects counts as "docker".
     """
-    if env.get("BREAKPOD_RUNTIME") in ("kubernetes", "compose", "docker", "local"):
-        return env["BREAKPOD_RUNTIME"]
+    if env.get(RUNTIME_ENV) in protocol.RUNTIMES:
+        return env[RUNTIME_ENV]
     if env.get("POD_NAME") and env.get("POD_NAMESPACE"):
-        return "kubernetes"
-    return "docker" if hosting.container_runtime() else "local"
+        return protocol.KUBERNETES
+    return CONTAINER_RUNTIME if hosting.container_runtime() else protocol.DEFAULT_RUNTIME
 
 
 def container_id() -> str | None:
@@ -82,9 +81,10 @@ def container_id() -> str | None:
     return None
 
 
-def _dns_name(value: str | None, shape: re.Pattern[str]) -> str | None:
-    """``value`` when it is a valid Kubernetes name, else ``None`` (left out)."""
-    return value if value and shape.fullmatch(value) else None
+def _dns_name(value: str | None, valid: Callable[[str], bool]) -> str | None:
+    """``value`` when it is a valid Kubernetes name (the protocol's rule; the broker
+    refuses anything else: names end up in kubectl argv), else ``None`` (left out)."""
+    return value if value and valid(value) else None
 
 
 def _job_name(env: Mapping[str, str]) -> str | None:

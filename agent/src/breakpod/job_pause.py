@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from breakpod import events, job
+from breakpod import debugger, events, job
 from breakpod.announce import announce
 
 BREAK_AHEAD_SECONDS = 2.0  # the agreed break step lies this far ahead of the fastest rank
@@ -160,8 +160,6 @@ def _names(ranks: list[int]) -> str:
 def _stop_waiting_for_debugger() -> None:
     """The job break is over: a rank still waiting for a client continues (an attached
     client is left alone: its engineer continues it)."""
-    from breakpod import debugger
-
     listener = debugger.active_pdb_listener()
     if listener is not None:
         listener.interrupt()

@@ -9,6 +9,7 @@ the job is parked: a rank that waits in one collective longer than that
 reports the stall and exits with status 1, as the process group would have.
 
 The wrapper is installed at interpreter start by ``breakpod_autostart.pth``
+(:func:`breakpod.autostart.job_timeouts`, which hands in the watchdog's start)
 (an import hook that patches ``torch.distributed`` once it is imported), or by
 :func:`install` when torch is already imported. Debug mode off: nothing is
 wrapped, no hook is registered.
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from breakpod.config import ENV, FALSE
+from breakpod.config import ENV, FALSE, Settings
 
 ATTACHED_MARGIN = 1800.0  # an attached session may last this long past the hold time
 DEFAULT_HOLD = 300.0
@@ -40,23 +41,35 @@ def debug_mode(env: Any = None) -> bool:
     return str(env.get(ENV["enabled"], "")).strip().lower() not in FALSE
 
 
-def install() -> bool:
+OnInit = Callable[[], None]
+_on_init: OnInit | None = None  # what runs after the process group exists (the watchdog)
+
+
+def install(on_init: OnInit | None = None) -> bool:
     """Wrap ``init_process_group`` of an imported ``torch.distributed``; False when off."""
     module = sys.modules.get("torch.distributed")
     if not debug_mode() or module is None:
         return False
+    _set_on_init(on_init)
     _wrap(module)
     return True
 
 
-def install_on_import() -> None:
+def install_on_import(on_init: OnInit | None = None) -> None:
     """For the ``.pth``: wrap ``torch.distributed`` when it is imported (debug mode only)."""
     if not debug_mode():
         return
+    _set_on_init(on_init)
     if "torch.distributed" in sys.modules:
         install()
     elif not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
+
+
+def _set_on_init(on_init: OnInit | None) -> None:
+    global _on_init
+    if on_init is not None:
+        _on_init = on_init
 
 
 def parked_timeout(user: float) -> float:
@@ -83,7 +96,8 @@ def _wrap(module: ModuleType) -> None:
         user_timeout = user.total_seconds()
         bound.arguments["timeout"] = datetime.timedelta(seconds=parked_timeout(user_timeout))
         result = original(*bound.args, **bound.kwargs)
-        _start_watching()
+        if _on_init is not None:
+            _on_init()
         return result
 
     init_process_group.__breakpod_original__ = original  # type: ignore[attr-defined]
@@ -99,16 +113,7 @@ def _default_timeout(module: ModuleType, backend: Any) -> datetime.timedelta:
         return datetime.timedelta(minutes=30)
 
 
-def _start_watching() -> None:
-    """The watchdog enforces the user's timeout even before the first ``breakpod.step()``."""
-    from breakpod import watchdog
-
-    watchdog.start_for_job()
-
-
 def _hold_seconds() -> float:
-    from breakpod.config import Settings
-
     try:
         return float(Settings.load()[0].hold_seconds)
     except Exception:  # bad settings are announced where they are used

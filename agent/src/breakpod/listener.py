@@ -22,7 +22,6 @@ import hmac
 import logging
 import math
 import os
-import queue
 import select
 import selectors
 import socket
@@ -168,7 +167,7 @@ class Listener:
         self._throttle = Throttle()
         self._pending: dict[socket.socket, _Handshake] = {}
         self._selector = selectors.DefaultSelector()
-        self._handoff: queue.Queue[socket.socket | None] = queue.Queue(maxsize=1)
+        self._handoff = _Handoff()
         self._owner: socket.socket | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -183,12 +182,11 @@ class Listener:
     def wait_for_client(self, timeout: float | None) -> socket.socket | None:
         """The next live client; ``None`` after ``timeout`` seconds or :meth:`interrupt`."""
         self._waiting, self.interrupted = True, False
-        _drop_stale_interrupt(self._handoff)
+        self._handoff.drop_interrupt()
         try:
             while True:
-                try:
-                    sock = self._handoff.get(timeout=timeout)
-                except queue.Empty:
+                handed, sock = self._handoff.take(timeout)
+                if not handed:
                     return None
                 if sock is None:  # interrupt()
                     self.interrupted = True
@@ -203,11 +201,7 @@ class Listener:
         """End a :meth:`wait_for_client` now (a broker ``resume``); False when none waits."""
         if not self._waiting:
             return False
-        try:
-            self._handoff.put(None, timeout=0.1)
-        except queue.Full:
-            return False
-        return True
+        return self._handoff.offer_interrupt()
 
     def disconnect(self) -> bool:
         """Hang up on the attached client (a broker ``detach``); False when there is none."""
@@ -348,8 +342,7 @@ class Listener:
                     _refuse(conn, "another debugger client is already attached; try again later")
                     return
                 self._owner = conn
-            _drain(self._handoff)
-            self._handoff.put(conn)
+            self._handoff.offer_client(conn)
         except OSError:
             conn.close()
 
@@ -376,20 +369,41 @@ def _alive(sock: socket.socket) -> bool:
         return False
 
 
-def _drop_stale_interrupt(q: queue.Queue[socket.socket | None]) -> None:
-    """An interrupt() that raced with the end of the previous wait must not end this one."""
-    with q.mutex:
-        if q.queue and q.queue[0] is None:
-            q.queue.popleft()
-            q.not_full.notify()
+class _Handoff:
+    """One slot between the acceptor thread and the waiting thread: a client, or
+    ``None`` for an interrupt. A condition guards it; nobody reads another's lock."""
 
+    def __init__(self) -> None:
+        self._ready = threading.Condition()
+        self._slot: list[socket.socket | None] = []  # at most one item
 
-def _drain(q: queue.Queue[socket.socket | None]) -> None:
-    """Drop a queued client whose slot was taken over (it already disconnected)."""
-    while True:
-        try:
-            sock = q.get_nowait()
-        except queue.Empty:
-            return
-        if sock is not None:
-            sock.close()
+    def offer_client(self, sock: socket.socket) -> None:
+        """The newest client takes the slot; one queued before it already left (closed)."""
+        with self._ready:
+            for old in self._slot:
+                if old is not None:
+                    old.close()
+            self._slot[:] = [sock]
+            self._ready.notify()
+
+    def offer_interrupt(self) -> bool:
+        """False when the slot is taken (a client is being handed over)."""
+        with self._ready:
+            if self._slot:
+                return False
+            self._slot.append(None)
+            self._ready.notify()
+            return True
+
+    def drop_interrupt(self) -> None:
+        """An interrupt that raced with the end of the previous wait must not end this one."""
+        with self._ready:
+            if self._slot == [None]:
+                self._slot.clear()
+
+    def take(self, timeout: float | None) -> tuple[bool, socket.socket | None]:
+        """(True, item) once the slot holds one; (False, None) after ``timeout`` seconds."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: bool(self._slot), timeout):
+                return False, None
+            return True, self._slot.pop()

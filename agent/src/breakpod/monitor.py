@@ -34,7 +34,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from breakpod import checks, emitter, watchdog
+from breakpod import checks, events, shim, watchdog, wiring
 from breakpod.announce import announce
 from breakpod.anomaly import ActionContext, Anomaly, dispatch, merge_same_tensor
 from breakpod.anomaly import user_frame as _user_frame
@@ -102,7 +102,7 @@ def watch(
     enabled = monitor_enabled()
     if enabled:
         model = unwrap_compiled(model)
-        emitter.ensure_started()  # anomaly events and broker commands, when a broker is set
+        wiring.connect()  # anomaly events and broker commands, when a broker is set
     folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
     ctx = ActionContext(model=model, snapshot_dir=folder, sink=sink)
     return Monitor(model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled)
@@ -308,9 +308,7 @@ class Monitor:
         self._end_step(None, frame)
         self._updated = True
         watchdog.step(self.step_count)
-        if emitter.pending_break():  # `breakpod send ID break`, held before the update
-            from breakpod import shim
-
+        if events.pending_break():  # `breakpod send ID break`, held before the update
             shim.hold(frame, header="break requested through the broker")
 
     # ------------------------------------------------------------------ hooks (hot path)
@@ -453,8 +451,8 @@ class Monitor:
         except Exception as e:
             self._fail("step boundary", e)
         watchdog.step(self.step_count)
-        if emitter.pending_break():  # `breakpod send ID break`: one flag check per step
-            emitter.park_for_break(frame)
+        if events.pending_break():  # `breakpod send ID break`: one flag check per step
+            shim.set_trace(frame=frame, header="break requested through the broker")
 
     def _handles_steps(self) -> bool:
         return self._optimizer is None

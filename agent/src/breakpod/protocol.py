@@ -43,6 +43,17 @@ FALLBACK_KIND: Final = "log"
 NOTIFIED_KINDS: Final[tuple[EventKind, ...]] = ("anomaly", "stall", "parked")
 # The broker's record of each step of a command's delivery (queued, delivered, done).
 COMMAND_KIND: Final = "command"
+# Each kind by name, for the modules that emit them (a test pins these to EventKind).
+ANOMALY: Final = "anomaly"
+STALL: Final = "stall"
+PARKED: Final = "parked"
+LISTENING: Final = "listening"
+ATTACHED: Final = "attached"
+DETACHED: Final = "detached"
+RESUMED: Final = "resumed"
+FINISHED: Final = "finished"
+WAITING: Final = "waiting"  # a kind and the state it moves to
+CI_FAILURE: Final = "ci_failure"
 # Kinds whose fields announce the listener: {"address": HOST:PORT, "backend": listener}.
 LISTENER_KINDS: Final = frozenset({"parked", "listening"})
 
@@ -66,6 +77,10 @@ STATE_OF_KIND: Final[dict[str, str]] = {
 
 CommandName = Literal["break", "resume", "dump-stacks", "detach"]
 COMMANDS: Final = get_args(CommandName)
+BREAK: Final = "break"
+RESUME: Final = "resume"
+DUMP_STACKS: Final = "dump-stacks"
+DETACH: Final = "detach"
 COMMAND_ID_PATTERN: Final = r"^[0-9a-f]{1,32}$"  # chosen by the broker
 
 # -- who and where ------------------------------------------------------------
@@ -74,6 +89,7 @@ Runtime = Literal["kubernetes", "compose", "docker", "local"]
 RUNTIMES: Final = get_args(Runtime)
 DEFAULT_RUNTIME: Final = "local"
 KUBERNETES: Final = "kubernetes"  # reached through kubectl port-forward to the pod
+DOCKER: Final = "docker"  # any container runtime the agent detects (compose says so itself)
 ListenerKind = Literal["pdb", "debugpy"]
 LISTENERS: Final = get_args(ListenerKind)
 DEFAULT_LISTENER: Final = "pdb"
@@ -110,6 +126,7 @@ def reachable(address: str) -> str:
 
 # -- the HTTP API -------------------------------------------------------------
 
+HEALTHZ: Final = "/healthz"  # no token needed
 API: Final = "/v1"
 SESSIONS: Final = f"{API}/sessions"
 EVENTS: Final = f"{API}/events"

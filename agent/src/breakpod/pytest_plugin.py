@@ -168,10 +168,10 @@ class FailureHold:
         )
 
     def _listen(self) -> debugger.Endpoint:
-        from breakpod import debugger
+        from breakpod import api, debugger
 
         if self.backend == "debugpy":
-            endpoint = debugger.init_remote_debugger(
+            endpoint = api.init_remote_debugger(
                 port=self.settings.port, backend="debugpy", enable=True
             )
             if endpoint is None:

@@ -17,7 +17,7 @@ import socket
 import sys
 from types import FrameType, TracebackType
 
-from breakpod import events, watchdog
+from breakpod import events, holding, protocol
 from breakpod.announce import announce
 from breakpod.config import format_seconds
 from breakpod.listener import ClientIO, Listener
@@ -60,7 +60,7 @@ class RemoteSession:
         self._client = sock
         self.io.attach(sock)
         self.io.write(f"breakpod: attached to pid {os.getpid()}: {self.reason}\n")
-        events.emit("attached", address=self.listener.address, reason=self.reason)
+        events.emit(protocol.ATTACHED, address=self.listener.address, reason=self.reason)
         return True
 
     def end(self, why: str) -> None:
@@ -71,12 +71,12 @@ class RemoteSession:
         self.io.close()
         self.listener.release(self._client)
         self._client = None
-        events.emit("detached", address=self.listener.address, why=why)
+        events.emit(protocol.DETACHED, address=self.listener.address, why=why)
 
-    def _hold(self, holding: bool) -> None:
-        if holding != self._holding:
-            self._holding = holding
-            (watchdog.suspend if holding else watchdog.resume)()
+    def _hold(self, held: bool) -> None:
+        if held != self._holding:
+            self._holding = held
+            (holding.hold if held else holding.release)()
 
 
 class RemotePdb(CommandsMixin):
@@ -93,7 +93,7 @@ class RemotePdb(CommandsMixin):
         stop = bool(super().do_continue(arg))
         if not self.breaks:
             self.session.end("continuing; the debugger detached")
-            events.emit("resumed", address=self.session.listener.address)
+            events.emit(protocol.RESUMED, address=self.session.listener.address)
         return stop
 
     do_c = do_cont = do_continue

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
-from breakpod import debugger, emitter, events, net, watchdog
+from breakpod import debugger, events, holding, net, wiring
 from breakpod.announce import announce
 from breakpod.config import Settings, format_seconds
 from breakpod.errors import AnomalyError
@@ -142,17 +142,16 @@ def _wait_for_dap_client(reason: str, hold: float) -> bool:
     """Announce a debugpy park and wait up to ``hold``; the events match the pdb path."""
     endpoint = debugger.debugpy_endpoint()
     assert endpoint is not None
-    emitter.ensure_started()
+    wiring.connect()
     announce(
         f"{reason}: waiting up to {format_seconds(hold)} for a DAP client on {endpoint.address}"
     )
     events.emit("parked", backend="debugpy", address=endpoint.address, reason=reason)
-    watchdog.note_park(reason, sys._getframe(1))
-    watchdog.suspend()
+    holding.hold()
     try:
         attached = debugger.wait_for_debugpy_client(hold)
     finally:
-        watchdog.resume()
+        holding.release()
     if not attached:
         announce(f"nobody attached within {format_seconds(hold)}; continuing")
         events.emit("resumed", address=endpoint.address, why="hold time passed")
@@ -170,14 +169,13 @@ def open_session(
         listener, reason=reason, hold_seconds=hold_seconds, on_detach=settings.on_detach
     )
     address = listener.address
-    emitter.ensure_started()  # reports the park to the broker when BREAKPOD_BROKER_URL is set
+    wiring.connect()  # reports the park to the broker when BREAKPOD_BROKER_URL is set
     target = net.local_address(listener.host, listener.port)
     announce(
         f"{reason}: waiting up to {format_seconds(hold_seconds)} for a debugger on {address}; "
         f"attach with: breakpod attach {target}  (or: nc {target.replace(':', ' ')})"
     )
     events.emit("parked", backend="pdb", address=address, reason=reason)
-    watchdog.note_park(reason, sys._getframe(1))  # the job's other ranks pause (debug mode)
     if session.wait():
         return session
     why = (

@@ -14,6 +14,7 @@ import resource
 import sys
 from typing import Any
 
+from breakpod.monitor import monitor_of
 from breakpod.pdb_commands import command
 from breakpod.summaries import nonfinite_counts, summary
 
@@ -53,8 +54,6 @@ def tstat(debugger: pdb.Pdb, arg: str) -> None:
 @command("tshape")
 def tshape(debugger: pdb.Pdb, arg: str) -> None:
     """tshape MODEL: last input -> output shapes of each watched module (runs nothing)."""
-    from breakpod.monitor import monitor_of
-
     model = _model(debugger, arg)
     monitor = monitor_of(model)
     if monitor is None or not monitor.shapes:
@@ -108,8 +107,6 @@ def _rss_mib() -> float:
 @command("tnan")
 def tnan(debugger: pdb.Pdb, arg: str) -> None:
     """tnan MODEL: non-finite values the monitor reported, and those in parameters/grads now."""
-    from breakpod.monitor import monitor_of
-
     model = _model(debugger, arg)
     monitor = monitor_of(model)
     seen = [a for a in (monitor.anomalies if monitor else []) if a.check == "nonfinite"]

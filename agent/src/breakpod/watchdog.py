@@ -35,10 +35,22 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
-from breakpod import collectives, emitter, events, job, job_pause, job_timeouts, stall_report
+from breakpod import (
+    collectives,
+    events,
+    holding,
+    job,
+    job_pause,
+    job_timeouts,
+    protocol,
+    shim,
+    stall_report,
+    wiring,
+)
 from breakpod.announce import announce
 from breakpod.config import ENV, FALSE
 from breakpod.errors import ConfigError
+from breakpod.remote_pdb import inspect_remote
 
 log = logging.getLogger(__name__)
 ACTIONS = ("dump", "inspect")
@@ -115,8 +127,6 @@ class Watchdog:
             return
         if pause.break_at is not None and (self.step or 0) >= pause.break_at:
             pause.break_at = None
-            from breakpod import shim
-
             shim.set_trace(frame=frame, header=f"job-wide break at step {self.step}")
             return
         pause.wait_at_step(self.step or 0)
@@ -164,7 +174,7 @@ class Watchdog:
 
     def _held(self) -> bool:
         """Parked, waiting for a parked peer, or before the first step when asked."""
-        if _suspended or (self.pause is not None and self.pause.paused):
+        if holding.is_held() or (self.pause is not None and self.pause.paused):
             return True
         return self.after_first_step and self.step is None
 
@@ -174,7 +184,7 @@ class Watchdog:
             return
         assert self.board is not None
         try:
-            pause.tick(self.board, bool(_suspended), self.step or 0, self._step_seconds())
+            pause.tick(self.board, holding.is_held(), self.step or 0, self._step_seconds())
             self.job_stalled = self.board.count_stalled() > 0
         except Exception as e:  # the store went away: this rank no longer waits for peers
             self.board, self.job_view_missing = None, f"lost the job store ({type(e).__name__})"
@@ -266,7 +276,7 @@ class Watchdog:
     def _record(self, silent: float, *, stacks: bool) -> dict[str, Any]:
         main = sys._current_frames().get(threading.main_thread().ident or -1)
         progress = collectives.progress
-        state = "parked" if _suspended else "collective" if progress.waiting else "user"
+        state = "parked" if holding.is_held() else "collective" if progress.waiting else "user"
         if state == "user" and self.pause is not None and self.pause.paused:
             state = "waiting-for-peer"
         record: dict[str, Any] = {
@@ -338,30 +348,37 @@ class Watchdog:
 
 _active: Watchdog | None = None
 _armed = True  # the first step() reads the environment, then this is False unless watching
-_suspended = 0  # debugger sessions holding the process: a park is not a stall
-_suspend_lock = threading.Lock()
 
 
 def suspend() -> None:
     """A debugger holds the process (parked or attached): stop counting silence."""
-    global _suspended
-    with _suspend_lock:
-        _suspended += 1
-    if _active is not None:
-        _active.wake()  # peers learn of the park now, not at the next tick
+    holding.hold()
 
 
 def resume() -> None:
     """The debugger let go: count silence again, from now."""
-    global _suspended
-    with _suspend_lock:
-        _suspended = max(0, _suspended - 1)
+    holding.release()
+
+
+def _count_from_now() -> None:
     if _active is not None:
         _active.last_beat = time.monotonic()
         pause = _active.pause
         if pause is not None and pause.parked_for is not None and pause.break_at is None:
             pause.break_done, pause.parked_for = pause.parked_for, None  # the job break is over
         _active.wake()
+
+
+def _hear(event: events.Event) -> None:
+    """The hub's ``parked`` events: this rank parks, so the job's other ranks pause."""
+    if event.kind == protocol.PARKED:
+        note_park(str(event.fields.get("reason", "")), sys._getframe(1))
+        if _active is not None:
+            _active.wake()  # peers learn of the park now, not at the next tick
+
+
+holding.on_release(_count_from_now)
+events.add_sink(_hear)
 
 
 def note_park(reason: str, frame: FrameType | None) -> None:
@@ -421,7 +438,7 @@ def watch_stalls(
         collectives.install()
     _active._thread.start()
     _armed = True
-    emitter.ensure_started()  # stall events reach the broker when one is set
+    wiring.connect()  # stall events reach the broker when one is set
     return _active
 
 
@@ -488,9 +505,6 @@ def format_stacks() -> str:
 
 
 def _inspect(frame: FrameType, step: int | None) -> None:
-    from breakpod import shim
-    from breakpod.remote_pdb import inspect_remote
-
     reason = f"stall at step {step}: main thread at {shim.where(frame)}"
     settings = shim.env_settings()
     session = shim.open_session(settings, reason, settings.hold_seconds)
@@ -502,8 +516,6 @@ def _exit_like_torch() -> None:
     """The process group's own timeout passed: end this rank as torch would have."""
     announce("exiting with status 1, as the process group's timeout would have")
     try:
-        started = emitter.ensure_started()
-        if started is not None:
-            started.flush(2.0)  # the stall event reaches the broker first
+        wiring.flush(2.0)  # the stall event reaches the broker first
     finally:
         os._exit(1)
