@@ -34,6 +34,7 @@ AGENT_PENDING = pytest.mark.xfail(reason="agent restructure pending", strict=Tru
 # (the no-cycle test still holds among them).
 BROKER_LAYERS = (
     grimp.Layer("cli"),
+    grimp.Layer("serving"),  # uvicorn: TLS, shutdown
     grimp.Layer("app", "admission"),  # the two ASGI apps
     grimp.Layer(
         *("admin", "attach", "commands", "dashboard", "events", "sessions"), independent=False

@@ -33,7 +33,7 @@ import time
 from types import FrameType
 from typing import Any
 
-from breakpod import events, identity, protocol
+from breakpod import events, exit_report, identity, protocol
 from breakpod.announce import announce
 from breakpod.config import BROKER_URL_ENV, ENV, parse_int
 from breakpod.errors import BreakpodError, BrokerError
@@ -163,6 +163,7 @@ class Emitter:
             self._threads.append(thread)
         events.add_sink(self.sink)
         atexit.register(self.finish)
+        exit_report.install(self.finish)
         self._wake.set()
         return self
 
@@ -213,11 +214,12 @@ class Emitter:
         for thread in self._threads:
             thread.join(timeout)
 
-    def finish(self) -> None:
-        """At exit: report ``finished`` and give the sender a moment to deliver it."""
+    def finish(self, how: dict[str, Any] | None = None) -> None:
+        """At exit (or SIGTERM): report ``finished`` with its ``exit`` status or
+        ``signal``, and give the sender a moment to deliver it."""
         if self._stop.is_set():
             return
-        self.emit("finished", {"reason": "process exited"})
+        self.emit("finished", {"reason": "process exited", **(how or exit_report.status())})
         self.flush(timeout=3.0 if self._reachable else 0.2)  # never hold up an exit for long
         self.close(timeout=0.5)
 

@@ -37,7 +37,7 @@ class Metrics:
         )
         self.notifier_failures = Counter(
             "breakpod_notifier_failures",
-            "Webhook jobs given up (dead letters: GET /v1/notifiers lists them)",
+            "Webhook jobs given up (dead letters, listed by the notifiers endpoint)",
             ["notifier"],
             registry=r,
         )

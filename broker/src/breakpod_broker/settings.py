@@ -57,4 +57,8 @@ class BrokerSettings(BaseSettings):
     # long polls + SSE streams one replica serves at once (each may hold a Redis connection)
     max_waiters: int = Field(default=256, ge=1, le=10_000)
     metrics_cache_seconds: float = Field(default=15.0, ge=0)  # /metrics session counts
+    # HTTPS for the API: a PEM certificate (chain) and its key; agents verify it
+    # with BREAKPOD_BROKER_CA (or the system's CAs)
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
     max_stream_seconds: float = Field(default=3600.0, gt=0)  # SSE clients then resume
