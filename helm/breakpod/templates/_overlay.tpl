@@ -5,7 +5,8 @@ from values into a document {pod: {...}, container: {...}} that is
   * shipped (overlay-configmap.yaml) to the admission webhook, which merges it
     with the same rules (broker/src/breakpod_broker/overlay.py):
       null -> remove the key; a list of {name: ...} -> merge by name
-      (replace in place, append new); anything else -> set.
+      (replace in place, append new); anything else -> set; except that a
+      pod's own runtimeClassName is never replaced.
 Works from a parent chart (dependency named "breakpod") as well as here.
 */}}
 {{- define "breakpod.values" -}}
@@ -108,7 +109,9 @@ container:
 
 {{/* (dict "spec" POD_SPEC "overlay" OVERLAY "container" NAME) -> JSON of the debugged pod spec. */}}
 {{- define "breakpod.applyPod" -}}
-{{- $out := include "breakpod.merge" (dict "target" .spec "patch" .overlay.pod) | fromJson }}
+{{- $pod := deepCopy (.overlay.pod | default dict) }}
+{{- if .spec.runtimeClassName }}{{ $_ := unset $pod "runtimeClassName" }}{{ end }}
+{{- $out := include "breakpod.merge" (dict "target" .spec "patch" $pod) | fromJson }}
 {{- $index := 0 }}
 {{- if .container }}
 {{- $index = -1 }}
