@@ -17,7 +17,8 @@ Works from a parent chart (dependency named "breakpod") as well as here.
 {{- $v := include "breakpod.values" . | fromJson }}
 {{- $o := $v.overlay }}
 {{- $ctx := dict "Values" $v "Release" .Release "Chart" (dict "Name" "breakpod") }}
-{{- $url := $o.brokerUrl | default (printf "http://%s.%s.svc:%v" (include "breakpod.fullname" $ctx) .Release.Namespace $v.service.port) }}
+{{- $scheme := ternary "https" "http" (and $v.broker.tls $v.broker.tls.enabled | default false) }}
+{{- $url := $o.brokerUrl | default (printf "%s://%s.%s.svc:%v" $scheme (include "breakpod.fullname" $ctx) .Release.Namespace $v.service.port) }}
 pod:
   {{- if $o.runtimeClassName }}
   runtimeClassName: {{ $o.runtimeClassName | quote }}
@@ -44,6 +45,11 @@ container:
       value: {{ int $o.port | quote }}
     - name: BREAKPOD_BROKER_URL
       value: {{ $url | quote }}
+    {{- if and $v.broker.tls $v.broker.tls.enabled $v.broker.tls.caConfigMap }}
+    - name: BREAKPOD_BROKER_CA
+      valueFrom:
+        configMapKeyRef: {name: {{ $v.broker.tls.caConfigMap | quote }}, key: ca.crt, optional: true}
+    {{- end }}
     {{- with $o.tokenSecret.name }}
     - name: BREAKPOD_TOKEN
       valueFrom:
