@@ -33,6 +33,7 @@ AGENT_SRC = ROOT / "agent" / "src" / "breakpod"
 # (the no-cycle test still holds among them).
 BROKER_LAYERS = (
     grimp.Layer("cli"),
+    grimp.Layer("serving"),  # uvicorn: TLS, shutdown
     grimp.Layer("app", "admission"),  # the two ASGI apps
     grimp.Layer(
         *("admin", "attach", "commands", "dashboard", "events", "sessions"), independent=False
@@ -85,7 +86,7 @@ AGENT_LAYERS = (
     grimp.Layer(
         *("breakpod.events", "breakpod.holding", "breakpod.wiring", "breakpod.announce"),
         *("breakpod.notice", "breakpod.identity", "breakpod.hosting", "breakpod.net"),
-        "breakpod.throttle",
+        *("breakpod.throttle", "breakpod.exit_report"),
         independent=False,
     ),
     grimp.Layer("breakpod.protocol", "breakpod.config", "breakpod.errors", independent=False),

@@ -15,16 +15,23 @@ from tests.brokerkit import VIEWER, post_events, register, wait_until
 
 
 class Receiver:
-    """Records POSTed JSON per path; /fail answers 500."""
+    """Records POSTed JSON (and idempotency keys) per path; /fail answers 500.
+    ``stop()`` takes it down; ``start()`` brings it back on the same port."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int = 0) -> None:
         self.bodies: dict[str, list[dict]] = {}
+        self.keys: list[str] = []
+        self.port = port
+        self.start()
+
+    def start(self) -> None:
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 receiver.bodies.setdefault(self.path, []).append(body)
+                receiver.keys.append(self.headers.get("Idempotency-Key", ""))
                 self.send_response(500 if self.path == "/fail" else 200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -32,17 +39,21 @@ class Receiver:
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_port}"
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        self.port = self.server.server_port
+        self.url = f"http://127.0.0.1:{self.port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
 
 
 @pytest.fixture
 def receiver():
     r = Receiver()
     yield r
-    r.server.shutdown()
-    r.server.server_close()
+    r.stop()
 
 
 def test_webhooks_get_routed_events_and_failures_are_retried_then_recorded(start_broker, receiver):
@@ -69,6 +80,7 @@ def test_webhooks_get_routed_events_and_failures_are_retried_then_recorded(start
     assert ops["attach"] == "breakpod attach s1"
     [chat] = receiver.bodies["/slack"]
     assert "parked" in chat["text"] and "train-0" in chat["text"] and "NaN in loss" in chat["text"]
+    assert "state: `parked`" in chat["text"]
 
     with broker.client(VIEWER) as c:
         status = wait_until(lambda: _broken(c.get("/v1/notifiers").json()))
@@ -111,3 +123,101 @@ def test_a_job_left_by_a_crashed_replica_is_delivered_by_another(start_broker, r
         wait_until(lambda: receiver.bodies.get("/ok"), timeout=15)
         assert [b["event"]["id"] for b in receiver.bodies["/ok"]] == ["e1"]
         wait_until(lambda: r.xlen(keys.NOTIFY) == 0)
+
+
+def _outage(start_broker, receiver: Receiver, seconds: float) -> None:
+    """Events arrive while the receiver is down for ``seconds``; after it returns
+    each is delivered exactly once (one broker: nothing may be delivered twice)."""
+    notifiers = [
+        {
+            "name": "ops",
+            "url": f"{receiver.url}/ok",
+            "kinds": ["anomaly", "parked"],
+            "backoff_seconds": 0.05,
+            "max_backoff_seconds": 0.5,
+        }
+    ]
+    # a short claim period: a replica that re-claimed its own retrying jobs would
+    # deliver them twice within the outage
+    broker = start_broker(
+        BREAKPOD_NOTIFIERS=json.dumps(notifiers), BREAKPOD_NOTIFY_CLAIM_SECONDS="1"
+    )
+    register(broker, "s1", pod="train-0")
+    receiver.stop()
+    sent = [f"e{i}" for i in range(6)]
+    post_events(broker, *({"id": e, "session": "s1", "kind": "anomaly"} for e in sent))
+    with broker.client(VIEWER) as c:
+        wait_until(lambda: _retries(c.get("/metrics").text) >= 12, timeout=20)
+        time.sleep(seconds)
+        assert _retries(c.get("/metrics").text) > 12  # still trying when it returns
+        receiver.start()
+        wait_until(lambda: len(receiver.bodies.get("/ok", [])) >= len(sent), timeout=20)
+        time.sleep(2.0)  # longer than the claim period and the longest backoff
+        assert 'breakpod_notifier_failures_total{notifier="ops"}' not in c.get("/metrics").text
+        assert c.get("/v1/notifiers").json()[0]["recent_failures"] == []
+    assert sorted(b["event"]["id"] for b in receiver.bodies["/ok"]) == sent
+    assert sorted(receiver.keys) == [f"ops:s1:{e}" for e in sent]
+
+
+def _retries(metrics: str) -> float:
+    line = next(
+        (x for x in metrics.splitlines() if x.startswith("breakpod_notifier_retries_total{")), ""
+    )
+    return float(line.rpartition(" ")[2] or 0)
+
+
+def test_a_receiver_down_for_a_while_gets_every_event_exactly_once(start_broker, receiver):
+    _outage(start_broker, receiver, seconds=5.0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_receiver_down_for_a_minute_gets_every_event_exactly_once(start_broker, receiver):
+    _outage(start_broker, receiver, seconds=60.0)
+
+
+def test_a_job_older_than_max_age_becomes_a_dead_letter(start_broker):
+    down = [{"name": "ops", "url": "http://127.0.0.1:9/", "backoff_seconds": 0.05}]
+    broker = start_broker(BREAKPOD_NOTIFIERS=json.dumps(down), BREAKPOD_NOTIFY_MAX_AGE="1")
+    register(broker, "s1")
+    post_events(broker, {"id": "e1", "session": "s1", "kind": "stall"})
+    with broker.client(VIEWER) as c:
+        [status] = wait_until(
+            lambda: [n for n in c.get("/v1/notifiers").json() if n["recent_failures"]]
+        )
+        [dead] = status["recent_failures"]
+        assert dead["event"] == "e1" and dead["kind"] == "stall" and int(dead["attempts"]) > 1
+        assert 0.0 < float(dead["age"]) < 5.0  # given up near max_age, not at once
+        assert "up to 1 s" in status["policy"]
+        metrics = c.get("/metrics").text
+        assert 'breakpod_notifier_failures_total{notifier="ops"} 1.0' in metrics
+
+
+def test_every_format_says_rule_module_step_summary_state_and_attach(start_broker, receiver):
+    notifiers = [
+        {"name": "j", "url": f"{receiver.url}/json"},
+        {"name": "s", "url": f"{receiver.url}/slack", "format": "slack"},
+    ]
+    broker = start_broker(BREAKPOD_NOTIFIERS=json.dumps(notifiers))
+    register(broker, "s1", pod="train-0")
+    anomaly = {"rule": "nan-loss", "module": "model.fc2", "step": 41200, "summary": "loss=nan"}
+    parked = {"reason": "nan-loss at step 41200", "address": "127.0.0.1:5678"}
+    post_events(
+        broker,
+        {"id": "a1", "session": "s1", "kind": "anomaly", "fields": anomaly},
+        {"id": "p1", "session": "s1", "kind": "parked", "fields": parked},
+    )
+    wait_until(
+        lambda: len(receiver.bodies.get("/json", [])) == len(receiver.bodies.get("/slack", [])) == 2
+    )
+    by_id = {b["event"]["id"]: b for b in receiver.bodies["/json"]}
+    assert {k: by_id["a1"][k] for k in anomaly} == anomaly
+    assert by_id["a1"]["attach"] == "breakpod attach s1" and by_id["a1"]["state"] == "running"
+    assert by_id["p1"]["state"] == by_id["p1"]["session"]["state"] == "parked"
+    assert by_id["p1"]["address"] == by_id["p1"]["session"]["address"] == "127.0.0.1:5678"
+    texts = sorted(b["text"] for b in receiver.bodies["/slack"])
+    anomaly_text, parked_text = texts
+    for part in ("`nan-loss`", "`model.fc2`", "`41200`", "loss=nan", "breakpod attach s1"):
+        assert part in anomaly_text
+    for part in ("state: `parked`", "address: `127.0.0.1:5678`", "breakpod attach s1"):
+        assert part in parked_text

@@ -140,7 +140,7 @@ def test_helm_template_is_idempotent(trainer_chart: Path) -> None:
     once, _ = helm_render(trainer_chart, spec, container, {})
     twice, _ = helm_render(trainer_chart, once, container, {})
     assert twice == once
-    assert once["runtimeClassName"] == "nvidia"
+    assert once["runtimeClassName"] == "gvisor"  # the pod's own is never replaced
     train = once["containers"][1]
     assert once["containers"][0] == SIDECAR  # only the chosen container changes
     assert train["tty"] and train["stdin"] and "livenessProbe" not in train
@@ -151,7 +151,10 @@ def test_helm_template_is_idempotent(trainer_chart: Path) -> None:
 
 
 def test_fragment_forms(trainer_chart: Path) -> None:
-    docs = documents(render({"breakpod": {}}, chart=trainer_chart))
+    default = documents(render({"breakpod": {}}, chart=trainer_chart))
+    assert "runtimeClassName" not in find(default, "Pod", "fragments")["spec"]  # opt-in
+    opted = {"breakpod": {"overlay": {"runtimeClassName": "nvidia"}}}
+    docs = documents(render(opted, chart=trainer_chart))
     pod = find(docs, "Pod", "fragments")["spec"]
     assert pod["runtimeClassName"] == "nvidia"
     c = pod["containers"][0]

@@ -70,7 +70,7 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
 
 def test_default_overlay_has_the_debug_settings() -> None:
     overlay = overlay_of(render())
-    assert overlay["pod"] == {"runtimeClassName": "nvidia"}
+    assert overlay["pod"] == {}  # runtimeClassName is opt-in
     c = overlay["container"]
     assert c["tty"] is True and c["stdin"] is True
     assert "livenessProbe" in c and c["livenessProbe"] is None  # removed: parked != dead

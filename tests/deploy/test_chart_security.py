@@ -67,10 +67,12 @@ def rendered_redis(
     """The chart's redis-server command line, run for real on a free loopback port."""
     redis_c = containers(docs, "StatefulSet")[0]
     env = resolved_env(redis_c, secrets_of(docs))
+    config = write_auth_config(docs, tmp_path)
     args = [expand(a, env) for a in redis_c["args"]]
     assert args[0] == "redis-server"
     port = free_port()
     args = [find_binary()] + [str(tmp_path) if a == "/data" else a for a in args[1:]]
+    args = [str(config) if a == "/config/auth.conf" else a for a in args]
     args += ["--port", str(port), "--bind", "127.0.0.1", "--save", ""]
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     try:
@@ -92,12 +94,23 @@ def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 10
     raise AssertionError("redis-server did not start with the rendered arguments")
 
 
-def test_redis_requires_a_generated_password(docs: list[dict[str, Any]]) -> None:
+def write_auth_config(docs: list[dict[str, Any]], tmp_path: Path) -> Path:
+    """Run the Redis pod's init container command (sh, as in the image) with /config here."""
+    pod = find(docs, "StatefulSet")["spec"]["template"]["spec"]
+    [init] = pod["initContainers"]
+    env = resolved_env(init, secrets_of(docs))
+    (tmp_path / "config").mkdir(exist_ok=True)
+    command = [c.replace("/config/", f"{tmp_path}/config/") for c in init["command"]]
+    subprocess.run(command, env=env, check=True, timeout=10, stdin=subprocess.DEVNULL)
+    return tmp_path / "config" / "auth.conf"
+
+
+def test_redis_requires_a_generated_password(docs: list[dict[str, Any]], tmp_path: Path) -> None:
     password = secrets_of(docs)["bp-breakpod-redis"]["password"]
     assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
-    redis_c = containers(docs, "StatefulSet")[0]
-    args = [expand(a, resolved_env(redis_c, secrets_of(docs))) for a in redis_c["args"]]
-    assert args[args.index("--requirepass") + 1] == password
+    config = write_auth_config(docs, tmp_path)
+    assert config.read_text() == f"requirepass {password}\n"
+    assert oct(config.stat().st_mode & 0o777) == "0o600"
 
 
 def test_broker_url_carries_the_password(
@@ -139,17 +152,31 @@ def test_redis_existing_secret() -> None:
     docs = documents(render(values))
     assert "bp-breakpod-redis" not in secrets_of(docs)
     ref = {"secretKeyRef": {"name": "my-redis", "key": "pw"}}
-    for kind in ("StatefulSet", "Deployment"):
-        env = {e["name"]: e.get("valueFrom") for e in containers(docs, kind)[0]["env"]}
-        assert env["REDIS_PASSWORD"] == ref, kind
+    init = find(docs, "StatefulSet")["spec"]["template"]["spec"]["initContainers"][0]
+    redis_c = containers(docs, "StatefulSet")[0]
+    for name, container in [("init", init), ("broker", containers(docs, "Deployment")[0])]:
+        env = {e["name"]: e.get("valueFrom") for e in container["env"]}
+        assert env["REDIS_PASSWORD"] == ref, name
+    assert {e["name"]: e.get("valueFrom") for e in redis_c["env"]}["REDISCLI_AUTH"] == ref
 
 
 def test_external_redis_url_is_used_as_given() -> None:
-    url = "redis://:s3cret@redis.infra.svc:6379/2"
+    url = "redis://redis.infra.svc:6379/2"
     docs = documents(render({"redis": {"enabled": False, "url": url}}))
     env = {e["name"]: e.get("value") for e in containers(docs, "Deployment")[0]["env"]}
     assert env["BREAKPOD_REDIS_URL"] == url and "REDIS_PASSWORD" not in env
     assert not [d for d in docs if d["kind"] == "StatefulSet"]
+
+
+def test_an_external_redis_url_with_a_password_comes_from_a_secret() -> None:
+    secret = {"enabled": False, "urlSecret": {"name": "redis-url", "key": "url"}}
+    docs = documents(render({"redis": secret}))
+    env = {e["name"]: e for e in containers(docs, "Deployment")[0]["env"]}
+    ref = {"secretKeyRef": {"name": "redis-url", "key": "url"}}
+    assert env["BREAKPOD_REDIS_URL"]["valueFrom"] == ref
+    plain = {"enabled": False, "url": "redis://:s3cret@redis.infra.svc:6379/2"}
+    with pytest.raises(Exception, match=r"set redis\.urlSecret\.name"):
+        render({"redis": plain})
 
 
 def test_network_policies_by_default(docs: list[dict[str, Any]]) -> None:

@@ -18,7 +18,7 @@ from typing import TextIO
 from breakpod import protocol
 from breakpod.config import ENV
 from breakpod.errors import AttachError
-from breakpod.listener import TOKEN_PROMPT
+from breakpod.listener import REFUSED, TOKEN_PROMPT
 
 PROMPTS = ("(Pdb) ", ">>> ", "... ")
 HISTORY = os.path.expanduser("~/.breakpod_history")
@@ -55,14 +55,16 @@ def _session(
 ) -> None:
     sock.settimeout(None)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # ∈ μ σ split by recv
-    pending = ""
+    pending = tail = ""
     try:
         while True:
             data = sock.recv(65536)
             if not data:
-                out.write(pending + "\nbreakpod: the remote side closed the session\n")
+                _closed(pending, tail, out)
                 return
-            pending = _show(pending + decoder.decode(data), out)
+            text = decoder.decode(data)
+            tail = (tail + text)[-4096:]
+            pending = _show(pending + text, out)
             if pending.endswith(TOKEN_PROMPT):
                 sock.sendall((_token(token) + "\n").encode())
                 pending = ""
@@ -74,6 +76,14 @@ def _session(
                 pending = ""
     except OSError as e:
         raise AttachError(f"the connection to the debugger broke: {e.strerror or e}") from e
+
+
+def _closed(pending: str, tail: str, out: TextIO) -> None:
+    """The remote side hung up: a refusal (wrong token, busy) is an error (exit 1)."""
+    refusal = next((line for line in tail.splitlines() if line.startswith(REFUSED)), None)
+    if refusal is not None:
+        raise AttachError(f"the listener refused this client: {refusal[len(REFUSED) :]}")
+    out.write(pending + "\nbreakpod: the remote side closed the session\n")
 
 
 def _show(text: str, out: TextIO) -> str:

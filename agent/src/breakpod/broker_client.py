@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
+import ssl
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from breakpod.errors import BrokerError
 
 ENV_URL = BROKER_URL_ENV
 ENV_TOKEN = ENV["token"]
+ENV_CA = "BREAKPOD_BROKER_CA"
 
 
 class BrokerClient:
@@ -156,8 +159,12 @@ class BrokerClient:
         return self._conn.getresponse()
 
     def _connect(self, timeout: float | None) -> http.client.HTTPConnection:
-        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        return cls(self._host, self._port, timeout=timeout)
+        if self._https:  # verified: the system's CAs, or $BREAKPOD_BROKER_CA
+            context = _tls_context(os.environ.get(ENV_CA) or "")
+            return http.client.HTTPSConnection(
+                self._host, self._port, timeout=timeout, context=context
+            )
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
 
     def _headers(self, data: bytes | None, *, sse: bool = False) -> dict[str, str]:
         headers = {"Accept": "text/event-stream" if sse else "application/json"}
@@ -217,6 +224,14 @@ def _sse_events(
             data += line[5:].strip()
         elif line.startswith("id:"):
             event_id = line[3:].strip()
+
+
+def _tls_context(ca: str) -> ssl.SSLContext:
+    """Verifying with ``ca``: a PEM file's path or the PEM text itself (as a
+    ConfigMap reference puts it into the environment); empty: the system's CAs."""
+    if ca.lstrip().startswith("-----BEGIN"):
+        return ssl.create_default_context(cadata=ca)
+    return ssl.create_default_context(cafile=ca or None)
 
 
 def _clean_token(token: str | None) -> str | None:

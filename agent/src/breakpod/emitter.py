@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from breakpod import events, identity, protocol, wiring
+from breakpod import events, exit_report, identity, protocol, wiring
 from breakpod.announce import announce
 from breakpod.broker_client import BrokerClient
 from breakpod.config import BROKER_URL_ENV, ENV, parse_int
@@ -141,6 +141,7 @@ class Emitter:
             self._threads.append(thread)
         events.add_sink(self.sink)
         atexit.register(self.finish)
+        exit_report.install(self.finish)
         self._wake.set()
         return self
 
@@ -191,11 +192,12 @@ class Emitter:
         for thread in self._threads:
             thread.join(timeout)
 
-    def finish(self) -> None:
-        """At exit: report ``finished`` and give the sender a moment to deliver it."""
+    def finish(self, how: dict[str, Any] | None = None) -> None:
+        """At exit (or SIGTERM): report ``finished`` with its ``exit`` status or
+        ``signal``, and give the sender a moment to deliver it."""
         if self._stop.is_set():
             return
-        self.emit(protocol.FINISHED, {"reason": "process exited"})
+        self.emit(protocol.FINISHED, {"reason": "process exited", **(how or exit_report.status())})
         self.flush(timeout=3.0 if self._reachable else 0.2)  # never hold up an exit for long
         self.close(timeout=0.5)
 

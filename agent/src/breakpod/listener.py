@@ -33,6 +33,7 @@ from breakpod.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
+REFUSED = "breakpod: refused: "  # the client tells a refusal from a session's end by it
 TOKEN_PROMPT = "breakpod: token required: send BREAKPOD_TOKEN as the first line\n"
 HANDSHAKE_SECONDS = 10.0  # to send the token line, however slowly
 MAX_HANDSHAKES = 16  # pending at once; a new client evicts the oldest silent one
@@ -174,6 +175,11 @@ class Listener:
         self._waiting = False
         self.interrupted = False  # the last wait ended by interrupt()
         threading.Thread(target=self._serve, name="breakpod-listener", daemon=True).start()
+
+    @property
+    def requires_token(self) -> bool:
+        """Whether a client must send the token first (the park hint says so)."""
+        return self._token is not None
 
     @property
     def address(self) -> str:
@@ -350,7 +356,7 @@ class Listener:
 def _refuse(conn: socket.socket, why: str) -> None:
     """One line, never blocking (a client that reads nothing loses it), then close."""
     with contextlib.suppress(OSError):
-        conn.send(f"breakpod: refused: {why} (pid {os.getpid()})\n".encode(), socket.MSG_DONTWAIT)
+        conn.send(f"{REFUSED}{why} (pid {os.getpid()})\n".encode(), socket.MSG_DONTWAIT)
     conn.close()
 
 

@@ -73,6 +73,20 @@ STATE_OF_KIND: Final[dict[str, str]] = {
     "finished": "finished",
 }
 
+# The final event's fields say how the process ended: {"exit": N} or {"signal": N}.
+EXIT_FIELD: Final = "exit"
+SIGNAL_FIELD: Final = "signal"
+
+
+def finished_reason(fields: dict[str, Any]) -> str | None:
+    """``finished (signal N)`` / ``finished (exit N)`` for a final event, else None."""
+    for name in (SIGNAL_FIELD, EXIT_FIELD):
+        value = fields.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return f"finished ({name} {value})"
+    return None
+
+
 # -- commands -----------------------------------------------------------------
 
 CommandName = Literal["break", "resume", "dump-stacks", "detach"]

@@ -86,6 +86,7 @@ async def notifier_status(who: Viewer, broker: BrokerDep) -> list[NotifierStatus
             name=n.name,
             format=n.format,
             kinds=list(n.kinds),
+            policy=broker.notifiers.policy(n),
             recent_failures=[f for f in failures if f.get("notifier") == n.name][:20],
         )
         for n in broker.notifiers.notifiers

@@ -11,21 +11,27 @@ only a patch that references the token Secret by name. It is therefore not
 part of the broker's plain-HTTP app: serve it alone, over TLS (the chart runs
 this next to the broker)::
 
-    uvicorn --factory breakpod_broker.admission:create_app --port 8443 \\
-        --ssl-certfile tls.crt --ssl-keyfile tls.key
+    python -m breakpod_broker.admission --port 8443 --certfile tls.crt --keyfile tls.key
+
+The certificate is re-read when its file changes (a cert-manager renewal, a
+rotated Secret), so injection goes on without a restart.
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import base64
 import json
 import logging
 import os
+import ssl
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, HTTPException, Request
 
 from breakpod_broker import overlay
@@ -49,14 +55,17 @@ def review(body: Mapping[str, Any], rendered: Mapping[str, Any] | None) -> Json:
     """The AdmissionReview response for ``body`` (``rendered`` None: no overlay)."""
     request = _request(body)
     response: Json = {"uid": request["uid"], "allowed": True}
+    warnings: list[str] = []
     try:
-        patch = _patch(request, rendered)
+        patch = _patch(request, rendered, warnings)
     except overlay.OverlayError as e:
         response["warnings"] = [f"breakpod: {e}; the pod is left unchanged"]
         patch = []
     except TypeError as e:  # e.g. a container name that is a list: a malformed pod
         response["warnings"] = [f"breakpod: malformed pod ({e}); the pod is left unchanged"]
         patch = []
+    if warnings:
+        response["warnings"] = warnings
     if patch:
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
@@ -74,7 +83,7 @@ def _request(body: Mapping[str, Any]) -> Json:
     return request
 
 
-def _patch(request: Json, rendered: Mapping[str, Any] | None) -> list[Json]:
+def _patch(request: Json, rendered: Mapping[str, Any] | None, warnings: list[str]) -> list[Json]:
     pod = request.get("object")
     if _object(request, "kind").get("kind") != "Pod" or not isinstance(pod, dict):
         return []
@@ -90,7 +99,8 @@ def _patch(request: Json, rendered: Mapping[str, Any] | None) -> list[Json]:
         raise overlay.OverlayError("spec.containers is not a list of objects")
     if target is not None and not isinstance(target, str):
         raise overlay.OverlayError(f"annotation {overlay.CONTAINER_ANNOTATION} is not a string")
-    debugged = overlay.apply(spec, rendered, target)
+    debugged, notes = overlay.apply_reporting(spec, rendered, target)
+    warnings.extend(f"breakpod: {note}" for note in notes)
     return overlay.json_patch({"spec": spec}, {"spec": debugged})  # paths under /spec
 
 
@@ -143,3 +153,74 @@ def create_app() -> FastAPI:
     app.include_router(router)
     app.add_api_route("/healthz", healthz, methods=["GET"])
     return app
+
+
+# -- serving over TLS, with certificate reload ---------------------------------
+
+RELOAD_SECONDS = 10.0
+
+
+class CertificateReloader:
+    """Loads the certificate into the server's SSL context again whenever the
+    files change; new connections get the new one, open ones keep theirs."""
+
+    def __init__(self, context: ssl.SSLContext, certfile: str, keyfile: str) -> None:
+        self.context, self.certfile, self.keyfile = context, certfile, keyfile
+        self.stamp = self._stamp()
+
+    def _stamp(self) -> tuple[int, int]:
+        return os.stat(self.certfile).st_mtime_ns, os.stat(self.keyfile).st_mtime_ns
+
+    def check(self) -> bool:
+        """True when a changed certificate was loaded; a half-written pair is
+        retried on the next check, the old certificate serving meanwhile."""
+        try:
+            stamp = self._stamp()
+            if stamp == self.stamp:
+                return False
+            self.context.load_cert_chain(self.certfile, self.keyfile)
+        except (OSError, ssl.SSLError) as e:
+            log.warning("webhook certificate not reloaded (yet): %s", e)
+            return False
+        self.stamp = stamp
+        log.info("webhook certificate reloaded from %s", self.certfile)
+        return True
+
+    async def watch(self, every: float) -> None:
+        while True:
+            await asyncio.sleep(every)
+            self.check()
+
+
+def serve(host: str, port: int, certfile: str, keyfile: str, every: float) -> None:
+    config = uvicorn.Config(
+        create_app(), host=host, port=port, ssl_certfile=certfile, ssl_keyfile=keyfile
+    )
+    config.load()  # builds the SSL context the reloader keeps current
+    assert config.ssl is not None
+    reloader = CertificateReloader(config.ssl, certfile, keyfile)
+
+    async def run() -> None:
+        watcher = asyncio.create_task(reloader.watch(every))
+        try:
+            await uvicorn.Server(config).serve()
+        finally:
+            watcher.cancel()
+
+    asyncio.run(run())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="the breakpod admission webhook, over TLS")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8443)
+    parser.add_argument("--certfile", required=True)
+    parser.add_argument("--keyfile", required=True)
+    parser.add_argument("--reload-seconds", type=float, default=RELOAD_SECONDS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    serve(args.host, args.port, args.certfile, args.keyfile, args.reload_seconds)
+
+
+if __name__ == "__main__":
+    main()

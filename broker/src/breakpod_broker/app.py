@@ -81,7 +81,12 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
         static = _static_tokens(settings)
         metrics = Metrics()
         notifiers = Dispatcher(
-            settings.notifiers, client, metrics, blocking, settings.notify_claim_seconds
+            settings.notifiers,
+            client,
+            metrics,
+            blocking,
+            settings.notify_claim_seconds,
+            settings.notify_max_age,
         )
         stack.push_async_callback(notifiers.close)
         await notifiers.start()

@@ -52,8 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from breakpod_broker import serving
     from breakpod_broker.app import create_app
     from breakpod_broker.settings import BrokerSettings
 
@@ -69,14 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
         settings = settings.model_copy(
             update={"broker_tokens": _dev_tokens(settings.broker_tokens)}
         )
-    app = create_app(settings)
-    uvicorn.run(
-        app,
-        host=settings.broker_host,
-        port=settings.broker_port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=3,  # SSE streams never end by themselves
-    )
+    serving.serve(create_app(settings), settings, args.log_level)
     return 0
 
 

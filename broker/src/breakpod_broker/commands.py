@@ -8,11 +8,15 @@ event. Any replica may queue and any replica may deliver: it is all Redis.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 import uuid
-from typing import Annotated
+from collections.abc import Coroutine
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request
+from redis.exceptions import RedisError
 
 from breakpod import protocol
 from breakpod_broker import keys
@@ -64,6 +68,7 @@ async def poll(
     session_id: SessionId,
     who: Agent,
     broker: BrokerDep,
+    request: Request,
     wait: Annotated[float, Query(ge=0, le=300, description="seconds to wait for a command")] = 20.0,
 ) -> CommandList:
     """Long-poll: unacknowledged commands at once, else wait up to ``wait`` seconds for new ones.
@@ -76,11 +81,36 @@ async def poll(
     if pending:
         return CommandList(commands=[Command.model_validate_json(raw) for raw in pending])
     with broker.waiting("command poll"):
-        taken = await _take(broker, session_id, min(wait, broker.settings.max_poll_seconds))
+        wait = min(wait, broker.settings.max_poll_seconds)
+        taken = await unless_closing(request, _take(broker, session_id, wait))
     commands = [Command.model_validate_json(raw) for raw in taken]
     for command in commands:
         await _record(broker, session, command, "delivered")
     return CommandList(commands=commands)
+
+
+async def unless_closing(request: Request, work: Coroutine[Any, Any, list[str]]) -> list[str]:
+    """``work``'s result, or 503 once the broker begins to shut down (or loses Redis)
+    while it waits: the agent polls again. A command taken meanwhile stays in
+    ``delivered`` and is handed out by the next poll."""
+    closing: asyncio.Event | None = getattr(request.app.state, "closing", None)
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(closing.wait() if closing else asyncio.Future())
+    try:
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, RedisError):
+            await task
+        raise HTTPException(503, "the broker is shutting down: poll again", {"Retry-After": "1"})
+    try:
+        return task.result()
+    except RedisError as e:
+        raise HTTPException(
+            503, f"Redis unavailable ({type(e).__name__}): poll again", {"Retry-After": "1"}
+        ) from None
 
 
 async def _take(broker: Broker, session_id: str, wait: float) -> list[str]:

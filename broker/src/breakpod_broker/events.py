@@ -140,10 +140,18 @@ def _lua_args(
         state = protocol.STATE_OF_KIND.get(event.kind, "")
         address, backend = _listener(event)
         if state or address:
-            fields = event.fields
-            reason = str(fields.get("reason") or fields.get("why") or "") if state else ""
+            reason = _reason(event) if state else ""
             changes += [n, state, reason[:2000], address, backend]
     return args + changes
+
+
+def _reason(event: EventIn) -> str:
+    """The session's new reason: how it ended for a final event, else what it says."""
+    fields = event.fields
+    final = protocol.STATE_OF_KIND.get(event.kind) == protocol.FINAL_STATE
+    if final and (ended := protocol.finished_reason(fields)):
+        return ended
+    return str(fields.get("reason") or fields.get("why") or "")
 
 
 def _dumps(doc: dict[str, Any], index: int) -> str:

@@ -23,7 +23,7 @@ TOKENS = PREFIX + "tokens"
 NOTIFY = PREFIX + "notify"
 NOTIFY_MAXLEN = 100_000
 
-# Stream of notifier delivery failures, trimmed to NOTIFIER_FAILURES_MAXLEN.
+# Stream of notifier dead letters (jobs given up), trimmed to NOTIFIER_FAILURES_MAXLEN.
 NOTIFIER_FAILURES = PREFIX + "notifier-failures"
 NOTIFIER_FAILURES_MAXLEN = 1000
 
@@ -60,3 +60,9 @@ def delivered(session_id: str) -> str:
     """List of commands handed to the agent but not yet acknowledged; redelivered
     on the next poll. TTL: retention, renewed on delivery."""
     return f"{PREFIX}delivered:{session_id}"
+
+
+def notified(idempotency_key: str) -> str:
+    """String: a notifier job was delivered, so a replica that claims it again (its
+    acknowledgement was lost) does not deliver it twice. TTL: settings.notify_max_age."""
+    return f"{PREFIX}notified:{idempotency_key}"

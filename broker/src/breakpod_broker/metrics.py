@@ -37,7 +37,13 @@ class Metrics:
         )
         self.notifier_failures = Counter(
             "breakpod_notifier_failures",
-            "Webhook deliveries given up after retries",
+            "Webhook jobs given up (dead letters, listed by the notifiers endpoint)",
+            ["notifier"],
+            registry=r,
+        )
+        self.notifier_retries = Counter(
+            "breakpod_notifier_retries",
+            "Webhook attempts that failed (the job is retried until notify_max_age)",
             ["notifier"],
             registry=r,
         )

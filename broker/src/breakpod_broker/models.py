@@ -209,7 +209,8 @@ class NotifierStatus(BaseModel):
     name: str
     format: str
     kinds: list[str]
-    recent_failures: list[dict[str, str]]
+    policy: str = Field(default="", description="when an undelivered job becomes a dead letter")
+    recent_failures: list[dict[str, str]] = Field(description="dead letters, newest first")
 
 
 class Status(BaseModel):

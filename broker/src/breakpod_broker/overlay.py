@@ -10,9 +10,12 @@ same pod spec (tests/deploy proves it)::
       key: null          -> the key is removed        (e.g. livenessProbe under policy remove)
       key: [{name: ..}]  -> merged by item name: same name replaced in place, new ones appended
       key: anything else -> set
+    except: a pod's own runtimeClassName is never replaced (KEEP_EXISTING)
 
-The target container is the one named by the pod annotation
-``breakpod.dev/container``, else the first one. Applying twice changes nothing.
+The webhook also moves the debug port when another port of the pod already
+uses it (and says so in the admission warnings). The target container is the
+one named by the pod annotation ``breakpod.dev/container``, else the first one.
+Applying twice changes nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ import jsonpatch
 
 CONTAINER_ANNOTATION = "breakpod.dev/container"
 INJECT_LABEL = "breakpod.dev/inject"
+# Pod fields the overlay sets only where the pod has none (never replaced).
+KEEP_EXISTING = frozenset({"runtimeClassName"})
+PORT_ENV = "BREAKPOD_PORT"
 
 Json = dict[str, Any]
 
@@ -92,12 +98,53 @@ def apply(
     spec: Mapping[str, Any], overlay: Mapping[str, Any], container: str | None = None
 ) -> Json:
     """The pod spec with the overlay applied to the pod and its target container."""
+    return apply_reporting(spec, overlay, container)[0]
+
+
+def apply_reporting(
+    spec: Mapping[str, Any], overlay: Mapping[str, Any], container: str | None = None
+) -> tuple[Json, list[str]]:
+    """``apply``, and notes on what it changed from the overlay to fit the pod: a
+    pod's own runtimeClassName is kept; a debug port another container of the
+    pod already uses moves to the next free one."""
     index = target_index(spec, container)
-    out = merge(spec, overlay.get("pod") or {})
+    pod = {k: v for k, v in (overlay.get("pod") or {}).items() if not _kept(spec, k)}
+    notes = [f"the pod's runtimeClassName {spec[k]!r} is kept" for k in KEEP_EXISTING & set(spec)]
+    patch, moved = _free_port(spec, overlay.get("container") or {})
+    out = merge(spec, pod)
     containers = list(out["containers"])
-    containers[index] = merge(containers[index], overlay.get("container") or {})
+    containers[index] = merge(containers[index], patch)
     out["containers"] = containers
-    return out
+    return out, notes + moved
+
+
+def _kept(spec: Mapping[str, Any], key: str) -> bool:
+    return key in KEEP_EXISTING and bool(spec.get(key))
+
+
+def _free_port(spec: Mapping[str, Any], patch: Json) -> tuple[Json, list[str]]:
+    """``patch`` with its debug port (and BREAKPOD_PORT) moved off ports in use."""
+    ours = {p.get("name") for p in patch.get("ports") or [] if isinstance(p, dict)}
+    used = {
+        p.get("containerPort")
+        for c in spec.get("containers") or []
+        for p in (c.get("ports") or [])
+        if isinstance(p, dict) and p.get("name") not in ours
+    }
+    ports = [dict(p) for p in patch.get("ports") or []]
+    notes, env = [], [dict(e) for e in patch.get("env") or []]
+    for port in ports:
+        wanted = port.get("containerPort")
+        if isinstance(wanted, int) and wanted in used:
+            free = next(n for n in range(int(wanted) + 1, 65536) if n not in used)
+            port["containerPort"] = free
+            for e in env:
+                if e.get("name") == PORT_ENV and e.get("value") == str(wanted):
+                    e["value"] = str(free)
+            notes.append(f"port {wanted} is in use in this pod: the debug listener uses {free}")
+    if not notes:
+        return patch, []
+    return {**patch, "ports": ports, "env": env}, notes
 
 
 def json_patch(before: Any, after: Any) -> list[Json]:

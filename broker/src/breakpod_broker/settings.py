@@ -22,8 +22,10 @@ class Notifier(BaseModel):
     url: HttpUrl
     format: Literal["json", "slack"] = "json"
     kinds: list[EventKind] = Field(default_factory=lambda: list(protocol.NOTIFIED_KINDS))
-    retries: int = Field(default=3, ge=0, le=10)
+    # None: retry until the job is notify_max_age old; a number: give up sooner
+    retries: int | None = Field(default=None, ge=0)
     backoff_seconds: float = Field(default=0.5, gt=0, le=60)
+    max_backoff_seconds: float = Field(default=60.0, gt=0, le=3600)  # the doubling stops here
     timeout_seconds: float = Field(default=5.0, gt=0, le=60)
 
 
@@ -42,6 +44,8 @@ class BrokerSettings(BaseSettings):
     notifiers: list[Notifier] = Field(default_factory=list)  # JSON in BREAKPOD_NOTIFIERS
     # a notifier job a replica took but did not finish this long ago is taken over
     notify_claim_seconds: float = Field(default=300.0, gt=0)
+    # a notifier job still undelivered this long after its event is dead-lettered
+    notify_max_age: float = Field(default=3600.0, gt=0)
     max_body_bytes: int = Field(default=1 << 20, ge=1024)
     max_batch: int = Field(default=1000, ge=1, le=10_000)
     global_stream_maxlen: int = Field(default=100_000, ge=100)
@@ -53,4 +57,8 @@ class BrokerSettings(BaseSettings):
     # long polls + SSE streams one replica serves at once (each may hold a Redis connection)
     max_waiters: int = Field(default=256, ge=1, le=10_000)
     metrics_cache_seconds: float = Field(default=15.0, ge=0)  # /metrics session counts
+    # HTTPS for the API: a PEM certificate (chain) and its key; agents verify it
+    # with BREAKPOD_BROKER_CA (or the system's CAs)
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
     max_stream_seconds: float = Field(default=3600.0, gt=0)  # SSE clients then resume

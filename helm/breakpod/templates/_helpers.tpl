@@ -54,8 +54,24 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - name: REDIS_PASSWORD
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.redis.existingSecret | default (printf "%s-redis" (include "breakpod.fullname" .)) }}
-      key: {{ ternary .Values.redis.existingSecretKey "password" (not (empty .Values.redis.existingSecret)) }}
+      {{- include "breakpod.redisPasswordRef" . | nindent 6 }}
+{{- end }}
+
+{{- define "breakpod.redisPasswordRef" -}}
+name: {{ .Values.redis.existingSecret | default (printf "%s-redis" (include "breakpod.fullname" .)) }}
+key: {{ ternary .Values.redis.existingSecretKey "password" (not (empty .Values.redis.existingSecret)) }}
+{{- end }}
+
+{{- define "breakpod.apiScheme" -}}
+{{- ternary "https" "http" .Values.broker.tls.enabled }}
+{{- end }}
+
+{{- define "breakpod.apiTlsSecret" -}}
+{{- if .Values.broker.tls.certManager.enabled }}
+{{- printf "%s-api-tls" (include "breakpod.fullname" .) }}
+{{- else }}
+{{- .Values.broker.tls.secretName }}
+{{- end }}
 {{- end }}
 
 {{/* The in-release Redis URL carries $(REDIS_PASSWORD), expanded by the kubelet. */}}
@@ -97,10 +113,16 @@ Values that make no sense fail the render with the value to fix.
 {{- if and $v.webhook.enabled (lt (int $v.broker.replicaCount) 1) }}
 {{- fail "broker.replicaCount is 0 while webhook.enabled is true: the API server would find no webhook pod and debugged pods would start without the overlay. Set broker.replicaCount to 1 or more, or webhook.enabled=false." }}
 {{- end }}
-{{- if and (not $v.redis.enabled) (not $v.redis.url) }}
+{{- if regexMatch "://[^/@]*:[^/@]+@" $v.redis.url }}
+{{- fail "redis.url holds a password: it would be a plain env value in the broker pod. Put the URL in a Secret and set redis.urlSecret.name (and .key) instead." }}
+{{- end }}
+{{- if and $v.broker.tls.enabled (not $v.broker.tls.certManager.enabled) (not $v.broker.tls.secretName) }}
+{{- fail "broker.tls.enabled is true but broker.tls.secretName is empty and broker.tls.certManager.enabled is false: the API needs a certificate. Set one of them." }}
+{{- end }}
+{{- if and (not $v.redis.enabled) (not $v.redis.url) (not $v.redis.urlSecret.name) }}
 {{- fail "redis.enabled is false and redis.url is empty: the broker replicas need one shared Redis. Set redis.url=redis://HOST:6379/0 or redis.enabled=true." }}
 {{- end }}
-{{- if and $v.redis.enabled $v.redis.url }}
+{{- if and $v.redis.enabled (or $v.redis.url $v.redis.urlSecret.name) }}
 {{- fail "redis.url is set while redis.enabled is true: pick one. Set redis.enabled=false to use the external Redis, or redis.url=\"\"." }}
 {{- end }}
 {{- if and (not $v.redis.enabled) $v.redis.existingSecret }}

@@ -5,7 +5,8 @@ from values into a document {pod: {...}, container: {...}} that is
   * shipped (overlay-configmap.yaml) to the admission webhook, which merges it
     with the same rules (broker/src/breakpod_broker/overlay.py):
       null -> remove the key; a list of {name: ...} -> merge by name
-      (replace in place, append new); anything else -> set.
+      (replace in place, append new); anything else -> set; except that a
+      pod's own runtimeClassName is never replaced.
 Works from a parent chart (dependency named "breakpod") as well as here.
 */}}
 {{- define "breakpod.values" -}}
@@ -16,7 +17,8 @@ Works from a parent chart (dependency named "breakpod") as well as here.
 {{- $v := include "breakpod.values" . | fromJson }}
 {{- $o := $v.overlay }}
 {{- $ctx := dict "Values" $v "Release" .Release "Chart" (dict "Name" "breakpod") }}
-{{- $url := $o.brokerUrl | default (printf "http://%s.%s.svc:%v" (include "breakpod.fullname" $ctx) .Release.Namespace $v.service.port) }}
+{{- $scheme := ternary "https" "http" (and $v.broker.tls $v.broker.tls.enabled | default false) }}
+{{- $url := $o.brokerUrl | default (printf "%s://%s.%s.svc:%v" $scheme (include "breakpod.fullname" $ctx) .Release.Namespace $v.service.port) }}
 pod:
   {{- if $o.runtimeClassName }}
   runtimeClassName: {{ $o.runtimeClassName | quote }}
@@ -43,6 +45,11 @@ container:
       value: {{ int $o.port | quote }}
     - name: BREAKPOD_BROKER_URL
       value: {{ $url | quote }}
+    {{- if and $v.broker.tls $v.broker.tls.enabled $v.broker.tls.caConfigMap }}
+    - name: BREAKPOD_BROKER_CA
+      valueFrom:
+        configMapKeyRef: {name: {{ $v.broker.tls.caConfigMap | quote }}, key: ca.crt, optional: true}
+    {{- end }}
     {{- with $o.tokenSecret.name }}
     - name: BREAKPOD_TOKEN
       valueFrom:
@@ -108,7 +115,9 @@ container:
 
 {{/* (dict "spec" POD_SPEC "overlay" OVERLAY "container" NAME) -> JSON of the debugged pod spec. */}}
 {{- define "breakpod.applyPod" -}}
-{{- $out := include "breakpod.merge" (dict "target" .spec "patch" .overlay.pod) | fromJson }}
+{{- $pod := deepCopy (.overlay.pod | default dict) }}
+{{- if .spec.runtimeClassName }}{{ $_ := unset $pod "runtimeClassName" }}{{ end }}
+{{- $out := include "breakpod.merge" (dict "target" .spec "patch" $pod) | fromJson }}
 {{- $index := 0 }}
 {{- if .container }}
 {{- $index = -1 }}

@@ -1,0 +1,54 @@
+"""The broker API over HTTPS (BREAKPOD_TLS_CERT_FILE/KEY_FILE), and the agent's
+client verifying it with BREAKPOD_BROKER_CA (a path, or the PEM text itself)."""
+
+from __future__ import annotations
+
+import pytest
+
+from breakpod.broker_client import ENV_CA, BrokerClient
+from breakpod.errors import BrokerError
+from tests.brokerkit import AGENT, BrokerProcess, wait_until
+from tests.deploy.test_webhook_tls import OPENSSL, make_certs
+
+
+class TlsBroker(BrokerProcess):
+    @property
+    def url(self) -> str:
+        return f"https://localhost:{self.port}"
+
+    def _wait_ready(self, timeout: float) -> None:  # readiness is checked by the test
+        pass
+
+
+@pytest.fixture
+def tls_broker(redis_url, tmp_path):
+    if OPENSSL is None:
+        pytest.skip("openssl not installed")
+    ca, cert, key = make_certs(tmp_path)
+    env = {"BREAKPOD_TLS_CERT_FILE": str(cert), "BREAKPOD_TLS_KEY_FILE": str(key)}
+    broker = TlsBroker(redis_url, tmp_path / "broker.log", **env).start()
+    yield broker, ca
+    broker.stop()
+
+
+def _whoami(url: str) -> object:
+    try:
+        return BrokerClient(url, AGENT, timeout=2).request("GET", "/v1/whoami")
+    except BrokerError as e:
+        return e
+
+
+def _answer(reply: object) -> object:
+    return reply if isinstance(reply, dict) else None
+
+
+def test_agents_verify_the_broker_with_its_ca(tls_broker, monkeypatch) -> None:
+    broker, ca = tls_broker
+    monkeypatch.setenv(ENV_CA, str(ca))
+    me = wait_until(lambda: _answer(_whoami(broker.url)), timeout=20)
+    assert me["role"] == "agent"
+    monkeypatch.setenv(ENV_CA, ca.read_text())  # the PEM text, as a ConfigMap ref gives it
+    assert isinstance(_whoami(broker.url), dict)
+    monkeypatch.delenv(ENV_CA)  # the system's CAs do not know this one: refused
+    refused = _whoami(broker.url)
+    assert isinstance(refused, BrokerError) and "CERTIFICATE_VERIFY_FAILED" in str(refused)
