@@ -60,7 +60,9 @@ AGENT_LAYERS = (
     grimp.Layer("breakpod.api"),  # the public entry points that compose the layers below
     grimp.Layer("breakpod.reporting"),  # the broker link: emitter + command handling
     grimp.Layer(
-        "breakpod.broker_commands", "breakpod.emitter", "breakpod.broker_client", independent=False
+        *("breakpod.broker_commands", "breakpod.emitter", "breakpod.broker_client"),
+        "breakpod.exit_report",
+        independent=False,
     ),
     # monitors: hooks and the step pipeline over pure rules, checks and detection
     grimp.Layer("breakpod.monitor", "breakpod.tensor_commands", independent=False),
@@ -86,7 +88,7 @@ AGENT_LAYERS = (
     grimp.Layer(
         *("breakpod.events", "breakpod.holding", "breakpod.wiring", "breakpod.announce"),
         *("breakpod.notice", "breakpod.identity", "breakpod.hosting", "breakpod.net"),
-        *("breakpod.throttle", "breakpod.exit_report"),
+        "breakpod.throttle",
         independent=False,
     ),
     grimp.Layer("breakpod.protocol", "breakpod.config", "breakpod.errors", independent=False),
