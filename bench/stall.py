@@ -33,7 +33,8 @@ import torch
 from monitors import Setup, resnet, transformer
 
 import breakpod
-from breakpod import events, watchdog
+from breakpod._core import events
+from breakpod._job import watchdog
 
 TARGET = 1.005
 STALL_AFTER = 2.0

@@ -105,7 +105,7 @@ step "breakpod attach through kubectl port-forward"
 kubectl -n "$TRAIN_NS" port-forward "pod/$POD" 15678:5678 >/dev/null &
 PF_PID=$!
 sleep 3
-printf 'p loss\nc\n' | timeout 60 "$PY" -m breakpod.cli attach 127.0.0.1:15678
+printf 'p loss\nc\n' | timeout 60 "$PY" -m breakpod._cli.main attach 127.0.0.1:15678
 kubectl -n "$TRAIN_NS" wait --for=condition=complete job/train-nan --timeout=120s
 kubectl -n "$TRAIN_NS" logs "$POD" | tail -n 3
 echo "e2e-kind: OK"

@@ -53,45 +53,83 @@ BROKER_LAYERS = (
 AGENT_LAYERS = (
     # CLI and integrations: entered from outside (console script, pytest, .pth, runner)
     grimp.Layer(
-        *("breakpod.cli", "breakpod.broker_cli", "breakpod.attach", "breakpod.doctor"),
-        *("breakpod.runner", "breakpod.pytest_plugin", "breakpod.autostart"),
+        *(
+            "breakpod._cli.main",
+            "breakpod._cli.broker",
+            "breakpod._cli.attach",
+            "breakpod._cli.doctor",
+        ),
+        *(
+            "breakpod._cli.runner",
+            "breakpod._integrations.pytest_plugin",
+            "breakpod._integrations.autostart",
+        ),
         independent=False,
     ),
-    grimp.Layer("breakpod.api"),  # the public entry points that compose the layers below
-    grimp.Layer("breakpod.reporting"),  # the broker link: emitter + command handling
+    grimp.Layer("breakpod._api"),  # the public entry points that compose the layers below
+    grimp.Layer("breakpod._broker.link"),  # the broker link: emitter + command handling
     grimp.Layer(
-        *("breakpod.broker_commands", "breakpod.emitter", "breakpod.broker_client"),
-        "breakpod.exit_report",
+        *("breakpod._broker.commands", "breakpod._broker.emitter", "breakpod._broker.client"),
+        "breakpod._broker.exit_report",
         independent=False,
     ),
     # monitors: hooks and the step pipeline over pure rules, checks and detection
-    grimp.Layer("breakpod.monitor", "breakpod.tensor_commands", independent=False),
-    grimp.Layer("breakpod.anomaly", "breakpod.detect", "breakpod.stats", independent=False),
     grimp.Layer(
-        *("breakpod.rules", "breakpod.checks", "breakpod.compiled", "breakpod.summaries"),
+        "breakpod._monitor.monitor", "breakpod._monitor.tensor_commands", independent=False
+    ),
+    grimp.Layer(
+        "breakpod._monitor.anomaly",
+        "breakpod._monitor.detect",
+        "breakpod._monitor.stats",
+        independent=False,
+    ),
+    grimp.Layer(
+        *(
+            "breakpod._monitor.rules",
+            "breakpod._monitor.checks",
+            "breakpod._monitor.compiled",
+            "breakpod._monitor.summaries",
+        ),
         independent=False,
     ),
     # job coordination: stalls, the rank board, collectives
     grimp.Layer(
-        *("breakpod.watchdog", "breakpod.job", "breakpod.collectives", "breakpod.stall_report"),
-        *("breakpod.job_pause", "breakpod.job_timeouts"),
+        *(
+            "breakpod._job.watchdog",
+            "breakpod._job.board",
+            "breakpod._job.collectives",
+            "breakpod._job.stall_report",
+        ),
+        *("breakpod._job.pause", "breakpod._job.timeouts"),
         independent=False,
     ),
     # park/resume, remote pdb, listeners
-    grimp.Layer("breakpod.shim"),
+    grimp.Layer("breakpod._debug.shim"),
     grimp.Layer(
-        *("breakpod.debugger", "breakpod.remote_pdb", "breakpod.pdb_commands"),
-        "breakpod.listener",
+        *("breakpod._debug.debugger", "breakpod._debug.remote_pdb", "breakpod._debug.pdb_commands"),
+        "breakpod._debug.listener",
         independent=False,
     ),
     # process-wide primitives: event hub, holds, wiring, addresses, where we run
     grimp.Layer(
-        *("breakpod.events", "breakpod.holding", "breakpod.wiring", "breakpod.announce"),
-        *("breakpod.notice", "breakpod.identity", "breakpod.hosting", "breakpod.net"),
-        "breakpod.throttle",
+        *(
+            "breakpod._core.events",
+            "breakpod._core.holding",
+            "breakpod._core.wiring",
+            "breakpod._core.announce",
+        ),
+        *(
+            "breakpod._core.notice",
+            "breakpod._core.identity",
+            "breakpod._core.hosting",
+            "breakpod._core.net",
+        ),
+        "breakpod._core.throttle",
         independent=False,
     ),
-    grimp.Layer("breakpod.protocol", "breakpod.config", "breakpod.errors", independent=False),
+    grimp.Layer(
+        "breakpod.protocol", "breakpod._core.config", "breakpod._core.errors", independent=False
+    ),
 )
 
 # -- import graph -------------------------------------------------------------
@@ -286,23 +324,23 @@ def _docstrings(tree: ast.AST) -> Iterator[ast.AST]:
 # another role: a pdb quit mode "detach", the "debugpy" package, an action "break").
 # The list only shrinks: a module that is clean must leave it.
 AGENT_STILL_SPELLING = {
-    "breakpod/anomaly.py",
-    "breakpod/broker_cli.py",
-    "breakpod/cli.py",
-    "breakpod/config.py",
-    "breakpod/doctor.py",
-    "breakpod/emitter.py",
-    "breakpod/hosting.py",
-    "breakpod/job.py",
-    "breakpod/job_pause.py",
-    "breakpod/net.py",
-    "breakpod/notice.py",
-    "breakpod/pytest_plugin.py",
-    "breakpod/remote_pdb.py",
-    "breakpod/rules.py",
-    "breakpod/shim.py",
-    "breakpod/stall_report.py",
-    "breakpod/watchdog.py",
+    "breakpod/_monitor/anomaly.py",
+    "breakpod/_cli/broker.py",
+    "breakpod/_cli/main.py",
+    "breakpod/_core/config.py",
+    "breakpod/_cli/doctor.py",
+    "breakpod/_broker/emitter.py",
+    "breakpod/_core/hosting.py",
+    "breakpod/_job/board.py",
+    "breakpod/_job/pause.py",
+    "breakpod/_core/net.py",
+    "breakpod/_core/notice.py",
+    "breakpod/_integrations/pytest_plugin.py",
+    "breakpod/_debug/remote_pdb.py",
+    "breakpod/_monitor/rules.py",
+    "breakpod/_debug/shim.py",
+    "breakpod/_job/stall_report.py",
+    "breakpod/_job/watchdog.py",
 }
 
 
@@ -346,6 +384,6 @@ def test_the_named_protocol_constants_are_its_values() -> None:
 
 
 def test_the_agent_handles_every_command() -> None:
-    from breakpod import broker_commands
+    from breakpod._broker import commands as broker_commands
 
     assert set(broker_commands.HANDLERS) == set(protocol.COMMANDS)

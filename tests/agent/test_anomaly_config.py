@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import breakpod
-from breakpod.errors import ConfigError
-from breakpod.rules import glob_match
+from breakpod._core.errors import ConfigError
+from breakpod._monitor.rules import glob_match
 
 
 @pytest.fixture(autouse=True)

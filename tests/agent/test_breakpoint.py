@@ -256,7 +256,7 @@ def _pty_session(fd: int, commands: list[str]) -> str:
 
 
 def test_wrong_tokens_delay_a_remote_guesser_longer_than_everyone_else():
-    from breakpod.throttle import FORGET_AFTER, OVERALL_CAP, Throttle
+    from breakpod._core.throttle import FORGET_AFTER, OVERALL_CAP, Throttle
 
     throttle = Throttle()
     assert throttle.wait("203.0.113.5", 100.0) == 0  # no failure yet: judged at once

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from breakpod import doctor
+from breakpod._cli import doctor
 
 QUIET = {"BREAKPOD_BROKER_URL": "", "KUBERNETES_SERVICE_HOST": "", "CI": "", "GITHUB_ACTIONS": ""}
 
@@ -22,7 +22,7 @@ def run_doctor(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[s
     """``breakpod doctor`` with stdin closed, as in a container or CI job."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
     base.pop("PYTHONBREAKPOINT", None)
-    cmd = ["/bin/sh", "-c", 'exec "$@" <&-', "sh", sys.executable, "-m", "breakpod.cli"]
+    cmd = ["/bin/sh", "-c", 'exec "$@" <&-', "sh", sys.executable, "-m", "breakpod._cli.main"]
     return subprocess.run(
         [*cmd, "doctor", *args],
         env={**base, **QUIET, "BREAKPOD_PORT": "0", **env},

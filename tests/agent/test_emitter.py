@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from breakpod import emitter, identity
-from breakpod.emitter import Emitter, _encode
+from breakpod._broker import emitter
+from breakpod._broker.emitter import Emitter, _encode
+from breakpod._core import identity
 
 DEAD_URL = "http://127.0.0.1:9"  # discard port: nothing listens
 
@@ -19,8 +20,8 @@ def test_without_a_broker_url_nothing_starts(spawn):
         """
         import sys, threading
         import breakpod
-        assert "breakpod.emitter" not in sys.modules and "http.client" not in sys.modules
-        from breakpod import emitter
+        assert "breakpod._broker.emitter" not in sys.modules and "http.client" not in sys.modules
+        from breakpod._broker import emitter
         assert emitter.ensure_started() is None and not emitter.pending_break()
         print(threading.active_count())
         """
@@ -32,7 +33,7 @@ def test_without_a_broker_url_nothing_starts(spawn):
 def test_a_bad_broker_url_is_announced_once_and_the_program_runs_on(spawn):
     child = spawn(
         """
-        from breakpod import emitter
+        from breakpod._broker import emitter
         assert emitter.ensure_started() is None and emitter.ensure_started() is None
         print("ran")
         """,
@@ -123,7 +124,8 @@ def test_a_process_whose_broker_is_down_still_exits_promptly(spawn):
     child = spawn(
         """
         import time
-        from breakpod import emitter, events
+        from breakpod._broker import emitter
+        from breakpod._core import events
         emitter.ensure_started()
         events.emit("anomaly", reason="nan")
         time.sleep(0.5)  # the sender has tried and failed by now
@@ -137,8 +139,8 @@ def test_a_process_whose_broker_is_down_still_exits_promptly(spawn):
 
 
 def test_a_token_read_from_a_file_keeps_working_and_a_garbled_one_is_refused():
-    from breakpod.broker_client import BrokerClient
-    from breakpod.errors import BrokerError
+    from breakpod._broker.client import BrokerClient
+    from breakpod._core.errors import BrokerError
 
     assert BrokerClient("http://127.0.0.1:9", "s3cret\n").token == "s3cret"
     with pytest.raises(BrokerError, match="control characters"):

@@ -8,8 +8,8 @@ import threading
 import pytest
 
 import breakpod
-from breakpod import debugger
-from breakpod.config import Settings
+from breakpod._core.config import Settings
+from breakpod._debug import debugger
 
 
 @pytest.fixture(autouse=True)

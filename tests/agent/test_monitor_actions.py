@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import breakpod
-from breakpod import events
+from breakpod._core import events
 from tests.agent.nets import Net, train
 
 BREAK_SCRIPT = """
@@ -31,7 +31,7 @@ BREAK_SCRIPT = """
 BROKER_BREAK_SCRIPT = """
     import torch
     import breakpod
-    from breakpod import emitter
+    from breakpod._broker import emitter
     from tests.agent.nets import Net, batch
 
     model = Net()
@@ -167,7 +167,8 @@ def test_a_broker_break_parks_in_the_training_loop_not_in_torch(spawn, pdb_clien
 
 
 def test_the_break_frame_skips_torch_and_breakpod_frames(monkeypatch):
-    from breakpod import emitter, shim
+    from breakpod._broker import emitter
+    from breakpod._debug import shim
 
     parked = []
     monkeypatch.setattr(shim, "hold", lambda frame, header: parked.append(frame))

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import breakpod
-from breakpod import checks, stats
+from breakpod._monitor import checks, stats
 from tests.agent.nets import Net, batch
 
 SYNCING = ("item", "__bool__", "cpu", "tolist", "numpy", "__float__", "__int__", "__index__")

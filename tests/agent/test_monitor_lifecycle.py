@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import breakpod
-from breakpod.monitor import monitor_of
+from breakpod._monitor.monitor import monitor_of
 from tests.agent.nets import Net, train
 
 

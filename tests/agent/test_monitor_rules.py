@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import breakpod
-from breakpod.checks import ShapeContract
-from breakpod.rules import CHECKS, default_rules, load_rules, parse_rule
+from breakpod._monitor.checks import ShapeContract
+from breakpod._monitor.rules import CHECKS, default_rules, load_rules, parse_rule
 from tests.agent.nets import Net
 
 GOOD_YAML = """

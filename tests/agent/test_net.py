@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from breakpod import net
+from breakpod._core import net
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from breakpod import hosting, notice
+from breakpod._core import hosting, notice
 
 TESTS = """
 def test_passes():
@@ -115,9 +115,9 @@ def test_inactive_plugin_loads_no_debugger_code(run_pytest):
         "\ndef test_probe():\n"
         "    import sys\n"
         "    loaded = {\n"
-        "        'breakpod.shim',\n"
-        "        'breakpod.debugger',\n"
-        "        'breakpod.listener',\n"
+        "        'breakpod._debug.shim',\n"
+        "        'breakpod._debug.debugger',\n"
+        "        'breakpod._debug.listener',\n"
         "    }\n"
         "    assert not loaded & set(sys.modules)\n"
     )

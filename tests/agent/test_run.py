@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-CLI = "import sys\nfrom breakpod.cli import main\nraise SystemExit(main(sys.argv[1:]))\n"
+CLI = "import sys\nfrom breakpod._cli.main import main\nraise SystemExit(main(sys.argv[1:]))\n"
 
 CRASH = """
     def load(batch):
@@ -126,7 +126,7 @@ def test_a_signal_that_kills_the_child_gives_128_plus_n(breakpod_run):
 
 def test_missing_program_and_bad_options_are_clear_errors():
     def breakpod(*args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "breakpod.cli", *args]
+        cmd = [sys.executable, "-m", "breakpod._cli.main", *args]
         return subprocess.run(
             cmd, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL
         )

@@ -9,8 +9,8 @@ import socket
 import pytest
 
 import breakpod
-from breakpod import debugger
-from breakpod.config import ENV, SECURITY, Settings
+from breakpod._core.config import ENV, SECURITY, Settings
+from breakpod._debug import debugger
 
 GOOD_TOKEN = "tok-abcdefgh"
 TOKENED = {"BREAKPOD_REQUIRE_TOKEN": "1", "BREAKPOD_TOKEN": GOOD_TOKEN}

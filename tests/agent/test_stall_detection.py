@@ -6,8 +6,8 @@ import socket
 
 import pytest
 
-from breakpod import stall_report, watchdog
-from breakpod.errors import ConfigError
+from breakpod._core.errors import ConfigError
+from breakpod._job import stall_report, watchdog
 
 
 def rec(step: int, entered: int, state: str = "user", frame: str = "t.py:1 in f") -> dict:
@@ -61,7 +61,7 @@ def test_disabled_means_no_thread_and_no_hooks(spawn):
         import breakpod
         for _ in range(50):
             breakpod.step()
-        from breakpod import watchdog
+        from breakpod._job import watchdog
         hooked = DistributedDataParallel.forward is not forward or dist.all_reduce is not all_reduce
         print(threading.active_count(), hooked, watchdog._armed)
         """,

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from breakpod import events, watchdog
+from breakpod._core import events
+from breakpod._job import watchdog
 
 STUCK = """
     import time, breakpod

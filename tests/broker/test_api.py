@@ -307,7 +307,7 @@ def test_tokens_file_roles_and_namespaces(tmp_path):
 
 @pytest.mark.parametrize("token", [AGENT, VIEWER, ADMIN])
 def test_whoami_answers_every_role_so_doctor_accepts_an_agent_token(broker, token):
-    from breakpod import doctor
+    from breakpod._cli import doctor
 
     with broker.client(token) as c:
         assert c.get("/v1/whoami").json()["role"] in ("agent", "viewer", "admin")
@@ -318,7 +318,8 @@ def test_whoami_answers_every_role_so_doctor_accepts_an_agent_token(broker, toke
 def test_the_broker_accepts_every_event_kind_the_agent_sends():
     import typing
 
-    from breakpod import emitter, protocol
+    from breakpod import protocol
+    from breakpod._broker import emitter
     from breakpod_broker import models
 
     accepted = typing.get_args(models.EventIn.model_fields["kind"].annotation)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from breakpod.broker_client import ENV_CA, BrokerClient
-from breakpod.errors import BrokerError
+from breakpod._broker.client import ENV_CA, BrokerClient
+from breakpod._core.errors import BrokerError
 from tests.brokerkit import AGENT, BrokerProcess, wait_until
 from tests.deploy.test_webhook_tls import OPENSSL, make_certs
 

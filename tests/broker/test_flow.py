@@ -25,7 +25,8 @@ SCRIPT = """
 LOOP = """
     import time
     import breakpod
-    from breakpod import emitter, events
+    from breakpod._broker import emitter
+    from breakpod._core import events
     seen = []
     events.add_sink(lambda event: seen.append(event.kind))
     emitter.ensure_started()
@@ -42,7 +43,7 @@ def cli(broker, *args, token=VIEWER, stdin="", timeout=30, env=None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
     full_env.update(BREAKPOD_BROKER_URL=broker.url, BREAKPOD_TOKEN=token, **(env or {}))
     return subprocess.run(
-        [sys.executable, "-m", "breakpod.cli", *args],
+        [sys.executable, "-m", "breakpod._cli.main", *args],
         input=stdin,
         capture_output=True,
         text=True,
@@ -170,7 +171,7 @@ def test_vscode_flag_prints_a_launch_json_for_a_debugpy_session(broker):
 def test_events_follow_streams_new_events(broker):
     register(broker, "s1")
     env = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
-    cmd = [sys.executable, "-m", "breakpod.cli", "events", "-f", "--broker", broker.url]
+    cmd = [sys.executable, "-m", "breakpod._cli.main", "events", "-f", "--broker", broker.url]
     proc = subprocess.Popen([*cmd, "--token", VIEWER], stdout=subprocess.PIPE, text=True, env=env)
     stop = threading.Event()
 
@@ -210,7 +211,7 @@ def test_cli_errors_are_readable(broker, url, token, message):
 def test_cli_without_a_broker_says_how_to_set_one(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
     result = subprocess.run(
-        [sys.executable, "-m", "breakpod.cli", "sessions"],
+        [sys.executable, "-m", "breakpod._cli.main", "sessions"],
         capture_output=True,
         text=True,
         env=env,
@@ -223,7 +224,7 @@ def test_events_follow_resumes_when_the_broker_ends_the_stream(start_broker):
     broker = start_broker(BREAKPOD_MAX_STREAM_SECONDS="1")
     register(broker, "s1")
     env = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
-    cmd = [sys.executable, "-m", "breakpod.cli", "events", "-f", "--broker", broker.url]
+    cmd = [sys.executable, "-m", "breakpod._cli.main", "events", "-f", "--broker", broker.url]
     proc = subprocess.Popen([*cmd, "--token", VIEWER], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert proc.stdout is not None

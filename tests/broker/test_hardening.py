@@ -68,8 +68,8 @@ def test_port_forward_is_an_argv_list_and_stored_bad_names_are_dropped(broker, r
     ],
 )
 def test_the_cli_runs_only_a_well_formed_port_forward_argv(argv):
-    from breakpod.broker_cli import port_forward_argv
-    from breakpod.errors import AttachError
+    from breakpod._cli.broker import port_forward_argv
+    from breakpod._core.errors import AttachError
 
     info = {"port_forward_argv": argv, "port_forward": "kubectl ...", "connect": "127.0.0.1:1"}
     with pytest.raises(AttachError):

@@ -14,7 +14,7 @@ from tests.brokerkit import AGENT, post_events, register, wait_until
 
 EXITS_3 = """
     import sys
-    from breakpod import emitter
+    from breakpod._broker import emitter
     emitter.ensure_started()
     sys.exit(3)
 """
@@ -43,7 +43,7 @@ def test_a_program_s_own_sigterm_handler_is_left_alone(broker, spawn):
         """
         import signal, sys, time
         signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
-        from breakpod import emitter
+        from breakpod._broker import emitter
         emitter.ensure_started()
         print("ready", flush=True)
         time.sleep(30)

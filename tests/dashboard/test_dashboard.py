@@ -24,7 +24,8 @@ LIVE_LATENCY_S = 2.0  # the issue's bound: a rank turns parked on the page withi
 # next step boundary when an admin sends "break" through the broker.
 LOOP = """
     import time
-    from breakpod import emitter, events
+    from breakpod._broker import emitter
+    from breakpod._core import events
     seen = []
     events.add_sink(lambda event: seen.append(event.kind))
     emitter.ensure_started()

@@ -20,7 +20,7 @@ JOB = f"job-{PORT}"
 
 
 def cli(broker, token: str, *args: str, flag: str = "--token") -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "breakpod.cli", *args, "--broker", broker.url, flag, token]
+    cmd = [sys.executable, "-m", "breakpod._cli.main", *args, "--broker", broker.url, flag, token]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
 
 

@@ -17,7 +17,16 @@ JOB = f"job-{PORT}"
 
 
 def cli(broker, token: str, *args: str) -> str:
-    cmd = [sys.executable, "-m", "breakpod.cli", *args, "--broker", broker.url, "--token", token]
+    cmd = [
+        sys.executable,
+        "-m",
+        "breakpod._cli.main",
+        *args,
+        "--broker",
+        broker.url,
+        "--token",
+        token,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
     return done.stdout

@@ -12,7 +12,7 @@ neither torch nor debugpy, and each name below is imported on first use.
     breakpod.emit("log", message="...")    # an event for the broker (when one is configured)
 
 This face is also where the layers meet: it installs the broker link in
-``breakpod.wiring``, so the layers below ask for it without importing it.
+``breakpod._core.wiring``, so the layers below ask for it without importing it.
 """
 
 from __future__ import annotations
@@ -20,35 +20,35 @@ from __future__ import annotations
 import importlib
 import os
 
-from breakpod import wiring
+from breakpod._core import wiring
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
 
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "set_trace": "breakpod.shim",
-    "post_mortem": "breakpod.shim",
-    "install_excepthook": "breakpod.shim",
-    "init_remote_debugger": "breakpod.api",
-    "break_if_requested": "breakpod.api",
-    "emit": "breakpod.events",
-    "watch_stalls": "breakpod.watchdog",
-    "heartbeat": "breakpod.watchdog",
-    "step": "breakpod.watchdog",
-    "Endpoint": "breakpod.debugger",
-    "Settings": "breakpod.config",
-    "BreakpodError": "breakpod.errors",
-    "ConfigError": "breakpod.errors",
-    "InsecureBindError": "breakpod.errors",
-    "ListenerError": "breakpod.errors",
-    "AttachError": "breakpod.errors",
-    "watch": "breakpod.monitor",
-    "Monitor": "breakpod.monitor",
-    "Anomaly": "breakpod.anomaly",
-    "summary": "breakpod.summaries",
-    "RuleError": "breakpod.errors",
-    "AnomalyError": "breakpod.errors",
+    "set_trace": "breakpod._debug.shim",
+    "post_mortem": "breakpod._debug.shim",
+    "install_excepthook": "breakpod._debug.shim",
+    "init_remote_debugger": "breakpod._api",
+    "break_if_requested": "breakpod._api",
+    "emit": "breakpod._core.events",
+    "watch_stalls": "breakpod._job.watchdog",
+    "heartbeat": "breakpod._job.watchdog",
+    "step": "breakpod._job.watchdog",
+    "Endpoint": "breakpod._debug.debugger",
+    "Settings": "breakpod._core.config",
+    "BreakpodError": "breakpod._core.errors",
+    "ConfigError": "breakpod._core.errors",
+    "InsecureBindError": "breakpod._core.errors",
+    "ListenerError": "breakpod._core.errors",
+    "AttachError": "breakpod._core.errors",
+    "watch": "breakpod._monitor.monitor",
+    "Monitor": "breakpod._monitor.monitor",
+    "Anomaly": "breakpod._monitor.anomaly",
+    "summary": "breakpod._monitor.summaries",
+    "RuleError": "breakpod._core.errors",
+    "AnomalyError": "breakpod._core.errors",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -56,44 +56,44 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 if TYPE_CHECKING:
     from typing import Any
 
-    from breakpod.anomaly import Anomaly as Anomaly
-    from breakpod.api import break_if_requested as break_if_requested
-    from breakpod.api import init_remote_debugger as init_remote_debugger
-    from breakpod.config import Settings as Settings
-    from breakpod.debugger import Endpoint as Endpoint
-    from breakpod.errors import AnomalyError as AnomalyError
-    from breakpod.errors import AttachError as AttachError
-    from breakpod.errors import BreakpodError as BreakpodError
-    from breakpod.errors import ConfigError as ConfigError
-    from breakpod.errors import InsecureBindError as InsecureBindError
-    from breakpod.errors import ListenerError as ListenerError
-    from breakpod.errors import RuleError as RuleError
-    from breakpod.events import emit as emit
-    from breakpod.monitor import Monitor as Monitor
-    from breakpod.monitor import watch as watch
-    from breakpod.shim import install_excepthook as install_excepthook
-    from breakpod.shim import post_mortem as post_mortem
-    from breakpod.shim import set_trace as set_trace
-    from breakpod.summaries import summary as summary
-    from breakpod.watchdog import heartbeat as heartbeat
-    from breakpod.watchdog import step as step
-    from breakpod.watchdog import watch_stalls as watch_stalls
+    from breakpod._api import break_if_requested as break_if_requested
+    from breakpod._api import init_remote_debugger as init_remote_debugger
+    from breakpod._core.config import Settings as Settings
+    from breakpod._core.errors import AnomalyError as AnomalyError
+    from breakpod._core.errors import AttachError as AttachError
+    from breakpod._core.errors import BreakpodError as BreakpodError
+    from breakpod._core.errors import ConfigError as ConfigError
+    from breakpod._core.errors import InsecureBindError as InsecureBindError
+    from breakpod._core.errors import ListenerError as ListenerError
+    from breakpod._core.errors import RuleError as RuleError
+    from breakpod._core.events import emit as emit
+    from breakpod._debug.debugger import Endpoint as Endpoint
+    from breakpod._debug.shim import install_excepthook as install_excepthook
+    from breakpod._debug.shim import post_mortem as post_mortem
+    from breakpod._debug.shim import set_trace as set_trace
+    from breakpod._job.watchdog import heartbeat as heartbeat
+    from breakpod._job.watchdog import step as step
+    from breakpod._job.watchdog import watch_stalls as watch_stalls
+    from breakpod._monitor.anomaly import Anomaly as Anomaly
+    from breakpod._monitor.monitor import Monitor as Monitor
+    from breakpod._monitor.monitor import watch as watch
+    from breakpod._monitor.summaries import summary as summary
 
 
 def _connect_broker() -> Any:
-    """What a park, a listener or a monitor asks for through :mod:`breakpod.wiring`.
+    """What a park, a listener or a monitor asks for through :mod:`breakpod._core.wiring`.
 
     In a job of several ranks the job layer hears the park (the other ranks
     pause); with ``BREAKPOD_BROKER_URL`` set the broker link starts. Imported on
     first use, so neither ``import breakpod`` nor a lone job without a broker pays.
     """
-    from breakpod.config import BROKER_URL_ENV
+    from breakpod._core.config import BROKER_URL_ENV
 
     if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
-        importlib.import_module("breakpod.watchdog")  # its hub sink pauses the peers
+        importlib.import_module("breakpod._job.watchdog")  # its hub sink pauses the peers
     if not os.environ.get(BROKER_URL_ENV):
         return None
-    from breakpod import reporting
+    from breakpod._broker import link as reporting
 
     return reporting.connect()
 

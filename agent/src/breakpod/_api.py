@@ -1,0 +1,62 @@
+"""Public entry points that compose the layers below (``breakpod.<name>`` resolves here).
+
+Each layer stays ignorant of the ones above it; the composition lives here:
+a listener that should wait for a client parks through the shim, a ``break``
+from the broker parks at the caller's step boundary.
+"""
+
+from __future__ import annotations
+
+import sys
+from types import FrameType
+
+from breakpod import protocol
+from breakpod._core import events
+from breakpod._core.announce import announce
+from breakpod._core.config import Settings, format_seconds
+from breakpod._debug import debugger, shim
+from breakpod._debug.debugger import Endpoint
+
+
+def init_remote_debugger(
+    port: int | None = None,
+    host: str | None = None,
+    backend: str | None = None,
+    wait: bool = False,
+    *,
+    enable: bool | None = None,
+) -> Endpoint | None:
+    """Get a debugger listener ready in this process, or do nothing when disabled.
+
+    Disabled (the default) unless ``ENABLE_REMOTE_DEBUG`` is true or
+    ``enable=True``. ``backend`` is ``"auto"`` (debugpy when importable, else
+    pdb; also read from ``BREAKPOD_BACKEND``), ``"pdb"`` or ``"debugpy"``.
+    The port is ``port`` (or ``BREAKPOD_PORT``, default 5678) plus
+    ``LOCAL_RANK``. ``wait=True`` blocks until a client attaches, at most
+    ``BREAKPOD_WAIT_TIMEOUT`` seconds. Returns where the listener is, or
+    ``None`` when disabled or when the listener could not start (logged).
+    """
+    settings, fallbacks = Settings.load(port=port, host=host, backend=backend, enabled=enable)
+    endpoint = debugger.start_listener(settings, fallbacks, shim.set_trace)
+    if endpoint is not None and wait:
+        _wait_for_client(endpoint, settings, sys._getframe(1))
+    return endpoint
+
+
+def _wait_for_client(endpoint: Endpoint, settings: Settings, frame: FrameType) -> None:
+    if endpoint.backend == protocol.DEFAULT_LISTENER:
+        reason = "init_remote_debugger(wait=True)"
+        shim.park(frame, settings, reason, hold_seconds=settings.wait_timeout)  # announces
+    elif not debugger.wait_for_debugpy_client(settings.wait_timeout):
+        announce(f"nobody attached within {format_seconds(settings.wait_timeout)}; continuing")
+
+
+def break_if_requested(frame: FrameType | None = None) -> None:
+    """Call at a step boundary of your own loop: after a ``break`` command
+    (``breakpod send SESSION break``) it parks in ``frame`` (default: the caller).
+    Costs one flag check otherwise; ``breakpod.watch()`` monitors call it for you."""
+    if events.pending_break():
+        shim.set_trace(
+            frame=frame if frame is not None else sys._getframe(1),
+            header="break requested through the broker",
+        )

@@ -1,0 +1,1 @@
+"""The broker link: the typed client, the emitter, command handling."""

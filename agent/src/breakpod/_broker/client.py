@@ -1,0 +1,244 @@
+"""The agent's only HTTP code: a typed client for the broker, standard library only.
+
+One method per route the agent and the CLI call, the paths from
+:mod:`breakpod.protocol`. One client holds one keep-alive connection and is not thread-safe: the
+emitter's sender and poller threads and the CLI each have their own.
+Failures become :class:`~breakpod._core.errors.BrokerError` with a message a
+person can act on.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import ssl
+import time
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any
+
+from breakpod import protocol
+from breakpod._core.config import BROKER_URL_ENV, ENV
+from breakpod._core.errors import BrokerError
+
+ENV_URL = BROKER_URL_ENV
+ENV_TOKEN = ENV["token"]
+ENV_CA = "BREAKPOD_BROKER_CA"
+
+
+class BrokerClient:
+    def __init__(self, url: str, token: str | None, *, timeout: float = 10.0) -> None:
+        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise BrokerError(f"broker URL {url!r} is not http(s)://HOST[:PORT]")
+        self.url = f"{parts.scheme}://{parts.netloc}"
+        self.base = parts.path.rstrip("/")
+        self._https = parts.scheme == "https"
+        self._host, self._port = parts.hostname, parts.port
+        self.token = _clean_token(token)
+        self.timeout = timeout
+        self._conn: http.client.HTTPConnection | None = None
+
+    # -- the API, one method per route ------------------------------------------------
+
+    def register(self, session_id: str, info: dict[str, Any]) -> Any:
+        """Create or refresh the session (idempotent: also after the broker lost it)."""
+        return self.request("PUT", protocol.session_path(session_id), info)
+
+    def heartbeat(self, session_id: str) -> Any:
+        return self.request("POST", protocol.heartbeat_path(session_id), {})
+
+    def post_events(self, body: bytes | dict[str, Any]) -> Any:
+        """``{"events": [...]}``, or the same already encoded."""
+        return self.request("POST", protocol.EVENTS, body)
+
+    def poll(self, session_id: str, wait: float) -> list[dict[str, Any]]:
+        """Commands for the session; the broker holds the call up to ``wait`` seconds."""
+        reply = self.request("GET", f"{protocol.commands_path(session_id)}?wait={wait:g}")
+        return list(reply["commands"])
+
+    def ack(self, session_id: str, command_id: str, ok: bool, detail: str) -> Any:
+        body = {"ok": ok, "detail": detail}
+        return self.request("POST", protocol.ack_path(session_id, command_id), body)
+
+    def send_command(self, session_id: str, command: dict[str, Any]) -> str:
+        """Queue a command for a session; its id."""
+        return str(self.request("POST", protocol.commands_path(session_id), command)["id"])
+
+    def sessions(self, query: str = "") -> list[dict[str, Any]]:
+        path = f"{protocol.SESSIONS}?{query}" if query else protocol.SESSIONS
+        return list(self.request("GET", path)["sessions"])
+
+    def events(self, query: str = "") -> list[dict[str, Any]]:
+        path = f"{protocol.EVENTS}?{query}" if query else protocol.EVENTS
+        return list(self.request("GET", path)["events"])
+
+    def event_stream(self, query: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
+        path = f"{protocol.EVENTS_STREAM}?{query}" if query else protocol.EVENTS_STREAM
+        return self.stream(path)
+
+    def attach_info(self, session_id: str, local_port: int) -> dict[str, Any]:
+        path = f"{protocol.attach_path(session_id)}?local_port={local_port}"
+        return dict(self.request("GET", path))
+
+    def whoami(self) -> dict[str, Any]:
+        """Who the token is (any valid token may ask)."""
+        reply = self.request("GET", protocol.WHOAMI)
+        return reply if isinstance(reply, dict) else {}
+
+    def healthz(self) -> Any:
+        """The broker's health; needs no token."""
+        return self.request("GET", protocol.HEALTHZ)
+
+    # -- transport ----------------------------------------------------------------------
+
+    def request(
+        self, method: str, path: str, body: Any = None, *, timeout: float | None = None
+    ) -> Any:
+        """JSON in (or pre-encoded bytes), JSON out; one reconnect if a kept-alive
+        connection went stale."""
+        data = body if isinstance(body, bytes) or body is None else _encode(body)
+        for attempt in (0, 1):
+            try:
+                response = self._send(method, path, data, timeout)
+                payload = response.read()
+                break
+            except (OSError, http.client.HTTPException) as e:
+                self.close()
+                if attempt or not isinstance(e, http.client.RemoteDisconnected | BrokenPipeError):
+                    raise self._unreachable(e) from e
+        return self._decode(method, path, response.status, payload)
+
+    def stream(self, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Server-Sent Events from ``path`` as (event kind, data), for good: when the
+        broker ends a stream (its lifetime, a token re-check), it resumes where it
+        left off with ``Last-Event-ID``; a revoked token ends it with a BrokerError."""
+        last_id: str | None = None
+        resume = f"{path}{'&' if '?' in path else '?'}since={time.time():.3f}"  # none seen yet
+        while True:
+            for kind, data, event_id in self._stream_once(path, last_id):
+                last_id = event_id or last_id
+                yield kind, data
+            time.sleep(0.5)  # the broker ended the stream: reconnect, gently
+            path = path if last_id else resume
+
+    def _stream_once(
+        self, path: str, last_id: str | None
+    ) -> Iterator[tuple[str, dict[str, Any], str | None]]:
+        conn = self._connect(None)
+        headers = self._headers(None, sse=True)
+        if last_id:
+            headers["Last-Event-ID"] = last_id
+        try:
+            conn.request("GET", self.base + path, headers=headers)
+            response = conn.getresponse()
+            if response.status != 200:
+                self._decode("GET", path, response.status, response.read())
+            yield from _sse_events(response)
+        except (OSError, http.client.HTTPException) as e:
+            raise self._unreachable(e) from e
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def _send(
+        self, method: str, path: str, data: bytes | None, timeout: float | None
+    ) -> http.client.HTTPResponse:
+        if self._conn is None:
+            self._conn = self._connect(self.timeout)
+        self._conn.timeout = timeout or self.timeout
+        if self._conn.sock is not None:
+            self._conn.sock.settimeout(self._conn.timeout)
+        self._conn.request(method, self.base + path, body=data, headers=self._headers(data))
+        return self._conn.getresponse()
+
+    def _connect(self, timeout: float | None) -> http.client.HTTPConnection:
+        if self._https:  # verified: the system's CAs, or $BREAKPOD_BROKER_CA
+            context = _tls_context(os.environ.get(ENV_CA) or "")
+            return http.client.HTTPSConnection(
+                self._host, self._port, timeout=timeout, context=context
+            )
+        return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+
+    def _headers(self, data: bytes | None, *, sse: bool = False) -> dict[str, str]:
+        headers = {"Accept": "text/event-stream" if sse else "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        return headers
+
+    def _unreachable(self, e: BaseException) -> BrokerError:
+        why = (
+            "timed out"
+            if isinstance(e, socket.timeout | TimeoutError)
+            else str(e) or type(e).__name__
+        )
+        return BrokerError(
+            f"cannot reach the broker at {self.url} ({why}): is it running? "
+            f"Set --broker or ${ENV_URL}"
+        )
+
+    def _decode(self, method: str, path: str, status: int, payload: bytes) -> Any:
+        try:
+            body = json.loads(payload) if payload else None
+        except ValueError:
+            body = payload.decode(errors="replace")[:200]
+        if status < 400:
+            return body
+        raise BrokerError(_explain(method, path, status, body, self.url), status)
+
+
+def _encode(body: Any) -> bytes:
+    return json.dumps(body, default=str).encode()
+
+
+def _explain(method: str, path: str, status: int, body: Any, url: str) -> str:
+    detail = body.get("message") or body.get("detail") if isinstance(body, dict) else body
+    if status == 401:
+        return f"the broker at {url} refused the token ({detail}): set --token or ${ENV_TOKEN}"
+    if status == 403:
+        return f"the token may not {method} {path}: {detail}"
+    return f"broker: {method} {path} -> HTTP {status}: {detail}"
+
+
+def _sse_events(
+    response: http.client.HTTPResponse,
+) -> Iterator[tuple[str, dict[str, Any], str | None]]:
+    kind, data, event_id = "message", "", None
+    for raw in response:
+        line = raw.decode(errors="replace").rstrip("\r\n")
+        if not line:
+            if data:
+                yield kind, json.loads(data), event_id
+            kind, data, event_id = "message", "", None
+        elif line.startswith("event:"):
+            kind = line[6:].strip()
+        elif line.startswith("data:"):
+            data += line[5:].strip()
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()
+
+
+def _tls_context(ca: str) -> ssl.SSLContext:
+    """Verifying with ``ca``: a PEM file's path or the PEM text itself (as a
+    ConfigMap reference puts it into the environment); empty: the system's CAs."""
+    if ca.lstrip().startswith("-----BEGIN"):
+        return ssl.create_default_context(cadata=ca)
+    return ssl.create_default_context(cafile=ca or None)
+
+
+def _clean_token(token: str | None) -> str | None:
+    """Tokens often come from files with a trailing newline; anything else is refused."""
+    if token is None:
+        return None
+    token = token.strip()
+    if not token.isprintable() or " " in token:
+        raise BrokerError("the broker token contains spaces or control characters: check it")
+    return token or None

@@ -1,0 +1,365 @@
+"""Ships this process's events to the broker and hands the commands it sends back
+to a callback (``on_command``: the broker link passes ``broker_commands.run``).
+
+Enabled by ``BREAKPOD_BROKER_URL`` (token: ``BREAKPOD_TOKEN``); without it
+nothing here runs: no thread, no sink, no socket. The training thread only
+appends to a bounded in-memory queue (when full the oldest event is dropped
+and counted); a sender thread posts batches with retry and backoff (jittered,
+capped at MAX_BACKOFF so delivery resumes within seconds of the broker's
+return), and a poller thread long-polls commands (``break``, ``resume``,
+``detach``, ``dump-stacks``).
+
+Counters are exact: every event emitted is, at any moment, in exactly one of
+``sent``, ``rejected``, ``dropped``, the queue, or the batch in flight. The
+batch in flight keeps its room in the queue, so a batch whose outcome is
+unknown (a timeout; it may land late) goes back in front and is sent again
+(the broker drops the duplicate ids), never counted as dropped.
+
+    emitter.ensure_started()       # idempotent: the process's emitter, or None
+    breakpod.break_if_requested()  # at a step boundary: park here after a `break`
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from breakpod import protocol
+from breakpod._broker import exit_report
+from breakpod._broker.client import BrokerClient
+from breakpod._core import events, identity, wiring
+from breakpod._core.announce import announce
+from breakpod._core.config import BROKER_URL_ENV, ENV, parse_int
+from breakpod._core.errors import BreakpodError, BrokerError
+from breakpod._core.events import pending_break, request_break
+
+log = logging.getLogger(__name__)
+
+ENV_TOKEN = ENV["token"]
+ENV_QUEUE = "BREAKPOD_EMIT_QUEUE"
+# What the agent sends (the broker records "command" events itself); anything
+# else travels as protocol.FALLBACK_KIND.
+KINDS = protocol.AGENT_EVENT_KINDS
+STATE_OF_KIND = protocol.STATE_OF_KIND
+BATCH_EVENTS = 500
+BATCH_BYTES = 512 * 1024
+MAX_EVENT_BYTES = 64 * 1024
+HEARTBEAT_SECONDS = 15.0
+POLL_SECONDS = 20.0
+FIRST_BACKOFF = 0.25
+MAX_BACKOFF = 2.0
+
+# (ok, detail) for a command name; the detail goes back in the acknowledgement.
+CommandHandler = Callable[[str], tuple[bool, str]]
+__all__ = ["Emitter", "ensure_started", "pending_break", "request_break", "start_once"]
+
+_lock = threading.Lock()
+_emitter: Emitter | None = None
+_start_failed = False
+
+
+def ensure_started() -> Emitter | None:
+    """The process's emitter, started on first call through the broker link
+    (commands handled); ``None`` when no broker is configured."""
+    if _emitter is None and not _start_failed and os.environ.get(BROKER_URL_ENV):
+        wiring.connect()
+    return _emitter
+
+
+def start_once(on_command: CommandHandler) -> Emitter | None:
+    """Start the process's emitter (idempotent); ``None`` without a broker or when
+    its settings are bad (announced once)."""
+    global _emitter, _start_failed
+    if _emitter is not None or _start_failed or not os.environ.get(BROKER_URL_ENV):
+        return _emitter
+    with _lock:
+        if _emitter is None and not _start_failed:
+            try:
+                _emitter = Emitter.from_env(on_command=on_command).start()
+            except (BreakpodError, ValueError) as e:
+                _start_failed = True
+                announce(f"not reporting to the broker: {e}")
+    return _emitter
+
+
+def _no_commands(name: str) -> tuple[bool, str]:
+    return False, f"this agent handles no commands ({name!r} ignored)"
+
+
+class Emitter:
+    """A session at the broker: a queue, a sender thread and a command poller thread."""
+
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        *,
+        session_id: str | None = None,
+        info: dict[str, Any] | None = None,
+        queue_size: int = 10_000,
+        poll_commands: bool = True,
+        on_command: CommandHandler = _no_commands,
+    ) -> None:
+        self.session_id = session_id or identity.session_id()
+        self.info = identity.describe() if info is None else info
+        self.queue_size = max(1, queue_size)
+        self.dropped = self.sent = self.rejected = 0
+        self.in_flight = 0  # taken by the sender, outcome not known yet
+        self.on_command = on_command
+        self.state: dict[str, Any] = {"state": protocol.INITIAL_STATE}
+        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._qlock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._wake, self._stop, self._idle = threading.Event(), threading.Event(), threading.Event()
+        self._registered = threading.Event()
+        self._next_beat = 0.0
+        self._reachable = False  # the last call reached the broker (none has yet)
+        self._warned: set[str] = set()
+        self._client = BrokerClient(url, token, timeout=5.0)
+        self._poller = (
+            BrokerClient(url, token, timeout=POLL_SECONDS + 10) if poll_commands else None
+        )
+        self._threads: list[threading.Thread] = []
+
+    @classmethod
+    def from_env(cls, on_command: CommandHandler = _no_commands) -> Emitter:
+        size = parse_int(ENV_QUEUE, os.environ.get(ENV_QUEUE, "10000"))  # ConfigError: announced
+        url, token = os.environ[BROKER_URL_ENV], os.environ.get(ENV_TOKEN)
+        return cls(url, token, queue_size=size, on_command=on_command)
+
+    def start(self) -> Emitter:
+        targets = [self._send_loop] + ([self._poll_loop] if self._poller is not None else [])
+        for target in targets:
+            thread = threading.Thread(target=target, name=f"breakpod{target.__name__}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        events.add_sink(self.sink)
+        atexit.register(self.finish)
+        exit_report.install(self.finish)
+        self._wake.set()
+        return self
+
+    # -- the training thread's side: append and return ---------------------------------
+
+    def emit(
+        self, kind: str, fields: dict[str, Any] | None = None, *, at: float | None = None
+    ) -> None:
+        """Queue an event; never blocks on the network. Unknown kinds travel as ``log``."""
+        fields = dict(fields or {})
+        if kind not in KINDS:
+            kind, fields = protocol.FALLBACK_KIND, {**fields, "event": kind}
+        doc: dict[str, Any] = {"id": f"{self.session_id}.{next(self._seq)}", "kind": kind}
+        doc.update(session=self.session_id, time=at or time.time(), fields=fields)
+        self._track_state(kind, fields)
+        with self._qlock:
+            self._idle.clear()
+            if len(self._queue) + self.in_flight >= self.queue_size:
+                self.dropped += 1
+                if not self._queue:  # all the room is in flight: this one cannot wait
+                    return
+                self._queue.popleft()
+            self._queue.append(doc)
+        self._wake.set()
+
+    def sink(self, event: events.Event) -> None:
+        self.emit(event.kind, event.fields, at=event.time)
+
+    def _track_state(self, kind: str, fields: dict[str, Any]) -> None:
+        """Kept so a re-registration (broker lost its Redis) restores the session."""
+        state = STATE_OF_KIND.get(kind)
+        if state is not None:
+            reason = fields.get("reason") or fields.get("why")  # as the broker records it
+            self.state = {**self.state, "state": state, "reason": reason}
+        if kind in protocol.LISTENER_KINDS and fields.get("address"):
+            backend = fields.get("backend", protocol.DEFAULT_LISTENER)
+            self.state = {**self.state, "address": fields["address"], "listener": backend}
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until everything queued was sent (or rejected); False on timeout."""
+        self._wake.set()
+        return self._idle.wait(timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        events.remove_sink(self.sink)
+        self._stop.set()
+        self._wake.set()
+        for thread in self._threads:
+            thread.join(timeout)
+
+    def finish(self, how: dict[str, Any] | None = None) -> None:
+        """At exit (or SIGTERM): report ``finished`` with its ``exit`` status or
+        ``signal``, and give the sender a moment to deliver it."""
+        if self._stop.is_set():
+            return
+        self.emit(protocol.FINISHED, {"reason": "process exited", **(how or exit_report.status())})
+        self.flush(timeout=3.0 if self._reachable else 0.2)  # never hold up an exit for long
+        self.close(timeout=0.5)
+
+    # -- the sender thread --------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        backoff = FIRST_BACKOFF
+        while not self._stop.is_set():
+            self._wake.wait(timeout=HEARTBEAT_SECONDS / 3)
+            self._wake.clear()
+            try:
+                self._register_or_beat()
+                while self._send_batch():
+                    pass
+                backoff, self._reachable = FIRST_BACKOFF, True
+            except BrokerError as e:
+                self._reachable = e.status is not None
+                if e.status == 422 and not self._registered.is_set():  # retrying cannot help
+                    announce(f"the broker refused this session, not reporting to it: {e}")
+                    self._stop.set()
+                    return
+                self._warn_once("send", f"broker unreachable, events queued ({e})")
+            except Exception as e:  # a bug here must not kill reporting, nor the job
+                self._warn_once("send-bug", f"reporting failed ({type(e).__name__}: {e})")
+            else:
+                continue
+            self._stop.wait(jittered(backoff))
+            backoff = min(backoff * 2, MAX_BACKOFF)
+            self._wake.set()
+
+    def _register_or_beat(self) -> None:
+        now = time.monotonic()
+        try:
+            if not self._registered.is_set():
+                self._client.register(self.session_id, {**self.info, **self.state})
+                self._registered.set()
+            elif now >= self._next_beat:
+                self._client.heartbeat(self.session_id)
+            else:
+                return
+        except BrokerError as e:
+            if e.status == 404:
+                self._registered.clear()
+            raise
+        self._next_beat = now + HEARTBEAT_SECONDS
+
+    def _send_batch(self) -> bool:
+        """Send one batch; False when the queue is empty."""
+        batch, body = self._take()
+        if not batch:
+            return False
+        try:
+            self._client.post_events(body)
+        except BrokerError as e:
+            if e.status in (400, 403, 413, 422):  # retrying cannot help: drop, count, say so
+                self._settle(batch, rejected=True)
+                self._warn_once("rejected", f"the broker rejected {len(batch)} events: {e}")
+                return True
+            if e.status == 404:
+                self._registered.clear()
+            self._requeue(batch)
+            raise
+        except BaseException:  # a bug: the events go back, the counters stay exact
+            self._requeue(batch)
+            raise
+        self._settle(batch, rejected=False)
+        return True
+
+    def _settle(self, batch: list[dict[str, Any]], *, rejected: bool) -> None:
+        with self._qlock:
+            self.in_flight -= len(batch)
+            if rejected:
+                self.rejected += len(batch)
+            else:
+                self.sent += len(batch)
+
+    def _take(self) -> tuple[list[dict[str, Any]], bytes]:
+        """Up to BATCH_EVENTS / BATCH_BYTES from the front; encoded outside the lock so
+        the training thread's emit() never waits for JSON encoding."""
+        with self._qlock:
+            batch = [self._queue.popleft() for _ in range(min(BATCH_EVENTS, len(self._queue)))]
+            if not batch:
+                self._idle.set()  # under the lock: an emit() right now clears it again
+                return [], b""
+            self.in_flight += len(batch)
+        parts: list[bytes] = []
+        size = 0
+        for doc in batch:
+            if parts and size >= BATCH_BYTES:
+                break
+            parts.append(_encode(doc))
+            size += len(parts[-1])
+        if len(parts) < len(batch):
+            self._requeue(batch[len(parts) :])
+        return batch[: len(parts)], b'{"events":[' + b",".join(parts) + b"]}"
+
+    def _requeue(self, batch: list[dict[str, Any]]) -> None:
+        """Put a batch back in front; the room it kept while in flight is still there."""
+        with self._qlock:
+            self.in_flight -= len(batch)
+            self._queue.extendleft(reversed(batch))
+
+    # -- the poller thread --------------------------------------------------------------
+
+    def _poll_loop(self) -> None:
+        assert self._poller is not None
+        backoff = FIRST_BACKOFF
+        while not self._stop.is_set():
+            if not self._registered.wait(timeout=1.0):
+                continue
+            try:
+                for command in self._poller.poll(self.session_id, POLL_SECONDS):
+                    self._run(command)
+                backoff = FIRST_BACKOFF
+            except Exception as e:  # never let the poller die: commands would stop
+                if isinstance(e, BrokerError) and e.status == 404:
+                    self._registered.clear()
+                    self._wake.set()
+                elif isinstance(e, BrokerError) and e.status == 429:  # the replica is full
+                    backoff = max(backoff, 5.0)
+                elif not isinstance(e, BrokerError):
+                    self._warn_once("poll-bug", f"command poll failed ({type(e).__name__}: {e})")
+                self._stop.wait(jittered(backoff))
+                backoff = min(backoff * 2, MAX_BACKOFF)
+
+    def _run(self, command: dict[str, Any]) -> None:
+        try:
+            ok, detail = self.on_command(command["command"])
+        except Exception as e:  # a command must never take the process down
+            ok, detail = False, f"{type(e).__name__}: {e}"
+        assert self._poller is not None
+        self._poller.ack(self.session_id, command["id"], ok, detail)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning("breakpod: %s", message)
+
+
+def jittered(seconds: float) -> float:
+    """Between half and all of ``seconds``: agents that lost the same broker
+    do not all come back in the same instant."""
+    return seconds * random.uniform(0.5, 1.0)
+
+
+def _encode(doc: dict[str, Any]) -> bytes:
+    encoded = protocol.dumps(doc).encode()
+    if len(encoded) <= MAX_EVENT_BYTES:
+        return encoded
+    preview = protocol.dumps(doc["fields"])[:4096]
+    return _encode({**doc, "fields": {"truncated": True, "preview": preview}})
+
+
+def _forget_after_fork() -> None:
+    """A forked child (a DataLoader worker) has no sender thread: stay silent there."""
+    global _emitter
+    if _emitter is not None:
+        events.remove_sink(_emitter.sink)
+        _emitter._stop.set()  # its atexit finish() returns at once
+        _emitter = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

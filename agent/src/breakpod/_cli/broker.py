@@ -1,0 +1,301 @@
+"""The broker side of the ``breakpod`` CLI: sessions, events, send, attach SESSION_ID."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+from typing import Any
+
+from breakpod._broker.client import ENV_TOKEN, ENV_URL, BrokerClient
+from breakpod._core import net
+from breakpod._core.errors import AttachError, BrokerError
+
+PORT_FORWARD_TIMEOUT = 15.0
+
+
+def add_broker_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--broker", metavar="URL", help=f"broker URL (default: ${ENV_URL})")
+    p.add_argument("--token", dest="broker_token", help=f"broker token (default: ${ENV_TOKEN})")
+
+
+def client(args: argparse.Namespace) -> BrokerClient:
+    url = getattr(args, "broker", None) or os.environ.get(ENV_URL)
+    if not url:
+        raise BrokerError(f"no broker given: pass --broker URL or set {ENV_URL}")
+    return BrokerClient(url, args.broker_token or os.environ.get(ENV_TOKEN))
+
+
+def run_sessions(args: argparse.Namespace) -> int:
+    query = f"?state={args.state}" if args.state else ""
+    sessions = client(args).request("GET", f"/v1/sessions{query}")["sessions"]
+    if getattr(args, "job", None):
+        sessions = [s for s in sessions if s.get("job") == args.job]
+    if args.json:
+        print(json.dumps(sessions, indent=2))
+        return 0
+    sessions.sort(key=lambda s: (s.get("job") or "", s.get("rank") or 0))  # a job's ranks together
+    rows = [["ID", "JOB", "POD/HOST", "RANK", "STATE", "REASON", "AGE"]]
+    rows += [_session_row(s) for s in sessions]
+    print(_table(rows))
+    for line in job_lines(sessions):
+        print(line)
+    return 0
+
+
+def job_lines(sessions: list[dict[str, Any]]) -> list[str]:
+    """One line per job of several ranks with each rank's state."""
+    jobs: dict[str, list[dict[str, Any]]] = {}
+    for s in sessions:
+        if s.get("job") and s.get("rank") is not None:
+            jobs.setdefault(s["job"], []).append(s)
+    return [
+        f"job {job}: " + ", ".join(f"rank {s['rank']} {s['state']}" for s in ranks)
+        for job, ranks in jobs.items()
+        if len(ranks) > 1
+    ]
+
+
+def run_stacks(args: argparse.Namespace) -> int:
+    """``breakpod stacks SESSION|JOB``: every thread's stack of one rank or of each rank."""
+    broker = client(args)
+    targets = job_sessions(broker.request("GET", "/v1/sessions")["sessions"], args.target)
+    body = {"command": "dump-stacks", "reason": "breakpod stacks"}
+    sent = [
+        (s, broker.request("POST", f"/v1/sessions/{s['id']}/commands", body)["id"]) for s in targets
+    ]
+    for session, command_id in sent:
+        rank = "" if session.get("rank") is None else f"rank {session['rank']} "
+        print(f"=== {rank}{session['id']} ===", flush=True)
+        print(_await_ack(broker, session["id"], command_id, args.timeout), flush=True)
+    return 0
+
+
+def job_sessions(sessions: list[dict[str, Any]], target: str) -> list[dict[str, Any]]:
+    """The session named ``target``, else the live ranks of the job named ``target``."""
+    exact = [s for s in sessions if s["id"] == target]
+    if exact:
+        return exact
+    live = [
+        s for s in sessions if s.get("job") == target and s["state"] not in ("lost", "finished")
+    ]
+    if not live:
+        jobs = sorted({s["job"] for s in sessions if s.get("job")})
+        raise BrokerError(
+            f"no session or running job {target!r}; jobs the broker knows: {', '.join(jobs) or '-'}"
+        )
+    return sorted(live, key=lambda s: s.get("rank") or 0)
+
+
+def _await_ack(broker: BrokerClient, session: str, command_id: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    query = _query(session=session, kind="command", limit=100)
+    while time.monotonic() < deadline:
+        for event in broker.request("GET", f"/v1/events?{query}")["events"]:
+            fields = event.get("fields", {})
+            if fields.get("command_id") == command_id and fields.get("state") in ("done", "failed"):
+                return str(fields.get("detail") or fields["state"])
+        time.sleep(0.25)
+    return f"(no answer within {timeout:g}s: is the process alive and polling the broker?)"
+
+
+def _session_row(s: dict[str, Any]) -> list[str]:
+    where = f"{s['namespace']}/{s['pod']}" if s.get("pod") and s.get("namespace") else s.get("host")
+    rank = "-" if s.get("rank") is None else f"{s['rank']}/{s.get('world_size') or '?'}"
+    reason = (s.get("reason") or "")[:60]
+    return [
+        s["id"],
+        s.get("job") or "-",
+        where or "-",
+        rank,
+        s["state"],
+        reason,
+        _age(s["created"]),
+    ]
+
+
+def _age(since: float) -> str:
+    seconds = max(0, int(time.time() - since))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def run_events(args: argparse.Namespace) -> int:
+    query = _query(session=args.session, kind=args.kind)
+    broker = client(args)
+    if not args.follow:
+        page = broker.request("GET", f"/v1/events?{_query(limit=args.limit)}&{query}".rstrip("&?"))
+        for event in page["events"]:
+            print(format_event(event), flush=True)
+        return 0
+    for _, event in broker.stream(f"/v1/events/stream?{query}".rstrip("?")):
+        print(format_event(event), flush=True)
+    return 0
+
+
+def _query(**params: Any) -> str:
+    pairs = [(k, v) for k, value in params.items() for v in _values(value)]
+    return urllib.parse.urlencode(pairs)
+
+
+def _values(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def format_event(event: dict[str, Any]) -> str:
+    stamp = time.strftime("%H:%M:%S", time.localtime(event["time"]))
+    fields = " ".join(
+        f"{k}={_short(v)}" for k, v in event.get("fields", {}).items() if v is not None
+    )
+    return f"{stamp}  {event['kind']:<9} {event['session']}  {fields}".rstrip()
+
+
+def _short(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    text = text.replace("\n", "\\n")
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def run_send(args: argparse.Namespace) -> int:
+    """``breakpod send SESSION|JOB COMMAND``: to one session, or to every live rank of a job
+    (a job's ranks agree among themselves on the step a ``break`` parks them at)."""
+    broker = client(args)
+    body = {"command": args.command, "reason": args.reason}
+    targets = [args.session]
+    if not _is_session(broker, args.session):
+        sessions = broker.request("GET", "/v1/sessions")["sessions"]
+        targets = [s["id"] for s in job_sessions(sessions, args.session)]
+    for target in targets:
+        sent = broker.request("POST", f"/v1/sessions/{target}/commands", body)
+        print(f"queued {sent['command']} for {target} (command {sent['id']})")
+    return 0
+
+
+def _is_session(broker: BrokerClient, target: str) -> bool:
+    try:
+        broker.request("GET", f"/v1/sessions/{target}")
+    except BrokerError:
+        return False
+    return True
+
+
+def rank_session(sessions: list[dict[str, Any]], job: str, rank: int) -> str:
+    """The session id of ``rank`` of ``job``; a one-line error naming the job's ranks."""
+    ranks = job_sessions(sessions, job)
+    for s in ranks:
+        if s.get("rank") == rank:
+            return str(s["id"])
+    known = ", ".join(str(s.get("rank")) for s in ranks)
+    raise BrokerError(f"job {job!r} has no rank {rank}; its ranks: {known}")
+
+
+def attach_session(args: argparse.Namespace) -> int:
+    """``breakpod attach SESSION_ID``: resolve it through the broker, then attach."""
+    from breakpod._cli import attach
+
+    broker = client(args)
+    target = args.target
+    if getattr(args, "rank", None) is not None:
+        sessions = broker.request("GET", "/v1/sessions")["sessions"]
+        target = rank_session(sessions, args.target, args.rank)
+    info = broker.request("GET", f"/v1/sessions/{target}/attach?local_port={_free_port()}")
+    host, port = net.parse_address(info["connect"])
+    if args.vscode or info["listener"] == "debugpy":
+        launch = info.get("vscode_launch") or json.loads(
+            attach.vscode_launch(host, port, args.remote_root, args.local_root)
+        )
+        if info.get("port_forward"):
+            print(f"// first run: {info['port_forward']}", file=sys.stderr)
+        print(json.dumps(launch, indent=2))
+        return 0
+    forward = info.get("port_forward")
+    with PortForward(port_forward_argv(info), port) if forward else contextlib.nullcontext():
+        attach.attach(host, port, token=args.token)
+    return 0
+
+
+def port_forward_argv(info: dict[str, Any]) -> list[str]:
+    """The broker's ``kubectl port-forward`` argv, run without a shell and only in
+    its one expected shape: a session's pod and namespace come from the pod itself,
+    and must not smuggle options (``--server=...``) into the engineer's kubectl."""
+    argv = info.get("port_forward_argv")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise AttachError(
+            "the broker sent no port_forward_argv (it is older than this CLI: upgrade it); "
+            "breakpod never runs the display string port_forward"
+        )
+    shape = argv[:3] == ["kubectl", "port-forward", "-n"] and len(argv) == 6
+    if not shape or any(a.startswith("-") for a in argv[3:]) or not argv[4].startswith("pod/"):
+        raise AttachError(f"refusing an unexpected port-forward command from the broker: {argv}")
+    return argv
+
+
+class PortForward:
+    """Runs ``kubectl port-forward`` until the block ends; waits for the local port."""
+
+    def __init__(self, argv: list[str], local_port: int) -> None:
+        self.argv = list(argv)
+        self.local_port = local_port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> PortForward:
+        print(f"breakpod: {shlex.join(self.argv)}", file=sys.stderr)
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE
+            )
+        except OSError as e:
+            raise AttachError(
+                f"cannot run {self.argv[0]!r} ({e.strerror}): is kubectl installed?"
+            ) from e
+        self._wait_for_port()
+        return self
+
+    def _wait_for_port(self) -> None:
+        """kubectl prints "Forwarding from 127.0.0.1:PORT -> ..." once it listens. (A test
+        connection would reach the parked process and count as an attach.)"""
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + PORT_FORWARD_TIMEOUT
+        seen = b""
+        while time.monotonic() < deadline and b"Forwarding from" not in seen:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
+            chunk = os.read(self.proc.stdout.fileno(), 4096) if ready else b""
+            if ready and not chunk:
+                raise AttachError(f"kubectl port-forward failed: {seen.decode(errors='replace')}")
+            seen += chunk
+        if b"Forwarding from" not in seen:
+            self.__exit__()
+            raise AttachError(f"kubectl port-forward did not start in {PORT_FORWARD_TIMEOUT:g}s")
+
+    def __exit__(self, *_exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

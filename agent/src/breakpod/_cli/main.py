@@ -1,0 +1,202 @@
+"""The ``breakpod`` command line: what an engineer runs to reach a parked job."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from breakpod import __version__
+from breakpod._core.config import BACKENDS
+from breakpod._core.errors import BreakpodError
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="breakpod: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except BreakpodError as e:
+        print(f"breakpod: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="breakpod", description="breakpoint() for pods.")
+    parser.add_argument("--version", action="version", version=f"breakpod {__version__}")
+    commands = parser.add_subparsers(title="commands", required=True, metavar="COMMAND")
+    add_attach(commands)
+    add_run(commands)
+    add_doctor(commands)
+    add_sessions(commands)
+    add_events(commands)
+    add_send(commands)
+    add_stacks(commands)
+    return parser
+
+
+def add_attach(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser(
+        "attach",
+        help="attach to a parked process",
+        description="Attach to a remote pdb (or print a VS Code config for a debugpy listener).",
+    )
+    p.add_argument(
+        "target",
+        metavar="HOST:PORT|SESSION_ID",
+        help="listener address, e.g. 127.0.0.1:5678, or a session id known to the broker",
+    )
+    p.add_argument("--token", help="token for non-loopback listeners (default: $BREAKPOD_TOKEN)")
+    p.add_argument(
+        "--vscode",
+        action="store_true",
+        help="print a launch.json for a debugpy listener instead of attaching",
+    )
+    p.add_argument(
+        "--remote-root",
+        default=".",
+        help="source root inside the container, for pathMappings (default: .)",
+    )
+    p.add_argument(
+        "--local-root",
+        default="${workspaceFolder}",
+        help="matching local source root (default: ${workspaceFolder})",
+    )
+    p.add_argument("--rank", type=int, help="with a JOB as target: attach to this rank of the job")
+    p.add_argument("--broker", metavar="URL", help="broker URL (default: $BREAKPOD_BROKER_URL)")
+    p.add_argument("--broker-token", help="broker token (default: $BREAKPOD_TOKEN)")
+    p.set_defaults(func=run_attach)
+
+
+def run_attach(args: argparse.Namespace) -> int:
+    from breakpod._cli import attach
+    from breakpod._core import net
+
+    if args.rank is not None or (":" not in args.target and not args.target.isdigit()):
+        from breakpod._cli.broker import attach_session
+
+        return attach_session(args)
+    host, port = net.parse_address(args.target)
+    if args.vscode:
+        print(attach.vscode_launch(host, port, args.remote_root, args.local_root))
+        return 0
+    attach.attach(host, port, token=args.token)
+    return 0
+
+
+def add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser(
+        "run",
+        help="run a program with breakpoint(), post-mortem and debug switches on",
+        description="Run a program (e.g. python train.py) with breakpod's debug environment: "
+        "breakpoint() parks on a socket when headless, an uncaught exception opens a "
+        "post-mortem, torch.compile is off. Signals are forwarded; the exit status is the "
+        "program's (128+N when killed by signal N).",
+    )
+    p.add_argument("--hold", metavar="SECONDS", help="how long a park waits for a debugger")
+    p.add_argument("--port", metavar="PORT", help="listener port (+ LOCAL_RANK; 0 = any free)")
+    p.add_argument("--host", help="listener address (default 127.0.0.1)")
+    p.add_argument("--broker", metavar="URL", help="broker to register sessions with")
+    p.add_argument("--backend", choices=BACKENDS, help="debugger backend")
+    p.add_argument("--keep-compile", action="store_true", help="leave torch.compile enabled")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
+    p.set_defaults(func=run_run)
+
+
+def run_run(args: argparse.Namespace) -> int:
+    import os
+
+    from breakpod._cli import runner
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    env = runner.debug_env(
+        os.environ,
+        hold=args.hold,
+        port=args.port,
+        host=args.host,
+        broker=args.broker,
+        backend=args.backend,
+        keep_compile=args.keep_compile,
+    )
+    return runner.run(command, env)
+
+
+def add_doctor(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser(
+        "doctor",
+        help="check that a debugger can reach this environment",
+        description="Check this environment, one line per check with a fix: TTY and what "
+        "breakpoint() will do, PYTHONBREAKPOINT, debugpy, bind address and port, broker, "
+        "torch/CUDA/torch.compile, Kubernetes/Docker/CI. Exits 1 when attaching is blocked.",
+    )
+    p.add_argument("--json", action="store_true", help="print the checks as JSON")
+    p.set_defaults(func=run_doctor)
+
+
+def run_doctor(args: argparse.Namespace) -> int:
+    from breakpod._cli import doctor
+
+    checks = doctor.diagnose()
+    print(doctor.to_json(checks) if args.json else doctor.render(checks))
+    return doctor.exit_status(checks)
+
+
+def add_sessions(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from breakpod._cli import broker as broker_cli
+
+    p = commands.add_parser("sessions", help="list the sessions the broker knows")
+    p.add_argument("--state", help="only sessions in this state (parked, lost, ...)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--job", help="only the ranks of this job")
+    broker_cli.add_broker_flags(p)
+    p.set_defaults(func=broker_cli.run_sessions)
+
+
+def add_events(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from breakpod._cli import broker as broker_cli
+
+    p = commands.add_parser("events", help="show (or --follow) events from the broker")
+    p.add_argument("--follow", "-f", action="store_true", help="stream new events until Ctrl-C")
+    p.add_argument("--session", help="only this session's events")
+    p.add_argument("--kind", action="append", help="only this kind (repeatable)")
+    p.add_argument("--limit", type=int, default=50, help="how many recent events (default 50)")
+    broker_cli.add_broker_flags(p)
+    p.set_defaults(func=broker_cli.run_events)
+
+
+def add_send(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from breakpod._cli import broker as broker_cli
+
+    p = commands.add_parser(
+        "send",
+        help="send a command to a session's agent, or to every rank of a job",
+        description="A JOB (its id in `breakpod sessions`) gets the command on every live rank: "
+        "`break` parks them all at one step boundary, `resume` continues them all.",
+    )
+    p.add_argument("session", metavar="SESSION_ID|JOB")
+    p.add_argument("command", choices=["break", "resume", "dump-stacks", "detach"])
+    p.add_argument("--reason", help="recorded with the command")
+    broker_cli.add_broker_flags(p)
+    p.set_defaults(func=broker_cli.run_send)
+
+
+def add_stacks(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from breakpod._cli import broker as broker_cli
+
+    p = commands.add_parser(
+        "stacks",
+        help="print the current stacks of a session, or of every rank of a job",
+        description="Ask the agent(s) through the broker for every thread's Python stack.",
+    )
+    p.add_argument("target", metavar="SESSION_ID|JOB")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each rank")
+    broker_cli.add_broker_flags(p)
+    p.set_defaults(func=broker_cli.run_stacks)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Process-wide primitives: settings, errors, the event hub, holds, addresses."""

@@ -1,0 +1,267 @@
+"""Agent settings: explicit argument > environment variable > safe default.
+
+Every knob the agent reads from the environment is listed in ``ENV`` so the
+README, ``breakpod doctor`` and the tests share one description of it.
+
+A bad value never silently turns protection off. :meth:`Settings.load`
+reports each bad value by name: an ordinary one falls back to its own
+default, alone; a bad or missing *security* value (``SECURITY``) keeps every
+other value but sets ``Settings.refused``, and no listener starts in this
+process (the job runs on without one). :meth:`Settings.from_env` is the strict
+form for explicit API calls: it raises on the first bad value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from breakpod._core.errors import ConfigError
+
+DEFAULT_PORT = 5678
+SHIM = "breakpod.set_trace"  # the PYTHONBREAKPOINT value
+DISABLE_COMPILE_ENV = "BREAKPOD_DISABLE_COMPILE"
+BACKENDS = ("auto", "pdb", "debugpy")  # auto: debugpy when importable, else pdb
+BROKER_URL_ENV = "BREAKPOD_BROKER_URL"  # read by the emitter, the CLI, run and doctor
+TRUE = frozenset({"1", "true", "yes", "on"})
+FALSE = frozenset({"0", "false", "no", "off", ""})
+
+ENV: dict[str, str] = {
+    "enabled": "ENABLE_REMOTE_DEBUG",
+    "host": "BREAKPOD_HOST",
+    "port": "BREAKPOD_PORT",
+    "local_rank": "LOCAL_RANK",
+    "token": "BREAKPOD_TOKEN",
+    "require_token": "BREAKPOD_REQUIRE_TOKEN",
+    "allow_insecure": "BREAKPOD_ALLOW_INSECURE",
+    "backend": "BREAKPOD_BACKEND",
+    "on_detach": "BREAKPOD_ON_DETACH",
+    "quit_mode": "BREAKPOD_QUIT",
+    "wait_timeout": "BREAKPOD_WAIT_TIMEOUT",
+    "hold_seconds": "BREAKPOD_HOLD_SECONDS",
+    "post_mortem": "BREAKPOD_POST_MORTEM",
+    "attach_idle": "BREAKPOD_ATTACH_IDLE",
+}
+# Who may connect to the listener: a mistake in one of these must not open it up.
+SECURITY = frozenset({"host", "token", "require_token", "allow_insecure"})
+MIN_TOKEN_LENGTH = 8  # the broker's minimum too (breakpod_broker.auth.MIN_TOKEN_LENGTH)
+HOST_CHARS = re.compile(r"[A-Za-z0-9.:%_-]+")  # names, IPv4, IPv6 (with a zone)
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
+
+
+def parse_seconds(name: str, raw: str) -> float:
+    """Seconds as a number; ``inf``/``forever``/a negative number mean no limit."""
+    value = raw.strip().lower()
+    if value in {"inf", "forever", "infinite", "none"}:
+        return math.inf
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ConfigError(
+            f"{name}={raw!r} is not a number of seconds: use e.g. 300, 0, or 'forever'"
+        ) from None
+    return math.inf if seconds < 0 else seconds
+
+
+def format_seconds(seconds: float) -> str:
+    """The inverse of :func:`parse_seconds`, for messages."""
+    return "forever" if math.isinf(seconds) else f"{seconds:g}s"
+
+
+def parse_port(name: str, raw: str) -> int:
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{name}={raw!r} is not a TCP port: use 0..65535 (0 = any free port)")
+    return port
+
+
+def parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not an integer") from None
+
+
+def parse_local_rank(name: str, raw: str) -> int:
+    """A process's index on its node (torchrun sets it): 0..65535, added to the port."""
+    try:
+        rank = int(raw)
+    except ValueError:
+        rank = -1
+    if not 0 <= rank <= 65535:
+        raise ConfigError(
+            f"{name}={raw!r} is not a local rank: use a non-negative integer "
+            "(torchrun sets it), or unset it"
+        )
+    return rank
+
+
+def parse_token(name: str, raw: str) -> str | None:
+    """Stripped (a token read from a file ends in a newline), as the CLI strips it."""
+    token = raw.strip()
+    if not token:
+        return None
+    if len(token) < MIN_TOKEN_LENGTH or any(c.isspace() or not c.isprintable() for c in token):
+        raise ConfigError(
+            f"{name} must be at least {MIN_TOKEN_LENGTH} printable characters without spaces: "
+            "use a random one, e.g. from `openssl rand -hex 16`"
+        )
+    return token
+
+
+def parse_host(name: str, raw: str) -> str:
+    host = raw.strip().strip("[]") or "127.0.0.1"
+    if not HOST_CHARS.fullmatch(host):
+        raise ConfigError(
+            f"{name}={raw!r} is not a host name or IP address: use e.g. 127.0.0.1 (the default)"
+        )
+    return host
+
+
+def parse_choice(*choices: str) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ConfigError(f"{name}={raw!r} is not one of: {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+PARSERS: dict[str, Callable[[str, str], Any]] = {
+    "enabled": parse_bool,
+    "host": parse_host,
+    "port": parse_port,
+    "local_rank": parse_local_rank,
+    "token": parse_token,
+    "require_token": parse_bool,
+    "allow_insecure": parse_bool,
+    "backend": parse_choice(*BACKENDS),
+    "on_detach": parse_choice("continue", "wait"),
+    "quit_mode": parse_choice("detach", "exit"),
+    "wait_timeout": parse_seconds,
+    "hold_seconds": parse_seconds,
+    "post_mortem": parse_bool,
+    "attach_idle": parse_seconds,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the agent needs to know; build it with :meth:`load` or :meth:`from_env`."""
+
+    enabled: bool = False
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    local_rank: int = 0
+    token: str | None = None
+    require_token: bool = False  # also on loopback: other users of a shared host reach it
+    allow_insecure: bool = False
+    backend: str = "auto"
+    on_detach: str = "continue"
+    quit_mode: str = "detach"
+    wait_timeout: float = 300.0
+    hold_seconds: float = 300.0
+    post_mortem: bool = False
+    attach_idle: float = 900.0  # an attached client silent this long is dropped
+    refused: str | None = None  # why no listener may start (a bad security setting)
+
+    @classmethod
+    def load(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> tuple[Settings, list[str]]:
+        """Settings from the environment plus the non-``None`` overrides, never raising,
+        and one line per value that fell back (what was wrong, what to do). Bad
+        security values are not among those lines: they make up ``refused``, which
+        whoever tries to listen raises (a breakpoint() announces it and continues)."""
+        values, problems = _read_env(os.environ if environ is None else environ)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        problems += _check_together(values, problems)
+        lines = [_fell_back(field, message) for field, message in problems if field not in SECURITY]
+        refusals = [message for field, message in problems if field in SECURITY]
+        if refusals:
+            values["refused"] = "; ".join(refusals) + "; no debugger listener in this process"
+        return cls(**values), lines
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Strict: read the environment, apply the non-``None`` overrides, and raise
+        :class:`ConfigError` naming the first bad value."""
+        env = os.environ if environ is None else environ
+        values, problems = _read_env(env)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        problems += _check_together(values, problems)
+        if problems:
+            raise ConfigError(problems[0][1])
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.port and self.port + self.local_rank > 65535:
+            raise ConfigError(_past_65535(self.port, self.local_rank))
+        if self.require_token and not self.token and not self.refused:
+            raise ConfigError(_TOKEN_MISSING)
+
+    @property
+    def listen_port(self) -> int:
+        """The port this process binds: base port + LOCAL_RANK (0 stays 0 = any)."""
+        return self.port + self.local_rank if self.port else 0
+
+
+_TOKEN_MISSING = (
+    f"{ENV['require_token']}=1 needs {ENV['token']} to be set "
+    f"({MIN_TOKEN_LENGTH}+ characters, e.g. from `openssl rand -hex 16`)"
+)
+
+
+def _read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """Each variable parsed on its own: a bad one is left out (its default stays)."""
+    values: dict[str, Any] = {}
+    problems: list[tuple[str, str]] = []
+    for field, var in ENV.items():
+        if var not in env:
+            continue
+        try:
+            values[field] = PARSERS[field](var, env[var])
+        except ConfigError as e:
+            problems.append((field, str(e)))
+    return values, problems
+
+
+def _check_together(values: dict[str, Any], known: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Rules across variables; a port past 65535 falls back to any free port (0)."""
+    problems: list[tuple[str, str]] = []
+    port, rank = values.get("port", DEFAULT_PORT), values.get("local_rank", 0)
+    if port and port + rank > 65535:
+        values["port"] = 0
+        problems.append(("port", _past_65535(port, rank)))
+    token_reported = any(field == "token" for field, _ in known)  # a bad one: said why
+    if values.get("require_token") and not values.get("token") and not token_reported:
+        problems.append(("token", _TOKEN_MISSING))
+    return problems
+
+
+def _fell_back(field: str, message: str) -> str:
+    if field == "port" and "past 65535" in message:
+        return f"{message}; listening on any free port instead"
+    default = getattr(Settings, field)
+    shown = format_seconds(default) if isinstance(default, float) else repr(default)
+    return f"{message}; using the default {shown} for this one"
+
+
+def _past_65535(port: int, rank: int) -> str:
+    return f"{ENV['port']}={port} + {ENV['local_rank']}={rank} is past 65535: use a lower base port"

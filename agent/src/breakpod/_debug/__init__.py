@@ -1,0 +1,1 @@
+"""Listeners, remote pdb and park/resume: the debugger itself."""

@@ -1,0 +1,241 @@
+"""The process's listeners: a remote pdb socket and/or a debugpy (DAP) listener.
+
+State is process-wide and created on first use, so calling
+``init_remote_debugger()`` twice, or ``breakpoint()`` after it, reuses the
+same port. Nothing here runs, imports debugpy or binds anything until asked.
+Parking is a layer above (``shim``); :func:`start_listener` takes the
+``breakpoint()`` hook it installs beside debugpy as an argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import Any
+
+from breakpod import protocol
+from breakpod._core import events, net, wiring
+from breakpod._core.announce import announce
+from breakpod._core.config import BACKENDS, Settings
+from breakpod._core.errors import BreakpodError, ConfigError
+from breakpod._debug.listener import Listener
+
+log = logging.getLogger(__name__)
+PDB = protocol.DEFAULT_LISTENER
+DAP = protocol.DAP_LISTENER
+DEBUGPY_MODULE = DAP  # the listener is named after the package that provides it
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """Where a listener accepts clients."""
+
+    backend: str
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return net.format_address(self.host, self.port)
+
+
+class _State:
+    lock = threading.RLock()
+    pdb: Listener | None = None
+    debugpy: Endpoint | None = None
+    debugpy_waiting = False
+
+    @classmethod
+    def forget_parent_listener(cls) -> None:
+        """In a forked child (a DataLoader worker) the acceptor thread is gone."""
+        if cls.pdb is not None:
+            cls.pdb.close()
+        cls.pdb = None
+        cls.lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_State.forget_parent_listener)
+
+
+def pdb_listener(settings: Settings) -> Listener:
+    """The process's remote pdb listener, bound on first use; refused (ConfigError)
+    when a security setting is bad or missing."""
+    with _State.lock:
+        if _State.pdb is None:
+            _check_not_refused(settings)
+            net.check_bind(
+                settings.host,
+                backend=PDB,
+                token=settings.token,
+                allow_insecure=settings.allow_insecure,
+            )
+            _State.pdb = Listener(
+                settings.host,
+                settings.listen_port,
+                token=settings.token,
+                require_token=settings.require_token,
+                attach_idle=settings.attach_idle,
+            )
+        return _State.pdb
+
+
+def _check_not_refused(settings: Settings) -> None:
+    if settings.refused:
+        raise ConfigError(settings.refused)
+
+
+def active_pdb_listener() -> Listener | None:
+    """The remote pdb listener, if one was started (the broker's commands act on it)."""
+    return _State.pdb
+
+
+def debugpy_endpoint() -> Endpoint | None:
+    """The active debugpy listener, if :func:`init_remote_debugger` started one."""
+    return _State.debugpy
+
+
+BreakpointHook = Callable[..., None]
+
+
+def start_listener(
+    settings: Settings, fallbacks: list[str], breakpoint_hook: BreakpointHook
+) -> Endpoint | None:
+    """Start the listener ``settings`` ask for (``init_remote_debugger()`` does the
+    waiting); ``None`` when disabled or when it could not start (announced)."""
+    if not settings.enabled:
+        return None
+    for line in fallbacks:
+        announce(line)
+    if settings.refused:  # the job goes on without a listener, never with an open one
+        announce(settings.refused)
+        return None
+    wiring.connect()  # reports to the broker when BREAKPOD_BROKER_URL is set
+    chosen = choose_backend(settings.backend)
+    net.check_bind(
+        settings.host, backend=chosen, token=settings.token, allow_insecure=settings.allow_insecure
+    )
+    try:
+        if chosen == DAP:
+            return _start_debugpy(settings, breakpoint_hook)
+        return _start_pdb(settings)
+    except (BreakpodError, OSError, RuntimeError) as e:
+        announce(f"could not start the {chosen} listener: {e}")
+        return None
+
+
+def choose_backend(requested: str) -> str:
+    if requested not in BACKENDS:
+        raise ConfigError(f"backend={requested!r} is not one of: {', '.join(BACKENDS)}")
+    if requested != "auto":
+        return requested
+    chosen = DAP if importlib.util.find_spec(DEBUGPY_MODULE) else PDB
+    log.info("backend auto: using %s", chosen)
+    return chosen
+
+
+def _start_pdb(settings: Settings) -> Endpoint:
+    listener = pdb_listener(settings)
+    endpoint = Endpoint(PDB, listener.host, listener.port)
+    announce(
+        f"remote pdb ready on {endpoint.address}: breakpoint() and crashes park here; "
+        f"attach with: breakpod attach {endpoint.address}"
+    )
+    return endpoint
+
+
+def _start_debugpy(settings: Settings, breakpoint_hook: BreakpointHook) -> Endpoint:
+    with _State.lock:
+        if _State.debugpy is not None:
+            return _State.debugpy
+        _check_not_refused(settings)
+        os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # frozen-modules noise
+        import debugpy
+
+        if not net.is_loopback(settings.host):
+            announce(
+                f"WARNING: debugpy listens on {settings.host} with no authentication: "
+                "anyone who reaches this port can run code in this process"
+            )
+        host, port = debugpy.listen((settings.host, settings.listen_port))
+        _State.debugpy = Endpoint(DAP, host, port)
+        # debugpy installs a breakpointhook that ignores breakpoint() until an IDE is
+        # attached; ours waits for one (up to the hold time), like the pdb path.
+        sys.breakpointhook = breakpoint_hook
+    address = _State.debugpy.address
+    announce(
+        f"debugpy listening on {address}: attach VS Code or any DAP client "
+        f"(breakpod attach --vscode {address} prints a launch.json)"
+    )
+    events.emit(protocol.LISTENING, backend=DAP, address=address)
+    return _State.debugpy
+
+
+def wait_for_debugpy_client(timeout: float) -> bool:
+    """Block until a DAP client attaches or ``timeout`` seconds pass."""
+    import debugpy
+
+    if debugpy.is_client_connected():
+        return True
+    timer = threading.Timer(timeout, _cancel_debugpy_wait) if timeout != float("inf") else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    _State.debugpy_waiting = True
+    try:
+        debugpy.wait_for_client()
+    finally:
+        _State.debugpy_waiting = False
+        if timer is not None:
+            timer.cancel()
+    time.sleep(0)  # let pydevd settle its attach state
+    return bool(debugpy.is_client_connected())
+
+
+def _cancel_debugpy_wait() -> None:
+    import debugpy
+
+    with contextlib.suppress(RuntimeError):  # not waiting (any more)
+        debugpy.wait_for_client.cancel()
+
+
+def debugpy_post_mortem(exc: BaseException | None, tb: TracebackType) -> None:
+    """Stop the attached DAP client at the innermost frame of ``tb`` until it continues."""
+    import debugpy
+
+    trigger = getattr(debugpy, "trigger_exception_handler", None)
+    if trigger is None:  # debugpy < 1.8.21 has no post-mortem entry point
+        announce(f"debugpy {debugpy.__version__} cannot show a post-mortem; use the pdb backend")
+        return
+    exc = exc if exc is not None else RuntimeError("post-mortem")  # a bare traceback
+    trigger((type(exc), exc, tb), as_uncaught=False)
+
+
+def cancel_debugpy_wait() -> bool:
+    """End a wait for a DAP client (a broker ``resume``); False when none waits."""
+    if _State.debugpy is None or not _State.debugpy_waiting:
+        return False
+    _cancel_debugpy_wait()
+    return True
+
+
+def debugpy_stop_at(frame: FrameType) -> None:
+    """Suspend this thread in ``frame`` for the attached DAP client."""
+    import debugpy.server.api  # noqa: F401  (puts the vendored pydevd on sys.path)
+    import pydevd
+
+    kwargs: dict[str, Any] = {
+        "suspend": True,
+        "trace_only_current_thread": True,
+        "patch_multiprocessing": False,
+        "stop_at_frame": frame,
+        "notify_stdin": False,
+    }
+    pydevd.settrace(**kwargs)

@@ -1,0 +1,415 @@
+"""The remote pdb listener: one TCP socket, one debugger client at a time.
+
+One thread owns the listening socket and every pending token handshake (a
+selector, no thread per client). The first client that passes the token check
+(required on non-loopback binds, or with BREAKPOD_REQUIRE_TOKEN) takes the
+single slot and is handed to whoever waits in :meth:`Listener.wait_for_client`;
+any other client gets one line of explanation and is closed. The protocol is
+plain text, so ``nc``, ``socat`` and ``telnet`` work as well as ``breakpod attach``.
+
+Nobody reaching the port can keep the engineer out or hurt the job: wrong
+tokens slow down exponentially (:mod:`breakpod._core.throttle`), silent handshakes
+are evicted when the slots are full, token lines are capped at 1 KiB and pdb
+lines at 1 MiB (both read in linear time), and an attached client that sends
+nothing for BREAKPOD_ATTACH_IDLE is dropped so the hold time applies again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hmac
+import logging
+import math
+import os
+import select
+import selectors
+import socket
+import threading
+import time
+
+from breakpod._core import net
+from breakpod._core.throttle import Throttle
+
+log = logging.getLogger(__name__)
+
+REFUSED = "breakpod: refused: "  # the client tells a refusal from a session's end by it
+TOKEN_PROMPT = "breakpod: token required: send BREAKPOD_TOKEN as the first line\n"
+HANDSHAKE_SECONDS = 10.0  # to send the token line, however slowly
+MAX_HANDSHAKES = 16  # pending at once; a new client evicts the oldest silent one
+MAX_TOKEN_LINE = 1024
+MAX_LINE = 1 << 20  # a longer pdb line is dropped (with a note), never buffered
+RECV_BYTES = 65536
+
+
+class ClientIO:
+    """File-like text stream over the current client socket, for pdb.
+
+    Socket errors never propagate: a dead client reads as EOF, which the
+    debugger treats as a detach. ``attach`` swaps in a new client without
+    pdb noticing, so ``BREAKPOD_ON_DETACH=wait`` can hand the session over.
+    A client that sends nothing (or reads nothing) for ``idle_seconds`` also
+    reads as EOF, with ``idled`` set.
+    """
+
+    def __init__(self, idle_seconds: float = math.inf) -> None:
+        self._sock: socket.socket | None = None
+        self._buffer = bytearray()
+        self._scanned = 0  # no newline before this offset: each byte is searched once
+        self._skipping = False  # inside an over-long line, dropping it
+        self.idle_seconds = idle_seconds
+        self.idled = False
+
+    def attach(self, sock: socket.socket) -> None:
+        self.close()
+        sock.settimeout(None if math.isinf(self.idle_seconds) else self.idle_seconds)
+        self._sock, self.idled = sock, False
+
+    def write(self, text: str) -> int:
+        if self._sock is not None:
+            try:
+                self._sock.sendall(text.encode())
+            except TimeoutError:  # the client reads nothing: as idle as sending nothing
+                self._drop_idle()
+            except OSError:
+                self.close()
+        return len(text)
+
+    def flush(self) -> None:
+        """Writes are unbuffered."""
+
+    def readline(self, size: int = -1) -> str:
+        while self._sock is not None:
+            line = self._next_line()
+            if line is not None:
+                return line.rstrip(b"\r").decode(errors="replace") + "\n"
+            chunk = self._recv()
+            if not chunk:
+                self.close()
+                break
+            self._buffer += chunk
+        return ""  # EOF: anything unterminated is dropped with the client
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        self._buffer, self._scanned, self._skipping = bytearray(), 0, False
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _next_line(self) -> bytes | None:
+        """A complete line from the buffer, or None; drops a line past MAX_LINE."""
+        end = self._buffer.find(b"\n", self._scanned)
+        if end < 0:
+            self._scanned = len(self._buffer)
+            if self._scanned > MAX_LINE:
+                self._buffer, self._scanned, self._skipping = bytearray(), 0, True
+            return None
+        line = bytes(self._buffer[:end])
+        del self._buffer[: end + 1]
+        self._scanned = 0
+        if self._skipping:  # the tail of the over-long line
+            self._skipping = False
+            self.write(f"*** breakpod: a line longer than {MAX_LINE} bytes was ignored\n")
+            return self._next_line()
+        return line
+
+    def _recv(self) -> bytes:
+        assert self._sock is not None
+        try:
+            return self._sock.recv(RECV_BYTES)
+        except TimeoutError:
+            self._drop_idle()
+        except OSError:
+            pass
+        return b""
+
+    def _drop_idle(self) -> None:
+        sock = self._sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.settimeout(1.0)
+                sock.sendall(b"breakpod: idle too long; disconnecting\n")
+        self.close()
+        self.idled = True
+
+
+@dataclasses.dataclass(eq=False)
+class _Handshake:
+    """A client that still has to send the token line."""
+
+    conn: socket.socket
+    peer: str
+    deadline: float
+    data: bytearray = dataclasses.field(default_factory=bytearray)
+    line: bytes | None = None  # the complete token line, once it arrived
+
+
+class Listener:
+    """A bound socket plus the thread that guards its single slot."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        token: str | None = None,
+        require_token: bool = False,
+        attach_idle: float = math.inf,
+    ) -> None:
+        self._sock = net.bind(host, port)
+        self.host, self.port = self._sock.getsockname()[:2]
+        self.attach_idle = attach_idle
+        token = token.strip() if token else None  # as the client strips what it sends
+        self._token = (
+            token.encode() if token and (require_token or not net.is_loopback(host)) else None
+        )
+        self._throttle = Throttle()
+        self._pending: dict[socket.socket, _Handshake] = {}
+        self._selector = selectors.DefaultSelector()
+        self._handoff = _Handoff()
+        self._owner: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self._waiting = False
+        self.interrupted = False  # the last wait ended by interrupt()
+        threading.Thread(target=self._serve, name="breakpod-listener", daemon=True).start()
+
+    @property
+    def requires_token(self) -> bool:
+        """Whether a client must send the token first (the park hint says so)."""
+        return self._token is not None
+
+    @property
+    def address(self) -> str:
+        return net.format_address(self.host, self.port)
+
+    def wait_for_client(self, timeout: float | None) -> socket.socket | None:
+        """The next live client; ``None`` after ``timeout`` seconds or :meth:`interrupt`."""
+        self._waiting, self.interrupted = True, False
+        self._handoff.drop_interrupt()
+        try:
+            while True:
+                handed, sock = self._handoff.take(timeout)
+                if not handed:
+                    return None
+                if sock is None:  # interrupt()
+                    self.interrupted = True
+                    return None
+                if _alive(sock):
+                    return sock
+                self.release(sock)
+        finally:
+            self._waiting = False
+
+    def interrupt(self) -> bool:
+        """End a :meth:`wait_for_client` now (a broker ``resume``); False when none waits."""
+        if not self._waiting:
+            return False
+        return self._handoff.offer_interrupt()
+
+    def disconnect(self) -> bool:
+        """Hang up on the attached client (a broker ``detach``); False when there is none."""
+        with self._lock:
+            owner = self._owner
+        if owner is None:
+            return False
+        with contextlib.suppress(OSError):
+            owner.shutdown(socket.SHUT_RDWR)
+        return True
+
+    def release(self, sock: socket.socket) -> None:
+        """Free the slot a finished client held."""
+        with self._lock:
+            if self._owner is sock:
+                self._owner = None
+
+    def close(self) -> None:
+        self._closed = True
+        self._sock.close()
+
+    # -- the listener thread ------------------------------------------------------------
+
+    def _serve(self) -> None:
+        try:
+            self._sock.setblocking(False)
+            self._selector.register(self._sock, selectors.EVENT_READ)
+            while not self._closed:
+                for key, _ in self._selector.select(self._next_wakeup()):
+                    if key.fileobj is self._sock:
+                        self._accept()
+                    else:
+                        self._read_token(self._pending[key.fileobj])  # type: ignore[index]
+                self._expire()
+                self._judge()
+        except (OSError, ValueError):  # closed (close(), or a fork's child)
+            pass
+        finally:
+            for pending in list(self._pending.values()):
+                self._end_handshake(pending)
+
+    def _next_wakeup(self) -> float:
+        """Until the next deadline or the next token that may be judged; at most 1 s."""
+        now = time.monotonic()
+        wakeups = [1.0]
+        for h in self._pending.values():
+            wakeups.append(
+                self._throttle.wait(h.peer, now) if h.line is not None else h.deadline - now
+            )
+        return max(0.0, min(wakeups))
+
+    def _accept(self) -> None:
+        try:
+            conn, addr = self._sock.accept()
+        except BlockingIOError:
+            return
+        if self._token is None:
+            conn.setblocking(True)
+            self._admit(conn)
+            return
+        if len(self._pending) >= MAX_HANDSHAKES and not self._evict_a_silent_one():
+            _refuse(conn, "too many clients are authenticating; try again later")
+            return
+        handshake = _Handshake(conn, str(addr[0]), time.monotonic() + HANDSHAKE_SECONDS)
+        try:
+            conn.setblocking(False)
+            conn.send(TOKEN_PROMPT.encode())
+            self._selector.register(conn, selectors.EVENT_READ)
+        except OSError:
+            conn.close()
+            return
+        self._pending[conn] = handshake
+
+    def _evict_a_silent_one(self) -> bool:
+        """Make room by closing the oldest handshake that has sent nothing."""
+        silent = [h for h in self._pending.values() if not h.data and h.line is None]
+        if not silent:
+            return False
+        oldest = min(silent, key=lambda h: h.deadline)
+        self._end_handshake(oldest, "too slow to send the token; try again")
+        return True
+
+    def _read_token(self, h: _Handshake) -> None:
+        try:
+            chunk = h.conn.recv(MAX_TOKEN_LINE + 1)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._end_handshake(h)
+            return
+        h.data += chunk
+        line, newline, _ = h.data.partition(b"\n")
+        if newline:
+            h.line = bytes(line)
+            self._selector.unregister(h.conn)  # judged when the throttle allows
+        elif len(h.data) > MAX_TOKEN_LINE:
+            self._end_handshake(h, "token line too long")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for h in [h for h in self._pending.values() if h.line is None and h.deadline <= now]:
+            self._end_handshake(h, f"no token within {HANDSHAKE_SECONDS:g}s")
+
+    def _judge(self) -> None:
+        """Compare every token line whose wait is over; the failures then delay the next."""
+        assert self._token is not None or not self._pending
+        now = time.monotonic()
+        due = [h for h in self._pending.values() if h.line is not None]
+        due = [h for h in due if self._throttle.wait(h.peer, now) <= 0]
+        for h in due:
+            del self._pending[h.conn]
+            assert h.line is not None and self._token is not None
+            if hmac.compare_digest(h.line.strip(), self._token):
+                self._throttle.succeeded(h.peer)
+                h.conn.setblocking(True)
+                self._admit(h.conn)
+            else:
+                self._throttle.failed(h.peer, now)
+                _refuse(h.conn, "wrong or missing token; set BREAKPOD_TOKEN to the job's token")
+
+    def _end_handshake(self, h: _Handshake, why: str | None = None) -> None:
+        self._pending.pop(h.conn, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._selector.unregister(h.conn)
+        if why is None:
+            h.conn.close()
+        else:
+            _refuse(h.conn, why)
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Give ``conn`` the slot, or refuse it when a live client holds it."""
+        try:
+            with self._lock:
+                owner = self._owner
+                if owner is not None and _alive(owner):
+                    _refuse(conn, "another debugger client is already attached; try again later")
+                    return
+                self._owner = conn
+            self._handoff.offer_client(conn)
+        except OSError:
+            conn.close()
+
+
+def _refuse(conn: socket.socket, why: str) -> None:
+    """One line, never blocking (a client that reads nothing loses it), then close."""
+    with contextlib.suppress(OSError):
+        conn.send(f"{REFUSED}{why} (pid {os.getpid()})\n".encode(), socket.MSG_DONTWAIT)
+    conn.close()
+
+
+def _alive(sock: socket.socket) -> bool:
+    """False once the peer has closed; never blocks and never consumes data."""
+    if sock.fileno() < 0:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        if not readable:
+            return True
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+class _Handoff:
+    """One slot between the acceptor thread and the waiting thread: a client, or
+    ``None`` for an interrupt. A condition guards it; nobody reads another's lock."""
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition()
+        self._slot: list[socket.socket | None] = []  # at most one item
+
+    def offer_client(self, sock: socket.socket) -> None:
+        """The newest client takes the slot; one queued before it already left (closed)."""
+        with self._ready:
+            for old in self._slot:
+                if old is not None:
+                    old.close()
+            self._slot[:] = [sock]
+            self._ready.notify()
+
+    def offer_interrupt(self) -> bool:
+        """False when the slot is taken (a client is being handed over)."""
+        with self._ready:
+            if self._slot:
+                return False
+            self._slot.append(None)
+            self._ready.notify()
+            return True
+
+    def drop_interrupt(self) -> None:
+        """An interrupt that raced with the end of the previous wait must not end this one."""
+        with self._ready:
+            if self._slot == [None]:
+                self._slot.clear()
+
+    def take(self, timeout: float | None) -> tuple[bool, socket.socket | None]:
+        """(True, item) once the slot holds one; (False, None) after ``timeout`` seconds."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: bool(self._slot), timeout):
+                return False, None
+            return True, self._slot.pop()

@@ -1,0 +1,316 @@
+"""``breakpoint()`` that parks instead of dying, and post-mortem on crashes.
+
+Routing of :func:`set_trace` (``PYTHONBREAKPOINT=breakpod.set_trace``):
+
+1. a debugpy listener is active -> the attached IDE stops in the caller;
+2. stdin is a usable TTY        -> plain local pdb, as ``breakpoint()`` would
+                                   (unless ENABLE_REMOTE_DEBUG=1);
+3. otherwise (container, CI)    -> park on the remote pdb socket and wait.
+
+Nothing here may raise into the training code: a failure is announced and
+the program continues.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from types import FrameType, TracebackType
+
+from breakpod._core import events, holding, net, wiring
+from breakpod._core.announce import announce
+from breakpod._core.config import Settings, format_seconds
+from breakpod._core.errors import AnomalyError
+from breakpod._debug import debugger
+from breakpod._debug.pdb_commands import CommandsMixin, focus, is_library, load_builtin_commands
+from breakpod._debug.remote_pdb import (
+    SKIP,
+    RemoteSession,
+    inspect_remote,
+    post_mortem_remote,
+    set_trace_remote,
+)
+
+log = logging.getLogger(__name__)
+
+Start = Callable[[], None]
+
+
+class LocalPdb(CommandsMixin):
+    """Terminal pdb with breakpod's extra commands."""
+
+    def __init__(self) -> None:
+        super().__init__(skip=SKIP)
+        load_builtin_commands()
+
+
+def stdin_is_tty() -> bool:
+    stdin = sys.stdin
+    try:
+        return stdin is not None and not stdin.closed and stdin.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
+def use_local_pdb(settings: Settings, tty: bool | None = None) -> bool:
+    """A TTY gets plain pdb, unless remote debugging was asked for explicitly.
+
+    Debug overlays give containers a TTY (``tty: true``) for ``docker attach``
+    and also set ``ENABLE_REMOTE_DEBUG=1``: there nobody watches the TTY, so
+    breakpoints must still park on the socket.
+    """
+    return (stdin_is_tty() if tty is None else tty) and not settings.enabled
+
+
+def set_trace(
+    *_args: object, header: str | None = None, frame: FrameType | None = None, **_kwargs: object
+) -> None:
+    """Break into a debugger in the caller's frame; never raises into it."""
+    frame = frame if frame is not None else sys._getframe(1)
+    try:
+        start = _prepare(frame, header)
+    except Exception as e:  # the training job outlives any breakpod failure
+        announce(f"breakpoint() could not start a debugger ({type(e).__name__}: {e}); continuing")
+        return
+    if start is not None:
+        start()  # last: pdb traces from the next line of the caller on
+
+
+def _prepare(frame: FrameType, header: str | None) -> Start | None:
+    reason = header or f"breakpoint() at {where(frame)}"
+    if debugger.debugpy_endpoint() is not None:
+        return _prepare_debugpy(frame, reason)
+    settings = env_settings()
+    if use_local_pdb(settings):
+        return lambda: LocalPdb().set_trace(frame)
+    session = open_session(settings, reason, settings.hold_seconds)
+    if session is None:
+        return None
+    return lambda: set_trace_remote(session, frame, quit_mode=settings.quit_mode)
+
+
+def hold(frame: FrameType, header: str) -> bool:
+    """Hold the process *now* in a debugger showing ``frame`` (``breakpoint()`` would
+    stop only at the caller's next line: after the optimizer applied the update).
+
+    Returns False when nobody attached in time or no debugger could start.
+    """
+    try:
+        settings = env_settings()
+        if debugger.debugpy_endpoint() is not None:
+            if not _wait_for_dap_client(header, settings.hold_seconds):
+                return False
+            debugger.debugpy_stop_at(frame)  # a DAP client stops at the caller's next line
+            return True
+        with focus(frame):
+            return _hold_pdb(settings, header)
+    except Exception as e:  # the training job outlives any breakpod failure
+        announce(f"{header}: could not start a debugger ({type(e).__name__}: {e}); continuing")
+        return False
+
+
+def _hold_pdb(settings: Settings, reason: str) -> bool:
+    here = sys._getframe(2)  # the park's caller: `where all` shows every frame down to it
+    if use_local_pdb(settings):
+        local = LocalPdb()
+        local.reset()
+        local.interaction(here, None)
+        return True
+    session = open_session(settings, reason, settings.hold_seconds)
+    if session is None:
+        return False
+    inspect_remote(session, here, quit_mode=settings.quit_mode)
+    return True
+
+
+def park(frame: FrameType, settings: Settings, reason: str, *, hold_seconds: float) -> bool:
+    """Park in a remote pdb at ``frame`` now; False when nobody attached in time."""
+    session = open_session(settings, reason, hold_seconds)
+    if session is None:
+        return False
+    set_trace_remote(session, frame, quit_mode=settings.quit_mode)
+    return True
+
+
+def _prepare_debugpy(frame: FrameType, reason: str) -> Start | None:
+    if not _wait_for_dap_client(reason, env_settings().hold_seconds):
+        return None
+    return lambda: debugger.debugpy_stop_at(frame)
+
+
+def _wait_for_dap_client(reason: str, hold: float) -> bool:
+    """Announce a debugpy park and wait up to ``hold``; the events match the pdb path."""
+    endpoint = debugger.debugpy_endpoint()
+    assert endpoint is not None
+    wiring.connect()
+    announce(
+        f"{reason}: waiting up to {format_seconds(hold)} for a DAP client on {endpoint.address}"
+    )
+    events.emit("parked", backend="debugpy", address=endpoint.address, reason=reason)
+    holding.hold()
+    try:
+        attached = debugger.wait_for_debugpy_client(hold)
+    finally:
+        holding.release()
+    if not attached:
+        announce(f"nobody attached within {format_seconds(hold)}; continuing")
+        events.emit("resumed", address=endpoint.address, why="hold time passed")
+        return False
+    events.emit("attached", address=endpoint.address, reason=reason)
+    return True
+
+
+def open_session(
+    settings: Settings, reason: str, hold_seconds: float, then: str = "continuing"
+) -> RemoteSession | None:
+    """Announce the park and wait for a client; None when the hold time passed."""
+    listener = debugger.pdb_listener(settings)
+    session = RemoteSession(
+        listener, reason=reason, hold_seconds=hold_seconds, on_detach=settings.on_detach
+    )
+    address = listener.address
+    wiring.connect()  # reports the park to the broker when BREAKPOD_BROKER_URL is set
+    target = net.local_address(listener.host, listener.port)
+    announce(
+        f"{reason}: waiting up to {format_seconds(hold_seconds)} for a debugger on {address}; "
+        f"attach with: breakpod attach {target}  (or: nc {target.replace(':', ' ')})"
+        + ("; a token is required: set BREAKPOD_TOKEN" if listener.requires_token else "")
+    )
+    events.emit("parked", backend="pdb", address=address, reason=reason)
+    if session.wait():
+        return session
+    why = (
+        "resume command"
+        if listener.interrupted
+        else f"nobody attached within {format_seconds(hold_seconds)}"
+    )
+    announce(f"{why}; {then}")
+    events.emit("resumed", address=address, why=why)
+    return None
+
+
+def post_mortem(
+    tb: TracebackType | BaseException | None = None,
+    *,
+    reason: str | None = None,
+    hold_seconds: float | None = None,
+    then: str = "continuing",
+) -> None:
+    """Inspect a traceback (or an exception's): the DAP client when a debugpy listener
+    runs, local pdb on a TTY (see :func:`use_local_pdb`), else a remote pdb session
+    held open up to ``hold_seconds``."""
+    exc, tb = _exc_and_tb(tb)
+    if tb is None:
+        raise ValueError("post_mortem() needs a traceback, or must run inside an except block")
+    settings = env_settings()
+    hold = settings.hold_seconds if hold_seconds is None else hold_seconds
+    tb = user_traceback(tb)
+    reason = reason or f"post-mortem at {where(innermost(tb).tb_frame)}"
+    if debugger.debugpy_endpoint() is not None:
+        _post_mortem_debugpy(exc, tb, reason, hold)
+    elif use_local_pdb(settings):
+        local = LocalPdb()
+        local.reset()
+        local.interaction(None, tb)
+    else:
+        session = open_session(settings, reason, hold, then)
+        if session is not None:
+            post_mortem_remote(session, tb, quit_mode=settings.quit_mode)
+
+
+def _exc_and_tb(
+    given: TracebackType | BaseException | None,
+) -> tuple[BaseException | None, TracebackType | None]:
+    if isinstance(given, BaseException):
+        return given, given.__traceback__
+    current = sys.exc_info()[1]
+    if current is not None and given in (None, current.__traceback__):
+        return current, current.__traceback__
+    return None, given
+
+
+def _post_mortem_debugpy(
+    exc: BaseException | None, tb: TracebackType, reason: str, hold: float
+) -> None:
+    """Show ``tb`` to a DAP client (as an unhandled exception), waiting up to ``hold``."""
+    if _wait_for_dap_client(reason, hold):
+        debugger.debugpy_post_mortem(exc, tb)
+        events.emit("detached", why="post-mortem session over")
+
+
+def install_excepthook() -> None:
+    """On an uncaught exception, open a post-mortem session before exiting.
+
+    The traceback is printed as usual first; afterwards the process exits
+    with the status it would have had. Idempotent.
+    """
+    if getattr(sys.excepthook, "__breakpod__", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        previous(exc_type, exc, tb)
+        if tb is None or issubclass(exc_type, KeyboardInterrupt):
+            return
+        if _already_held(exc):
+            announce("the anomaly was already held in a debugger; exiting with status 1")
+            return
+        try:
+            reason = (
+                f"uncaught {exc_type.__name__} at {where(innermost(user_traceback(tb)).tb_frame)}"
+            )
+            then = "exiting with status 1"
+            post_mortem(exc if exc.__traceback__ is tb else tb, reason=reason, then=then)
+        except Exception as e:
+            announce(f"post-mortem failed ({type(e).__name__}: {e})")
+
+    hook.__breakpod__ = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+
+
+def _already_held(exc: BaseException) -> bool:
+    """A ``[break, stop]`` anomaly: its break was the one hold; no second post-mortem."""
+    return isinstance(exc, AnomalyError) and bool(getattr(exc.anomaly, "held", False))
+
+
+def user_traceback(tb: TracebackType) -> TracebackType:
+    """``tb`` cut after its innermost user frame (not torch's or breakpod's), when it has one.
+
+    Post-mortem opens on the last entry: the user's ``nll_loss(...)`` line, not
+    torch's ``functional.py``.
+    """
+    entries = []
+    node: TracebackType | None = tb
+    while node is not None:
+        entries.append(node)
+        node = node.tb_next
+    users = [i for i, e in enumerate(entries) if not is_library(e.tb_frame)]
+    if not users or users[-1] == len(entries) - 1:
+        return tb
+    cut: TracebackType | None = None
+    for e in reversed(entries[: users[-1] + 1]):
+        cut = TracebackType(cut, e.tb_frame, e.tb_lasti, e.tb_lineno)
+    assert cut is not None
+    return cut
+
+
+def where(frame: FrameType) -> str:
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}()"
+
+
+def innermost(tb: TracebackType) -> TracebackType:
+    """The traceback entry where the exception was raised."""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb
+
+
+def env_settings() -> Settings:
+    """Environment settings; each bad value is announced on its own line. A bad
+    ordinary value falls back alone; a bad security value leaves
+    ``Settings.refused`` set, so no listener starts (never the defaults instead)."""
+    settings, problems = Settings.load()
+    for line in problems:
+        announce(line)
+    return settings

@@ -1,0 +1,1 @@
+"""Entered from outside: the pytest plugin, the start-up hook."""

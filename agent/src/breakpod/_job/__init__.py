@@ -1,0 +1,1 @@
+"""Job coordination: the stall watchdog, the rank board, collectives."""

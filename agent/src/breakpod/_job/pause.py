@@ -1,0 +1,167 @@
+"""One parked rank pauses the whole job; the job resumes when it does.
+
+Ticked from the stall watchdog's thread (debug mode, distributed jobs only),
+through the rank board in the job's own store (``job.py``):
+
+* this rank parks (a debugger holds it): it adds 1 to ``.../parked`` and writes
+  where and why under ``.../park/<rank>``; when it resumes it takes the 1 back;
+* another rank parks: this rank says so once on its stderr, emits ``waiting``,
+  and its next ``breakpod.step()`` waits until no rank is parked; a rank inside
+  a collective simply keeps waiting there (the process group's timeout is
+  long in debug mode, see ``job_timeouts.py``);
+* a job-wide break (``breakpod send JOB break``): the first rank that gets the
+  command writes ``.../break`` with a step a little ahead of every rank's; each
+  rank parks at that step boundary; the first rank to resume marks it over and
+  the ranks still waiting for a debugger stop waiting.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from typing import Any
+
+from breakpod._core import events
+from breakpod._core.announce import announce
+from breakpod._debug import debugger
+from breakpod._job import board as job
+
+BREAK_AHEAD_SECONDS = 2.0  # the agreed break step lies this far ahead of the fastest rank
+MAX_BREAK_AHEAD = 1000  # steps
+
+
+class JobPause:
+    """This rank's side of job pauses; all methods but :meth:`wait_at_step` run in the
+    watchdog thread."""
+
+    def __init__(self, place: job.Place) -> None:
+        self.place = place
+        self.released = threading.Event()
+        self.released.set()
+        self.peers: list[int] = []  # ranks parked now, other than this one
+        self.published = False  # this rank's 1 is in the parked counter
+        self.park_note: dict[str, Any] = {}  # where and why this rank parks
+        self.over_at = 0.0  # when the last pause ended (monotonic)
+        self.break_wanted = False  # a `break` command arrived: propose a job break
+        self.break_seen: dict[str, Any] | None = None
+        self.break_at: int | None = None  # park at this step boundary
+        self.parked_for: int | None = None  # the job break this rank parks for
+        self.break_done: int | None = None  # the job break this rank resumed from
+
+    @property
+    def paused(self) -> bool:
+        return not self.released.is_set()
+
+    def tick(self, board: job.Board, parked: bool, step: int, speed: float | None) -> None:
+        self._publish(board, parked, step)
+        self._follow_break(board, step, speed)
+        self._notice_peers(board, parked, step)
+
+    def lost(self) -> None:
+        """The store went away: never keep a rank waiting for a pause nobody can end."""
+        if self.paused:
+            announce("lost the job store: this rank stops waiting for its peers")
+            self._release()
+        self.published = False
+
+    def wait_at_step(self, step: int) -> None:
+        """Training thread, at a step boundary: wait while a peer is parked."""
+        if not self.paused:
+            return
+        events.emit("waiting", step=step, ranks=self.peers, why="waiting for a parked rank")
+        self.released.wait()
+
+    def _publish(self, board: job.Board, parked: bool, step: int) -> None:
+        if parked == self.published:
+            return
+        if parked:
+            for_break = self.parked_for if self.break_at is None else None
+            note = {**self.park_note, "step": step, "break": for_break}
+            board.put(f"park/{self.place.rank}", note)
+        board.count_parked(1 if parked else -1)
+        self.published = parked
+
+    def _notice_peers(self, board: job.Board, parked: bool, step: int) -> None:
+        others = board.count_parked() - (1 if self.published else 0)
+        if others > 0 and not self.paused and not parked and self.break_at is None:
+            self._pause(board, step)
+        elif others <= 0 and self.paused:
+            announce(f"rank {_names(self.peers)} resumed; this rank continues")
+            events.emit("resumed", step=step, why="the parked rank resumed")
+            self._release()
+
+    def _pause(self, board: job.Board, step: int) -> None:
+        notes = {r: board.get(f"park/{r}") for r in range(self.place.world_size)}
+        over = (self.break_seen or {}).get("id") if (self.break_seen or {}).get("over") else None
+        self.peers = [
+            r
+            for r, n in notes.items()
+            if n and r != self.place.rank and (over is None or n.get("break") != over)
+        ]
+        if not self.peers:  # only ranks of a finished job break, about to continue
+            return
+        where = "; ".join(
+            f"rank {r} parked at {notes[r].get('where', '?')} ({notes[r].get('why', '?')})"  # type: ignore[union-attr]
+            for r in self.peers
+        )
+        announce(f"{where or 'a rank parked'}; this rank waits at step {step}")
+        events.emit("waiting", step=step, ranks=self.peers, why=where or "a rank parked")
+        self.released.clear()
+
+    def _release(self) -> None:
+        self.over_at = time.monotonic()
+        self.released.set()
+
+    def _follow_break(self, board: job.Board, step: int, speed: float | None) -> None:
+        current = board.get("break")
+        if self.break_wanted:
+            self.break_wanted = False
+            if current is None or current.get("over"):
+                current = self._propose_break(board, current, step, speed)
+        if self.break_done is not None and current and current["id"] == self.break_done:
+            if not current.get("over"):
+                current = board.replace("break", current, {**current, "over": True})
+            self.break_done = None
+        if current is None or current == self.break_seen:
+            return
+        self.break_seen = current
+        if current.get("over"):
+            if self.parked_for == current["id"] and self.break_at is None:
+                _stop_waiting_for_debugger()  # parked for it: stop waiting for a client
+            self.break_at = self.parked_for = None
+        elif current["step"] >= step:
+            self.break_at = current["step"]
+            self.parked_for = current["id"]
+        else:  # this rank already passed the step: park at its next boundary
+            self.break_at, self.parked_for = step, current["id"]
+
+    def _propose_break(
+        self, board: job.Board, seen: dict[str, Any] | None, step: int, speed: float | None
+    ) -> dict[str, Any]:
+        steps = [int(r.get("step", 0)) for r in board.read().values()] or [step]
+        ahead = 1 if not speed else min(MAX_BREAK_AHEAD, math.ceil(BREAK_AHEAD_SECONDS / speed) + 1)
+        number = (seen or {}).get("id", 0) + 1
+        proposal = {"id": number, "step": max([*steps, step]) + ahead, "over": False}
+        return board.replace("break", seen, proposal)
+
+
+def note_for(reason: str, where: str) -> dict[str, str]:
+    """Where and why a rank parks, as its peers print it."""
+    head = reason.split(":")[0].split(" at ")[0]
+    why = "breakpoint" if head.startswith("breakpoint()") else head.strip() or "parked"
+    if reason.startswith("break requested"):
+        why = "break"
+    return {"where": where, "why": why}
+
+
+def _names(ranks: list[int]) -> str:
+    return ",".join(str(r) for r in ranks) or "?"
+
+
+def _stop_waiting_for_debugger() -> None:
+    """The job break is over: a rank still waiting for a client continues (an attached
+    client is left alone: its engineer continues it)."""
+    listener = debugger.active_pdb_listener()
+    if listener is not None:
+        listener.interrupt()

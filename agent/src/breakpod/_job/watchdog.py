@@ -1,0 +1,516 @@
+"""Stall watchdog: a training loop that stops stepping is reported, with stacks.
+
+The training loop calls :func:`step` (``breakpod.step()``) once per step;
+``Monitor.step`` does it. The first call reads the environment:
+``BREAKPOD_STALL_AFTER=SECONDS`` starts the watchdog, and so does debug mode
+(``ENABLE_REMOTE_DEBUG=1``) with a timeout of 10x the p99 step time, never
+under :data:`DEBUG_FLOOR`. Otherwise every later call costs one global check.
+
+A daemon thread checks the time since the last step. It needs no help from
+the stuck thread: blocked in C (a lock, ``Event.wait()``, a collective) the
+main thread has released the GIL, and spinning in Python it hands it over
+every switch interval. Past the timeout the thread prints this rank's stacks,
+emits a ``stall`` event, and (``action="inspect"``) opens a remote pdb on the
+main thread's frame. In a distributed job each rank also publishes its status
+on the job's rank board (``job.py``) and rank 0 prints one job-wide report
+naming the culprit rank (``stall_report.py``). A stall is reported once; when
+steps resume, a ``resumed`` event and one line follow.
+
+In debug mode a distributed job's watchdog also runs the job pause
+(``job_pause.py``): a parked peer pauses this rank at its next step boundary,
+and the process group's own timeout (``job_timeouts.py``) is enforced here
+while no rank is parked: a collective that makes no progress for that long is
+a stall, reported, then this rank exits with status 1 as torch would have.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from types import FrameType
+from typing import Any
+
+from breakpod import protocol
+from breakpod._core import events, holding, wiring
+from breakpod._core.announce import announce
+from breakpod._core.config import ENV, FALSE
+from breakpod._core.errors import ConfigError
+from breakpod._debug import shim
+from breakpod._debug.remote_pdb import inspect_remote
+from breakpod._job import board as job
+from breakpod._job import collectives, stall_report
+from breakpod._job import pause as job_pause
+from breakpod._job import timeouts as job_timeouts
+
+log = logging.getLogger(__name__)
+ACTIONS = ("dump", "inspect")
+STALL_AFTER_ENV = "BREAKPOD_STALL_AFTER"
+DEBUG_FLOOR = 60.0  # debug mode's default timeout until the step times say more
+DEBUG_FACTOR = 10.0  # x the p99 step time
+STACKS_WAIT = 5.0  # rank 0 waits this long for the culprit's stacks
+RECONNECT_SECONDS = 10.0
+PAUSE_INTERVAL = 0.5  # a parked peer is noticed within this (plus its own tick)
+EXIT_GRACE = 8.0  # after a collective timeout: time for rank 0's job report
+
+
+class Watchdog:
+    """Watches one heartbeat; start it with :func:`watch_stalls` or :func:`step`."""
+
+    def __init__(
+        self,
+        timeout: float,
+        action: str = "dump",
+        *,
+        adaptive: bool = False,
+        after_first_step: bool = False,
+    ) -> None:
+        if timeout <= 0:
+            raise ValueError(f"stall timeout must be positive seconds, got {timeout!r}")
+        if action not in ACTIONS:
+            raise ValueError(f"stall action {action!r} is not one of: {', '.join(ACTIONS)}")
+        self.timeout = timeout
+        self.action = action
+        self.step: int | None = None
+        self.last_beat = time.monotonic()
+        self.stalls = 0
+        self.durations: collections.deque[float] | None = (
+            collections.deque(maxlen=512) if adaptive else None
+        )
+        self.place = job.Place.from_env()
+        self.board: job.Board | None = None
+        self.job_view_missing: str | None = None
+        self._stalled = False
+        self._recovered = False  # set by beat(), taken back to the board by the thread
+        self._job_report: dict[str, Any] | None = None  # rank 0: the stall it reported
+        self.after_first_step = after_first_step  # no step-silence stall before one step
+        pausing = self.place.distributed and job_timeouts.debug_mode()
+        self.pause = job_pause.JobPause(self.place) if pausing else None
+        self.job_stalled = False  # another rank reported a stall: publish stacks too
+        self.exit_at: float | None = None  # a collective timed out: exit then
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="breakpod-watchdog", daemon=True)
+
+    def beat(self, step: int | None = None) -> None:
+        now = time.monotonic()
+        if self.durations is not None:
+            self.durations.append(now - self.last_beat)
+        self.last_beat = now
+        self.step = step if step is not None else (self.step or 0) + 1
+        if self._stalled:
+            self._stalled = False
+            self._recovered = True
+            announce(f"steps resumed at step {self.step}; the stall is over")
+            events.emit("resumed", step=self.step, why="heartbeat resumed after a stall")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def at_boundary(self, frame: FrameType) -> None:
+        """Training thread, after the beat: park for a job break, or wait for a parked peer."""
+        pause = self.pause
+        if pause is None:
+            return
+        if pause.break_at is not None and (self.step or 0) >= pause.break_at:
+            pause.break_at = None
+            shim.set_trace(frame=frame, header=f"job-wide break at step {self.step}")
+            return
+        pause.wait_at_step(self.step or 0)
+
+    def current_timeout(self) -> float:
+        """The fixed timeout, or in debug mode 10x the p99 step time (with a floor)."""
+        if not self.durations:
+            return self.timeout
+        ordered = sorted(self.durations)
+        p99 = ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))]
+        return max(self.timeout, DEBUG_FACTOR * p99)
+
+    def _run(self) -> None:
+        interval = min(self.timeout / 4, 1.0 if self.pause is None else PAUSE_INTERVAL)
+        failed = False
+        while not self._stop.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._tick()
+            except Exception as e:  # the watchdog must never take the job down
+                if not failed:
+                    failed = True
+                    announce(f"stall watchdog error ({type(e).__name__}: {e}); it keeps watching")
+
+    def _tick(self) -> None:
+        if self.pause is not None:
+            self._tick_pause(self.pause)
+        overdue = self._collective_overdue()
+        silent = time.monotonic() - max(self.last_beat, self.pause.over_at if self.pause else 0)
+        if overdue is not None and not self._stalled:
+            self._collective_timeout(overdue)
+        elif silent > self.current_timeout() and not self._stalled and not self._held():
+            self._stalled = True
+            self.stalls += 1
+            self._begin_stall(silent)
+        elif self.place.distributed:
+            self._share(self._record(silent, stacks=self._stalled or self.job_stalled))
+        if self.place.rank == 0 and self.board is not None:
+            self._coordinate()
+        if self.exit_at is not None and time.monotonic() >= self.exit_at:
+            _exit_like_torch()
+
+    def _held(self) -> bool:
+        """Parked, waiting for a parked peer, or before the first step when asked."""
+        if holding.is_held() or (self.pause is not None and self.pause.paused):
+            return True
+        return self.after_first_step and self.step is None
+
+    def _tick_pause(self, pause: job_pause.JobPause) -> None:
+        if self.board is None and not self._connect():
+            pause.lost()
+            return
+        assert self.board is not None
+        try:
+            pause.tick(self.board, holding.is_held(), self.step or 0, self._step_seconds())
+            self.job_stalled = self.board.count_stalled() > 0
+        except Exception as e:  # the store went away: this rank no longer waits for peers
+            self.board, self.job_view_missing = None, f"lost the job store ({type(e).__name__})"
+            self._next_connect = time.monotonic() + RECONNECT_SECONDS
+            pause.lost()
+
+    def _step_seconds(self) -> float | None:
+        if not self.durations:
+            return None
+        ordered = sorted(self.durations)
+        return ordered[len(ordered) // 2]
+
+    def _collective_overdue(self) -> float | None:
+        """Seconds one collective made no progress past the process group's own timeout,
+        with no rank parked (debug mode owns that timeout, see job_timeouts)."""
+        limit, pause = job_timeouts.user_timeout, self.pause
+        progress = collectives.progress
+        if limit is None or pause is None or not progress.waiting or self._held():
+            return None
+        waited = time.monotonic() - max(progress.changed_at, pause.over_at)
+        return waited if waited > limit else None
+
+    def _collective_timeout(self, waited: float) -> None:
+        self._stalled = True
+        self.stalls += 1
+        limit = job_timeouts.user_timeout
+        announce(
+            f"collective #{collectives.progress.entered} made no progress for {waited:.0f}s, "
+            f"past the process group's timeout ({limit:g}s), and no rank is parked"
+        )
+        self._begin_stall(waited)
+        self.exit_at = time.monotonic() + (EXIT_GRACE if self.place.rank != 0 else STACKS_WAIT + 2)
+
+    def _begin_stall(self, silent: float) -> None:
+        if not self.place.distributed:
+            self._report(silent)
+            return
+        record = self._record(silent, stacks=True)
+        self._share(record, change=1)
+        view = self._job_view()
+        announce(stall_report.local_report(self.place.rank, record, silent, view))
+        if self.board is None or self.place.rank != 0:
+            events.emit(
+                "stall",
+                seconds=round(silent, 1),
+                step=self.step,
+                rank=self.place.rank,
+                state=record["state"],
+                frame=record["frame"],
+                stacks=record["stacks"],
+            )
+        self._maybe_inspect()
+
+    def _job_view(self) -> str:
+        if self.board is None:
+            return f"no job view: {self.job_view_missing}; this rank reports alone"
+        if self.place.rank == 0:
+            return "the job-wide report follows on this stderr"
+        return "the job-wide report (culprit, every rank) is on rank 0's stderr"
+
+    def _share(self, record: Mapping[str, Any], change: int = 0) -> None:
+        """Publish this rank's record; (re)connect to the job's store when needed."""
+        if self.board is None and not self._connect():
+            return
+        assert self.board is not None
+        try:
+            if self._recovered:
+                self._recovered = False
+                change -= 1
+            if change:
+                self.board.count_stalled(change)
+            self.board.publish(record)
+        except Exception as e:  # the store went away: report locally from now on
+            self.board, self.job_view_missing = (
+                None,
+                f"lost the job store ({type(e).__name__}: {e})",
+            )
+            self._next_connect = time.monotonic() + RECONNECT_SECONDS
+
+    _next_connect = 0.0
+
+    def _connect(self) -> bool:
+        if time.monotonic() < self._next_connect:
+            return False
+        self._next_connect = time.monotonic() + RECONNECT_SECONDS
+        self.board, self.job_view_missing = job.connect(self.place)
+        return self.board is not None
+
+    def _record(self, silent: float, *, stacks: bool) -> dict[str, Any]:
+        main = sys._current_frames().get(threading.main_thread().ident or -1)
+        progress = collectives.progress
+        state = "parked" if holding.is_held() else "collective" if progress.waiting else "user"
+        if state == "user" and self.pause is not None and self.pause.paused:
+            state = "waiting-for-peer"
+        record: dict[str, Any] = {
+            "rank": self.place.rank,
+            "step": self.step or 0,
+            "entered": progress.entered,
+            "completed": progress.completed,
+            "op": progress.op,
+            "state": state,
+            "frame": stall_report.where(stall_report.user_frame(main)),
+            "stalled": self._stalled,
+            "silent": round(silent, 1),
+            "time": time.time(),
+        }
+        if stacks:
+            record["stacks"] = format_stacks()
+        return record
+
+    def _coordinate(self) -> None:
+        """Rank 0: one job-wide report per stall, one line when it is over."""
+        assert self.board is not None
+        stalled = self.board.count_stalled()
+        if stalled <= 0:
+            if self._job_report is not None and self._job_report.get("done"):
+                announce("stall over: every rank is stepping again")
+                events.emit("resumed", scope="job", why="every rank is stepping again")
+            self._job_report = None
+            return
+        if self._job_report is None:
+            self._job_report = {"since": time.monotonic()}
+        if not self._job_report.get("done"):
+            self._try_job_report()
+
+    def _try_job_report(self) -> None:
+        assert self.board is not None and self._job_report is not None
+        records = self.board.read()
+        blamed, _ = stall_report.culprits(records)
+        waited = time.monotonic() - self._job_report["since"]
+        if any("stacks" not in records[r] for r in blamed) and waited < STACKS_WAIT:
+            return  # the culprit publishes its stacks when it notices its own stall
+        silent = max((float(r.get("silent", 0)) for r in records.values()), default=0.0)
+        text, blamed = stall_report.job_report(records, self.place.world_size, silent)
+        announce(text)
+        self._job_report["done"] = True
+        ranks = [{k: v for k, v in r.items() if k != "stacks"} for r in records.values()]
+        stacks = {str(r): records[r].get("stacks") for r in blamed}
+        events.emit(
+            "stall",
+            scope="job",
+            seconds=round(silent, 1),
+            culprits=blamed,
+            ranks=ranks,
+            culprit_stacks=stacks,
+            report=text.split("\nstacks of")[0],
+        )
+
+    def _report(self, silent: float) -> None:
+        stacks = format_stacks()
+        where = f"no heartbeat for {silent:.0f}s (last step {self.step})"
+        announce(f"stall: {where}; stacks:\n{stacks}")
+        events.emit("stall", seconds=round(silent, 1), step=self.step, stacks=stacks)
+        self._maybe_inspect()
+
+    def _maybe_inspect(self) -> None:
+        main = sys._current_frames().get(threading.main_thread().ident or -1)
+        if self.action == "inspect" and main is not None:
+            _inspect(main, self.step)
+
+
+_active: Watchdog | None = None
+_armed = True  # the first step() reads the environment, then this is False unless watching
+
+
+def suspend() -> None:
+    """A debugger holds the process (parked or attached): stop counting silence."""
+    holding.hold()
+
+
+def resume() -> None:
+    """The debugger let go: count silence again, from now."""
+    holding.release()
+
+
+def _count_from_now() -> None:
+    if _active is not None:
+        _active.last_beat = time.monotonic()
+        pause = _active.pause
+        if pause is not None and pause.parked_for is not None and pause.break_at is None:
+            pause.break_done, pause.parked_for = pause.parked_for, None  # the job break is over
+        _active.wake()
+
+
+def _hear(event: events.Event) -> None:
+    """The hub's ``parked`` events: this rank parks, so the job's other ranks pause."""
+    if event.kind == protocol.PARKED:
+        note_park(str(event.fields.get("reason", "")), sys._getframe(1))
+        if _active is not None:
+            _active.wake()  # peers learn of the park now, not at the next tick
+
+
+holding.on_release(_count_from_now)
+events.add_sink(_hear)
+
+
+def note_park(reason: str, frame: FrameType | None) -> None:
+    """Before a park: where and why, for the job's other ranks; says when they won't pause."""
+    place = _active.place if _active is not None else job.Place.from_env()
+    if not place.distributed:
+        return
+    where = stall_report.where(stall_report.user_frame(frame))
+    if _active is not None and _active.pause is not None:
+        _active.pause.park_note = job_pause.note_for(reason, where)
+        if _active.board is None:
+            announce(f"this rank parks alone: the job was not paused ({_active.job_view_missing})")
+        return
+    announce(f"this rank parks alone: the job was not paused ({_why_no_pause()})")
+
+
+def request_job_break() -> str | None:
+    """A broker ``break``: ask every rank to park at one step; why not, when it cannot."""
+    if _active is None or _active.pause is None:
+        return _why_no_pause()
+    if _active.board is None:
+        return _active.job_view_missing or "the job store is not reachable"
+    _active.pause.break_wanted = True
+    _active.wake()
+    return None
+
+
+def _why_no_pause() -> str:
+    if not job_timeouts.debug_mode():
+        return f"debug mode is off: {ENV['enabled']}=1 pauses the whole job"
+    if _active is None:
+        return "no breakpod.step() yet and no process group started"
+    return "not a job of several ranks"
+
+
+def start_for_job() -> None:
+    """``init_process_group`` in debug mode: watch collectives before the first step."""
+    global _armed
+    if _active is None:
+        _start_from_env(os.environ, after_first_step=True)
+        _armed = True
+
+
+def watch_stalls(
+    timeout: float,
+    *,
+    action: str = "dump",
+    adaptive: bool = False,
+    after_first_step: bool = False,
+) -> Watchdog:
+    """Start (or replace) the process's stall watchdog."""
+    global _active, _armed
+    if _active is not None:
+        _active.stop()
+    _active = Watchdog(timeout, action, adaptive=adaptive, after_first_step=after_first_step)
+    if _active.place.distributed:
+        collectives.install()
+    _active._thread.start()
+    _armed = True
+    wiring.connect()  # stall events reach the broker when one is set
+    return _active
+
+
+def step(number: int | None = None) -> None:
+    """Mark a training step boundary (``breakpod.step()``); one global check when off."""
+    if _armed:
+        _step(number)
+
+
+def _step(number: int | None) -> None:
+    global _armed
+    if _active is None:
+        _armed = False
+        _start_from_env(os.environ)
+    if _active is not None:
+        _active.beat(number)
+        if _active.pause is not None:
+            _active.at_boundary(sys._getframe(2))
+
+
+def _start_from_env(env: Mapping[str, str], *, after_first_step: bool = False) -> None:
+    try:
+        chosen = stall_timeout_from_env(env)
+    except ConfigError as e:
+        announce(f"{e}; stall detection is off")
+        return
+    if chosen is not None:
+        watch_stalls(chosen[0], adaptive=chosen[1], after_first_step=after_first_step)
+
+
+def stall_timeout_from_env(env: Mapping[str, str]) -> tuple[float, bool] | None:
+    """(seconds, adaptive) from BREAKPOD_STALL_AFTER or debug mode; None when off."""
+    raw = env.get(STALL_AFTER_ENV, "").strip()
+    if raw:
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0 or seconds == float("inf"):
+            raise ConfigError(
+                f"{STALL_AFTER_ENV}={raw!r} is not a positive number of seconds: use e.g. 300"
+            )
+        return seconds, False
+    if env.get(ENV["enabled"], "").strip().lower() not in FALSE:
+        return DEBUG_FLOOR, True
+    return None
+
+
+def heartbeat(step: int | None = None) -> None:
+    """Mark the training loop alive; free when no watchdog runs."""
+    if _active is not None:
+        _active.beat(step)
+
+
+def format_stacks() -> str:
+    """Every thread's Python stack, named, innermost call last."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    blocks = []
+    for ident, frame in sys._current_frames().items():
+        if names.get(ident) == "breakpod-watchdog":
+            continue
+        blocks.append(f'Thread "{names.get(ident, ident)}":\n{stall_report.stack_of(frame)}')
+    return "\n".join(blocks)
+
+
+def _inspect(frame: FrameType, step: int | None) -> None:
+    reason = f"stall at step {step}: main thread at {shim.where(frame)}"
+    settings = shim.env_settings()
+    session = shim.open_session(settings, reason, settings.hold_seconds)
+    if session is not None:
+        inspect_remote(session, frame, quit_mode="detach")
+
+
+def _exit_like_torch() -> None:
+    """The process group's own timeout passed: end this rank as torch would have."""
+    announce("exiting with status 1, as the process group's timeout would have")
+    try:
+        wiring.flush(2.0)  # the stall event reaches the broker first
+    finally:
+        os._exit(1)

@@ -1,0 +1,1 @@
+"""Tensor monitors: rules and planning, then hooks and the step pipeline."""

@@ -1,0 +1,260 @@
+"""Anomaly records and the actions a rule takes on them.
+
+Actions: ``log`` (a line on stderr), ``event`` (``events.emit("anomaly",
+...)`` plus the monitor's own sink), ``break`` (park in a debugger in the
+user's frame that called ``opt.step()`` or ``monitor.step()``, with
+``anomaly`` added to its locals), ``snapshot`` (``torch.save`` the offending
+tensor and stats), ``skip`` (drop this step's update, like GradScaler),
+``stop`` (raise :class:`~breakpod._core.errors.AnomalyError`), or any callable
+taking the :class:`Anomaly`. Only ``stop`` (and ``BREAKPOD_ON_EXPIRE=exit``)
+may end the training loop; every other failure is reported once and swallowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pdb
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from breakpod import protocol
+from breakpod._core import events
+from breakpod._core.announce import announce
+from breakpod._core.config import BROKER_URL_ENV
+from breakpod._core.errors import AnomalyError
+from breakpod._debug import shim
+from breakpod._debug.pdb_commands import command
+
+ON_EXPIRE_ENV = "BREAKPOD_ON_EXPIRE"
+ON_EXPIRE = ("continue", "skip", "exit")
+# BREAKPOD_ON_EXPIRE=exit: EX_TEMPFAIL, so a scheduler can tell "restart from a checkpoint".
+EXPIRED_STATUS = 75
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Anomaly:
+    """One detection: which rule, where (module path, phase), when (step), what."""
+
+    rule: str
+    check: str
+    module: str
+    step: int
+    phase: str
+    summary: str
+    value: float
+    details: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The offending tensor (detached), while the actions run; the monitor then drops it.
+    tensor: Any = dataclasses.field(default=None, repr=False, compare=False)
+    also: list[str] = dataclasses.field(default_factory=list)  # other rules, same tensor
+    skipped: bool = False  # the step's update was dropped
+    held: bool = False  # a debugger park already held the job for it
+
+    def __str__(self) -> str:
+        where = self.module or "<model>"
+        rules = ", ".join([self.rule, *self.also])
+        return f"step {self.step} {self.phase} {where}: [{rules}] {self.summary}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain fields for events and snapshots (no tensor)."""
+        fields = dataclasses.asdict(dataclasses.replace(self, tensor=None))
+        fields.pop("tensor")
+        return fields
+
+    def same_tensor(self) -> tuple[Any, ...]:
+        return (self.step, self.phase, self.module, self.details.get("param"))
+
+
+@dataclasses.dataclass
+class ActionContext:
+    """What actions need from the monitor."""
+
+    model: Any
+    snapshot_dir: Path
+    sink: Callable[[Anomaly], Any] | None = None
+    monitor: Any = None
+    failed: set[str] = dataclasses.field(default_factory=set)
+    # The user's frame at the step boundary (where a break parks), while actions run.
+    frame: FrameType | None = None
+    skip: bool = False  # asked by the skip action, the pdb ``skip`` command or the hold expiry
+
+    def take_skip(self) -> bool:
+        asked, self.skip = self.skip, False
+        return asked
+
+
+Found = tuple[Anomaly, Any]
+
+
+def merge_same_tensor(found: list[Found]) -> list[tuple[Anomaly, tuple[Any, ...]]]:
+    """One anomaly, one report: rules firing on the same tensor in a step share one line."""
+    merged: dict[tuple[Any, ...], tuple[Anomaly, tuple[Any, ...]]] = {}
+    for anomaly, rule in found:
+        key = anomaly.same_tensor()
+        if key not in merged:
+            merged[key] = (anomaly, tuple(rule.actions))
+            continue
+        first, actions = merged[key]
+        first.also.append(rule.name)
+        merged[key] = (first, actions + tuple(a for a in rule.actions if a not in actions))
+    return list(merged.values())
+
+
+def dispatch(anomaly: Anomaly, actions: tuple[Any, ...], ctx: ActionContext) -> None:
+    """Run each action; ``stop`` runs last so the others still happen."""
+    for action in actions:
+        if action == "stop":
+            continue
+        try:
+            _ACTIONS[action](anomaly, ctx) if isinstance(action, str) else action(anomaly)
+        except Exception as e:  # a failing action never takes the job down
+            _report_once(ctx, str(action), e)
+    if "stop" in actions:
+        announce(f"stopping: {anomaly}")
+        raise AnomalyError(anomaly)
+
+
+def _report_once(ctx: ActionContext, action: str, error: Exception) -> None:
+    if action not in ctx.failed:
+        ctx.failed.add(action)
+        announce(
+            f"monitor action {action!r} failed ({type(error).__name__}: {error}); "
+            "further failures are silent"
+        )
+
+
+def _log(anomaly: Anomaly, ctx: ActionContext) -> None:
+    announce(f"anomaly: {anomaly}")
+
+
+def _event(anomaly: Anomaly, ctx: ActionContext) -> None:
+    events.emit(protocol.ANOMALY, **anomaly.to_dict())
+    if ctx.sink is not None:
+        ctx.sink(anomaly)
+    elif not os.environ.get(BROKER_URL_ENV) and "event" not in ctx.failed:
+        ctx.failed.add("event")  # said once: where the rule's events go without a broker
+        announce(
+            f"anomaly events: no broker ({BROKER_URL_ENV} unset) and no sink=; they reach "
+            "breakpod._core.events sinks and monitor.anomalies only"
+        )
+
+
+def _snapshot(anomaly: Anomaly, ctx: ActionContext) -> None:
+    import torch
+
+    ctx.snapshot_dir.mkdir(parents=True, exist_ok=True)
+    name = re.sub(
+        r"[^A-Za-z0-9_.-]+",
+        "_",
+        f"step{anomaly.step:07d}-{anomaly.rule}-{anomaly.module or 'model'}",
+    )
+    path = ctx.snapshot_dir / f"{name}.pt"
+    module = find_module(ctx.model, anomaly.module)
+    tensor = anomaly.tensor.detach().cpu() if anomaly.tensor is not None else None
+    state = module.state_dict() if module is not None else None
+    torch.save({"anomaly": anomaly.to_dict(), "tensor": tensor, "module_state": state}, path)
+    anomaly.details["snapshot"] = str(path)
+    announce(f"anomaly snapshot: {path}")
+
+
+def find_module(model: Any, name: str) -> Any:
+    try:
+        return model.get_submodule(name)
+    except (AttributeError, TypeError):
+        return None
+
+
+# The anomaly park in progress (the pdb ``skip`` command acts on it).
+_PARKED: list[ActionContext] = []
+
+
+def park(anomaly: Anomaly, ctx: ActionContext) -> None:
+    """Hold in a debugger in the user's frame, before the optimizer applies the step.
+
+    ``anomaly`` (with ``.tensor``) joins the frame's locals for the session. When
+    the hold expires, ``BREAKPOD_ON_EXPIRE`` says whether to continue, skip or exit.
+    """
+    frame = ctx.frame if ctx.frame is not None else _caller_frame()
+    added = "anomaly" not in frame.f_locals
+    if added:
+        frame.f_locals["anomaly"] = anomaly
+    _PARKED.append(ctx)
+    try:
+        attached = shim.hold(frame, header=f"anomaly: {anomaly}")
+    finally:
+        _PARKED.pop()
+        if added:
+            frame.f_locals.pop("anomaly", None)
+    anomaly.held = attached
+    if not attached:
+        _expired(anomaly, ctx)
+
+
+def _caller_frame() -> FrameType:
+    return user_frame(sys._getframe(1))
+
+
+def user_frame(frame: FrameType) -> FrameType:
+    """The innermost frame outside torch and breakpod (when the optimizer's step
+    hook ends the step, the caller is torch's wrapper); ``frame`` if there is none."""
+    found: FrameType | None = frame
+    while found is not None and library_frame(found):
+        found = found.f_back
+    return found if found is not None else frame
+
+
+def library_frame(frame: FrameType) -> bool:
+    package = str(frame.f_globals.get("__name__", "")).partition(".")[0]
+    return package in ("torch", "breakpod")
+
+
+def on_expire(environ: Any = None) -> str:
+    """``BREAKPOD_ON_EXPIRE``: continue (default), skip or exit; a bad value is announced."""
+    value = (os.environ if environ is None else environ).get(ON_EXPIRE_ENV, "continue")
+    if value.strip().lower() in ON_EXPIRE:
+        return str(value.strip().lower())
+    announce(f"{ON_EXPIRE_ENV}={value!r}: expected one of {', '.join(ON_EXPIRE)}; using continue")
+    return "continue"
+
+
+def _expired(anomaly: Anomaly, ctx: ActionContext) -> None:
+    policy = on_expire()
+    if policy == "skip":
+        ctx.skip = True
+    elif policy == "exit":
+        why = f"anomaly hold expired ({ON_EXPIRE_ENV}=exit): {anomaly}"
+        announce(f"{why}; exiting with status {EXPIRED_STATUS}")
+        events.emit(protocol.FINISHED, status=EXPIRED_STATUS, why=why, **anomaly.to_dict())
+        raise SystemExit(EXPIRED_STATUS)
+
+
+def _skip(anomaly: Anomaly, ctx: ActionContext) -> None:
+    ctx.skip = True
+
+
+@command("skip")
+def skip_command(debugger: pdb.Pdb, arg: str) -> bool:
+    """skip: drop this step's update (gradients dropped, the optimizer step changes
+    nothing), then continue. Only at an anomaly park before the optimizer step."""
+    if not _PARKED:
+        debugger.error("skip: only at an anomaly park (a rule with action 'break')")
+        return False
+    _PARKED[-1].skip = True
+    debugger.message("breakpod: this step's update will be skipped")
+    return bool(debugger.do_continue(arg))
+
+
+_ACTIONS: dict[str, Callable[[Anomaly, ActionContext], None]] = {
+    "log": _log,
+    "event": _event,
+    "snapshot": _snapshot,
+    "break": park,
+    "skip": _skip,
+}

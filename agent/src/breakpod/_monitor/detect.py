@@ -1,0 +1,329 @@
+"""Host-side rule evaluation over the per-step stats the device produced.
+
+The monitor hands one :class:`StepData` per training step, in order, after
+each read. Counting (``consecutive``), baselines (gradient norms) and the
+loss window live here, so they are exact per step whatever ``check_every``
+is. A condition fires once when its streak reaches ``consecutive`` and then
+stays quiet until it clears, so a NaN that persists is reported once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections import defaultdict, deque
+from collections.abc import Iterator
+from typing import Any
+
+from breakpod._monitor.anomaly import Anomaly
+from breakpod._monitor.rules import Rule
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One watched tensor stream: a module's output (forward) or input gradient (backward)."""
+
+    module: str
+    phase: str
+    rules: frozenset[str]
+    total: bool = True  # the values start with sum(x): the non-finite signal
+    mean_abs: bool = False
+    zeros: bool = False
+    nonnegative: bool = False
+    retain: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    module: str
+    rules: frozenset[str]
+
+
+@dataclasses.dataclass
+class Sample:
+    slot: Slot
+    values: list[float]
+    numel: int
+    tensor: Any = None
+
+    @property
+    def nonfinite(self) -> bool:
+        return self.slot.total and not math.isfinite(self.values[0])
+
+    @property
+    def mean_abs(self) -> float:
+        return self.values[int(self.slot.total)] / max(self.numel, 1)
+
+    @property
+    def zero_fraction(self) -> float:
+        return self.values[-1] / max(self.numel, 1)
+
+
+@dataclasses.dataclass
+class StepData:
+    step: int
+    forward: list[Sample] = dataclasses.field(default_factory=list)
+    backward: list[Sample] = dataclasses.field(default_factory=list)
+    grads: dict[int, float] = dataclasses.field(default_factory=dict)
+    loss: float | None = None
+    loss_tensor: Any = None
+    params: dict[int, float] | None = None
+    batchnorm: dict[str, list[float]] | None = None
+    partial: bool = False  # only a loss, reported after the optimizer ended its step
+
+
+Found = tuple[Anomaly, Rule]
+
+
+class Detector:
+    def __init__(
+        self, rules: list[Rule], params: list[ParamInfo], batchnorm: dict[str, frozenset[str]]
+    ) -> None:
+        self.rules = rules
+        self.params = params
+        self.batchnorm = batchnorm  # BatchNorm module -> names of the rules that watch it
+        self._streak: dict[tuple[Any, ...], int] = defaultdict(int)
+        self._active: set[tuple[Any, ...]] = set()
+        self._warmup: dict[tuple[str, str], list[float]] = defaultdict(list)
+        self._log_base: dict[tuple[str, str], float] = {}  # per (rule, group): log of its norm
+        self._losses: dict[str, deque[float]] = {}
+
+    def run(self, data: StepData) -> list[Found]:
+        found: list[Found] = []
+        for rule in self.rules:
+            if data.partial and rule.check not in ("nonfinite", "loss_spike"):
+                continue
+            check = getattr(self, f"_{rule.check}", None)
+            if check is not None:
+                found.extend(check(rule, data))
+        return found
+
+    def _fires(self, key: tuple[Any, ...], cond: bool, rule: Rule) -> bool:
+        """Edge-triggered streak counter: True once when ``cond`` held ``consecutive`` times."""
+        if not cond:
+            self._streak[key] = 0
+            self._active.discard(key)
+            return False
+        self._streak[key] += 1
+        if self._streak[key] >= rule.consecutive and key not in self._active:
+            self._active.add(key)
+            return True
+        return False
+
+    # nonfinite: the first producer in execution order, once per outbreak
+    def _nonfinite(self, rule: Rule, data: StepData) -> Iterator[Found]:
+        first = next((a for a in self._nonfinite_sites(rule, data) if a is not None), None)
+        if data.partial and first is None:
+            return  # a late finite loss says nothing about the step's other tensors
+        if self._fires((rule.name,), first is not None, rule) and first is not None:
+            params = [
+                self.params[i].name for i, n in (data.params or {}).items() if not math.isfinite(n)
+            ]
+            if params and first.phase != "param":  # a corrupt parameter may be the cause
+                first.details["nonfinite_params"] = params[:10]
+            yield first, rule
+
+    def _nonfinite_sites(self, rule: Rule, data: StepData) -> Iterator[Anomaly | None]:
+        where = rule["where"]
+        if "activation" in where:
+            yield from (
+                _nonfinite_sample(rule, data.step, s) for s in data.forward if _watched(rule, s)
+            )
+        loss = data.loss
+        if (
+            "loss" in where
+            and not rule.yields_loss
+            and loss is not None
+            and not math.isfinite(loss)
+        ):
+            yield _anomaly(rule, data, "", "loss", f"loss is {loss}", loss, data.loss_tensor)
+        if "gradient" in where:
+            yield from (
+                _nonfinite_sample(rule, data.step, s) for s in data.backward if _watched(rule, s)
+            )
+            yield from self._nonfinite_norms(rule, data, data.grads, "backward", "gradient of")
+        if "param" in where and data.params is not None:
+            yield from self._nonfinite_norms(rule, data, data.params, "param", "parameter")
+
+    def _nonfinite_norms(
+        self, rule: Rule, data: StepData, norms: dict[int, float], phase: str, what: str
+    ) -> Iterator[Anomaly]:
+        for index, norm in norms.items():
+            info = self.params[index]
+            if rule.name in info.rules and not math.isfinite(norm):
+                summary = f"{what} {info.name} has non-finite values (L2 norm {norm})"
+                yield _anomaly(
+                    rule, data, info.module, phase, summary, norm, details={"param": info.name}
+                )
+
+    def _activation(self, rule: Rule, data: StepData) -> Iterator[Found]:
+        limit = rule["max_mean_abs"]
+        for s in data.forward:
+            if _watched(rule, s) and self._fires(
+                (rule.name, s.slot.module), s.mean_abs > limit, rule
+            ):
+                summary = f"output mean |x| = {s.mean_abs:.4g} above max_mean_abs {limit:g}"
+                yield (
+                    _anomaly(rule, data, s.slot.module, "forward", summary, s.mean_abs, s.tensor),
+                    rule,
+                )
+
+    def _dead_units(self, rule: Rule, data: StepData) -> Iterator[Found]:
+        limit = rule["max_zero_fraction"]
+        for s in data.forward:
+            if _watched(rule, s) and self._fires(
+                (rule.name, s.slot.module), s.zero_fraction >= limit, rule
+            ):
+                times = f", {rule.consecutive} steps in a row" if rule.consecutive > 1 else ""
+                summary = f"{s.zero_fraction:.1%} of the output is exactly zero{times}"
+                yield (
+                    _anomaly(
+                        rule, data, s.slot.module, "forward", summary, s.zero_fraction, s.tensor
+                    ),
+                    rule,
+                )
+
+    def _grad_norm(self, rule: Rule, data: StepData) -> Iterator[Found]:
+        for group, norm in self._groups(rule, data.grads).items():
+            verdict = self._judge_norm(rule, group, norm, data.step)
+            for kind in ("exploding", "vanishing"):
+                if self._fires((rule.name, group, kind), verdict[0] == kind, rule):
+                    module = group if rule["group"] == "module" else group.rpartition(".")[0]
+                    details = {"group": group, "kind": kind}
+                    yield (
+                        _anomaly(rule, data, module, "backward", verdict[1], norm, details=details),
+                        rule,
+                    )
+
+    def _groups(self, rule: Rule, grads: dict[int, float]) -> dict[str, float]:
+        squares: dict[str, float] = defaultdict(float)
+        for index, norm in grads.items():
+            info = self.params[index]
+            if rule.name in info.rules:
+                key = {"module": info.module, "param": info.name, "total": "<total>"}[rule["group"]]
+                squares[key] += norm * norm
+        return {k: math.sqrt(v) for k, v in squares.items()}
+
+    def _judge_norm(self, rule: Rule, group: str, norm: float, step: int) -> tuple[str, str]:
+        if not math.isfinite(norm):
+            return "", ""  # the nonfinite rule reports these
+        name = group if group != "<total>" else "all parameters"
+        if rule["max_norm"] is not None and norm > rule["max_norm"]:
+            return (
+                "exploding",
+                f"gradient norm of {name} is {norm:.4g}, above max_norm {rule['max_norm']:g}",
+            )
+        if rule["min_norm"] is not None and norm < rule["min_norm"]:
+            return (
+                "vanishing",
+                f"gradient norm of {name} is {norm:.4g}, below min_norm {rule['min_norm']:g}",
+            )
+        key = (rule.name, group)
+        if key not in self._log_base:
+            self._warm_up(rule, key, norm)
+            return "", ""
+        base = math.exp(self._log_base[key])
+        ratio = f"gradient norm of {name} is {norm:.4g}, {norm / base:.3g}x its baseline {base:.4g}"
+        if norm > rule["explode_factor"] * base:
+            return "exploding", f"{ratio} (explode_factor {rule['explode_factor']:g})"
+        if norm < rule["vanish_factor"] * base:
+            return "vanishing", f"{ratio} (vanish_factor {rule['vanish_factor']:g})"
+        self._follow(rule, key, norm)
+        return "", ""
+
+    def _warm_up(self, rule: Rule, key: tuple[str, str], norm: float) -> None:
+        """The baseline starts as the median of the first ``warmup_steps`` norms (if positive)."""
+        warm = self._warmup[key]
+        warm.append(norm)
+        del warm[: -rule["warmup_steps"]]  # all zeros so far: keep the latest few only
+        median = statistics.median(warm)
+        if len(warm) == rule["warmup_steps"] and median > 0:
+            self._log_base[key] = math.log(median)
+            del self._warmup[key]
+
+    def _follow(self, rule: Rule, key: tuple[str, str], norm: float) -> None:
+        """A healthy step moves the baseline: an EMA of log norms over about ``window`` steps.
+
+        Norms drift down as training converges; a baseline frozen at the start
+        would call that drift vanishing. Anomalous steps never move it.
+        """
+        if norm > 0:
+            self._log_base[key] += 2 / (rule["window"] + 1) * (math.log(norm) - self._log_base[key])
+
+    def _loss_spike(self, rule: Rule, data: StepData) -> Iterator[Found]:
+        loss = data.loss
+        if loss is None or not math.isfinite(loss) or rule.yields_loss:
+            return
+        window = self._losses.setdefault(rule.name, deque(maxlen=rule["window"]))
+        history = len(window)  # the steps the median covers, before this one joins
+        median = statistics.median(window) if history >= rule["min_history"] else math.nan
+        spike = median > 0 and loss > rule["factor"] * median
+        window.append(loss)
+        if self._fires((rule.name,), spike, rule):
+            summary = (
+                f"loss {loss:.4g} is {loss / median:.3g}x the median {median:.4g} "
+                f"of the last {history} steps"
+            )
+            yield _anomaly(rule, data, "", "loss", summary, loss, data.loss_tensor), rule
+
+    def _batchnorm(self, rule: Rule, data: StepData) -> Iterator[Found]:
+        (mlo, mhi), (vlo, vhi) = rule["mean_range"], rule["var_range"]
+        for module, (m0, m1, v0, v1) in (data.batchnorm or {}).items():
+            bad = not (mlo <= m0 and m1 <= mhi and vlo <= v0 and v1 <= vhi)
+            if rule.name in self.batchnorm.get(module, ()) and self._fires(
+                (rule.name, module), bad, rule
+            ):
+                summary = (
+                    f"running mean in [{m0:.4g}, {m1:.4g}], var in [{v0:.4g}, {v1:.4g}]; "
+                    f"allowed mean {mlo:g}..{mhi:g}, var {vlo:g}..{vhi:g}"
+                )
+                yield (
+                    _anomaly(rule, data, module, "param", summary, max(abs(m0), abs(m1), v1)),
+                    rule,
+                )
+
+
+def _watched(rule: Rule, sample: Sample) -> bool:
+    return rule.name in sample.slot.rules
+
+
+def _nonfinite_sample(rule: Rule, step: int, s: Sample) -> Anomaly | None:
+    if not s.nonfinite:
+        return None
+    details = _nonfinite_kinds(s)
+    what = "output" if s.slot.phase == "forward" else "gradient w.r.t. the input"
+    counts = " ".join(f"{k}={v}" for k, v in details.items())
+    summary = f"{what} of {s.slot.module or '<model>'} has non-finite values ({counts})"
+    value = float(sum(details.values())) if s.tensor is not None else math.nan
+    return Anomaly(
+        rule.name, rule.check, s.slot.module, step, s.slot.phase, summary, value, details, s.tensor
+    )
+
+
+def _nonfinite_kinds(s: Sample) -> dict[str, Any]:
+    """Exact counts when the tensor was kept, else which kinds are present (from min/max)."""
+    if s.tensor is not None:
+        from breakpod._monitor.summaries import nonfinite_counts
+
+        return nonfinite_counts(s.tensor)
+    total = s.values[0]
+    if math.isnan(total):
+        return {"nan": "yes"}  # or +Inf and -Inf together: exact counts need the tensor
+    return {"+inf" if total > 0 else "-inf": "yes"}
+
+
+def _anomaly(
+    rule: Rule,
+    data: StepData,
+    module: str,
+    phase: str,
+    summary: str,
+    value: float,
+    tensor: Any = None,
+    details: dict[str, Any] | None = None,
+) -> Anomaly:
+    return Anomaly(
+        rule.name, rule.check, module, data.step, phase, summary, value, details or {}, tensor
+    )

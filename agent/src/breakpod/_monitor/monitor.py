@@ -1,0 +1,672 @@
+"""``breakpod.watch(model)``: tensor monitors with no host-device sync on the hot path.
+
+How a step flows:
+
+* forward hooks reduce each watched module's output on its device
+  (:mod:`breakpod._monitor.checks`) and register a gradient hook on its inputs;
+  shape contracts are checked from metadata, on the host, at once;
+* at the end of each backward, one fused ``_foreach_norm`` gives every
+  parameter's gradient norm;
+* at the step boundary (:meth:`Monitor.step`, or the optimizer's step
+  *pre*-hook, before the update is applied) the step's small stats tensors
+  are concatenated into one per device;
+* every ``check_every`` steps the host reads them (a non-blocking copy to
+  pinned memory on CUDA, evaluated at the next boundary once it landed) and
+  :mod:`breakpod._monitor.detect` turns them into :class:`~breakpod._monitor.anomaly.Anomaly`
+  records, handed to each rule's actions;
+* when a rule would ``break``, ``stop`` or ``skip``, the answer is needed
+  before the update: the boundary then reads once per step and waits, so a
+  park still sees the previous step's weights and ``skip`` can drop the update.
+
+Nothing in a hook reads a tensor on the host. A failure inside the monitor
+is reported once and swallowed; only ``action: stop`` raises into training.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import sys
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from breakpod._core import events, wiring
+from breakpod._core.announce import announce
+from breakpod._core.config import parse_bool
+from breakpod._core.errors import AnomalyError, ConfigError, RuleError
+from breakpod._debug import shim
+from breakpod._job import watchdog
+from breakpod._monitor import checks
+from breakpod._monitor.anomaly import ActionContext, Anomaly, dispatch, merge_same_tensor
+from breakpod._monitor.anomaly import user_frame as _user_frame
+from breakpod._monitor.compiled import apply_compile_policy, unwrap_compiled
+from breakpod._monitor.detect import Detector, ParamInfo, Slot
+from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
+from breakpod._monitor.stats import (
+    Entry,
+    StepRecord,
+    by_device,
+    copy_events,
+    decode,
+    landed,
+    pack,
+    to_host,
+)
+
+log = logging.getLogger(__name__)
+
+ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
+# model -> its monitor. Weak both ways: the monitor holds the model, so a strong
+# value would keep every watched model (and its hooks) alive forever.
+MONITORS: weakref.WeakKeyDictionary[Any, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
+
+
+def monitor_of(model: Any) -> Monitor | None:
+    """The open monitor watching ``model``, if any (``tshape``/``tnan`` use it)."""
+    ref = MONITORS.get(model)
+    return ref() if ref is not None else None
+
+
+def monitor_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """False when ``BREAKPOD_MONITOR`` or ``AI_DEBUG_MODE`` is set to a false value."""
+    env = os.environ if environ is None else environ
+    return all(
+        parse_bool(var, env[var]) for var in ("BREAKPOD_MONITOR", "AI_DEBUG_MODE") if var in env
+    )
+
+
+def watch(
+    model: Any,
+    rules: Any = None,
+    *,
+    check_every: int | None = None,
+    config: Any = None,
+    optimizer: Any = None,
+    expect: Mapping[str, Any] | None = None,
+    sink: Callable[[Anomaly], Any] | None = None,
+    snapshot_dir: str | os.PathLike[str] | None = None,
+) -> Monitor:
+    """Watch ``model`` with the default rules plus ``rules``; see the README's "Tensor monitors".
+
+    ``config`` is a mapping or YAML file with any of ``rules``, ``defaults``,
+    ``check_every``, ``expect`` and ``snapshot_dir``; explicit arguments win.
+    With ``BREAKPOD_MONITOR=0`` (or ``AI_DEBUG_MODE=0``) nothing is installed.
+    """
+    settings = _config(config)
+    every = check_every if check_every is not None else settings.get("check_every", 1)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"check_every={every!r}: expected a positive integer (1 = every step)")
+    merged = _merge_rules(settings, rules, {**settings.get("expect", {}), **(expect or {})})
+    apply_compile_policy()  # explicit in the environment, so honoured even when disabled
+    enabled = monitor_enabled()
+    if enabled:
+        model = unwrap_compiled(model)
+        wiring.connect()  # anomaly events and broker commands, when a broker is set
+    folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
+    ctx = ActionContext(model=model, snapshot_dir=folder, sink=sink)
+    return Monitor(model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled)
+
+
+def _config(config: Any) -> dict[str, Any]:
+    if config is None:
+        return {}
+    source = "config"
+    if isinstance(config, (str, os.PathLike)):
+        source = f"config file {config}"
+        config = read_yaml(Path(config))
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            f"{source}: expected a mapping or a YAML file path, got {type(config).__name__}"
+        )
+    unknown = set(config) - {"rules", "defaults", "check_every", "expect", "snapshot_dir"}
+    if unknown:
+        raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)}")
+    settings = dict(config)
+    _check_types(source, settings)
+    return settings
+
+
+def _check_types(source: str, settings: dict[str, Any]) -> None:
+    """Strict types, one line naming the field and the value (never a traceback later)."""
+    if "defaults" in settings:
+        strict_bool(source, "defaults", settings["defaults"])
+    expect = settings.get("expect", {})
+    if not isinstance(expect, Mapping) or not all(isinstance(k, str) for k in expect):
+        raise ConfigError(
+            f"{source}: field 'expect': expected a mapping like {{'encoder': 'B,T,256'}}, "
+            f"got {expect!r}"
+        )
+    folder = settings.get("snapshot_dir")
+    if folder is not None and not isinstance(folder, (str, os.PathLike)):
+        raise ConfigError(f"{source}: field 'snapshot_dir': expected a folder path, got {folder!r}")
+
+
+def _merge_rules(settings: dict[str, Any], rules: Any, expect: Mapping[str, Any]) -> list[Rule]:
+    """Defaults, then the config's rules, then ``rules=``; ``expect`` adds shape rules."""
+    defaults = settings.get("defaults", True)
+    merged = load_rules(settings.get("rules"), rules, defaults=defaults)
+    for i, (glob, shape) in enumerate(expect.items()):
+        spec = {"name": f"shape:{glob}", "check": "shape", "modules": glob, "expect": shape}
+        merged.append(parse_rule(spec, i))
+    return merged
+
+
+class Monitor:
+    """Hooks on one model: :meth:`step` once per step, then :attr:`anomalies`; :meth:`close`."""
+
+    def __init__(
+        self,
+        model: Any,
+        rules: list[Rule],
+        *,
+        check_every: int = 1,
+        optimizer: Any = None,
+        ctx: ActionContext | None = None,
+        enabled: bool = True,
+    ) -> None:
+        self.model = model
+        self.rules = rules
+        self.check_every = check_every
+        self.enabled = enabled
+        self.anomalies: list[Anomaly] = []
+        self.step_count = 0
+        self.reads = 0
+        self.errors = 0
+        self.shapes: dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]] = {}
+        self._ctx = ctx or ActionContext(model=model, snapshot_dir=Path("breakpod-snapshots"))
+        self._ctx.monitor = self
+        self._handles: list[Any] = []
+        self._current = StepRecord(0)
+        self._pending: list[StepRecord] = []
+        self._inflight: list[tuple[list[Any], dict[Any, Any], list[StepRecord]]] = []
+        self._backward_queued = False
+        self._optimizer = optimizer
+        self._urgent = any(r.urgent for r in rules)
+        self._updated = False  # the optimizer ended a step since the last monitor.step()
+        self.skipped_steps = 0
+        self._module_checks = False  # some forward/backward hook records stats
+        self._said_compiled = False
+        self._shape_active: set[tuple[str, str]] = set()
+        self._failed: set[str] = set()
+        if enabled:
+            previous = monitor_of(model)
+            if previous is not None:  # two monitors would double every hook and report
+                announce("watch(): this model was already watched; closing the previous monitor")
+                previous.close()
+            self._install(optimizer)
+            MONITORS[model] = weakref.ref(self)
+
+    # ------------------------------------------------------------------ setup
+    def _rules_for(
+        self, checks_: Sequence[str], name: str, module: Any, where: str | None = None
+    ) -> frozenset[str]:
+        return frozenset(
+            r.name
+            for r in self.rules
+            if r.check in checks_
+            and (where is None or r.check != "nonfinite" or _nonfinite_applies(r, where, module))
+            and r.matches(name, module)
+        )
+
+    def _install(self, optimizer: Any) -> None:
+        batchnorm: dict[str, frozenset[str]] = {}
+        self._bn_modules: list[tuple[str, Any]] = []
+        for name, module in self.model.named_modules():
+            self._watch_module(name, module)
+            bn = self._rules_for(("batchnorm",), name, module)
+            if bn and getattr(module, "running_var", None) is not None:
+                batchnorm[name] = bn
+                self._bn_modules.append((name, module))
+        self._params = self._watched_params()
+        self._state_params = [
+            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
+        ]
+        self._install_grad_hooks()
+        if optimizer is not None:  # before the update, so a bad step can still be dropped
+            hook = self._guarded("optimizer step hook", self._before_update)
+            self._handles.append(optimizer.register_step_pre_hook(hook))
+        self._detector = Detector(self.rules, [info for info, _ in self._params], batchnorm)
+
+    def _watched_params(self) -> list[tuple[ParamInfo, Any]]:
+        """Parameters whose owning module some gradient or parameter rule watches."""
+        watched = []
+        for name, param in self.model.named_parameters():
+            owner = name.rpartition(".")[0]
+            module = self.model.get_submodule(owner)
+            rules = (
+                self._rules_for(("grad_norm",), owner, module)
+                | self._rules_for(("nonfinite",), owner, module, "param-gradient")
+                | self._rules_for(("nonfinite",), owner, module, "param")
+            )
+            if rules:
+                watched.append((ParamInfo(name, owner, rules), param))
+        return watched
+
+    def _watch_module(self, name: str, module: Any) -> None:
+        fwd = self._rules_for(ACTIVATION_CHECKS, name, module, "activation")
+        bwd = self._rules_for(("nonfinite",), name, module, "gradient")
+        shapes = [
+            (r, r["expect"]) for r in self.rules if r.check == "shape" and r.matches(name, module)
+        ]
+        if not (fwd or bwd or shapes):  # shapes only (host metadata), for ``tshape``
+            hook = self._guarded("shape hook", functools.partial(self._record_shapes, name))
+            self._handles.append(module.register_forward_hook(hook))
+            return
+        self._module_checks = True
+        by_name = {r.name: r for r in self.rules}
+        watched = [by_name[n] for n in fwd]
+        slot = Slot(
+            name,
+            "forward",
+            fwd,
+            total=any(r.check == "nonfinite" for r in watched),
+            mean_abs=any(r.check == "activation" for r in watched),
+            zeros=any(r.check == "dead_units" for r in watched),
+            nonnegative=type(module).__name__ in ("ReLU", "ReLU6"),
+            retain=any(r.parks for r in watched),
+        )
+        back = Slot(name, "backward", bwd, retain=any(by_name[n].parks for n in bwd))
+        hook = self._forward_hook(name, slot if fwd else None, back if bwd else None, shapes)
+        self._handles.append(module.register_forward_hook(hook))
+
+    def _install_grad_hooks(self) -> None:
+        """One hook on the model's output queues the end-of-backward gradient norms.
+
+        (The model's output gradient is the first one a backward computes.) When
+        no backward passes through it, :meth:`step` collects the norms instead.
+        """
+        if self._params:
+            hook = self._guarded("model output hook", self._on_model_output)
+            self._handles.append(self.model.register_forward_hook(hook))
+        self._on_output_grad = self._guarded("output gradient hook", self._queue_backward_end)
+        self._backward_end = self._guarded("gradient norms", self._on_backward_end)
+
+    def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
+        out = checks.first_tensor(output)
+        if out is not None and out.requires_grad:
+            out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
+
+    def _guarded(self, where: str, fn: Callable[..., None]) -> Callable[..., None]:
+        """Wrap a hook: a failure is reported once and swallowed; only ``stop`` raises."""
+
+        def hook(*args: Any) -> None:
+            if _compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
+                return
+            try:
+                fn(*args)
+            except AnomalyError:
+                raise
+            except Exception as e:
+                self._fail(where, e)
+
+        return hook
+
+    def _before_update(self, optimizer: Any, *_: Any) -> None:
+        """The optimizer's step pre-hook ends the step: checks run before the update."""
+        frame = _user_frame(sys._getframe())
+        self._end_step(None, frame)
+        self._updated = True
+        watchdog.step(self.step_count)
+        if events.pending_break():  # `breakpod send ID break`, held before the update
+            shim.hold(frame, header="break requested through the broker")
+
+    # ------------------------------------------------------------------ hooks (hot path)
+    def _forward_hook(
+        self, name: str, slot: Slot | None, back: Slot | None, shapes: list[tuple[Rule, Any]]
+    ) -> Callable[..., None]:
+        grad_hook = (
+            self._guarded("gradient hook", functools.partial(self._on_grad, back))
+            if back is not None
+            else None
+        )
+        on_forward = functools.partial(self._on_forward, name, slot, grad_hook, shapes)
+        return self._guarded("forward hook", on_forward)
+
+    def _record_shapes(self, name: str, module: Any, inputs: tuple[Any, ...], output: Any) -> Any:
+        """Remember the last input/output shapes; returns the output tensor (or None)."""
+        out = checks.first_tensor(output)
+        if out is not None:
+            self.shapes[name] = (_shapes(inputs), tuple(out.shape))
+        return out
+
+    def _on_forward(
+        self,
+        name: str,
+        slot: Slot | None,
+        grad_hook: Callable[[Any], None] | None,
+        shapes: list[tuple[Rule, Any]],
+        module: Any,
+        inputs: tuple[Any, ...],
+        output: Any,
+    ) -> None:
+        out = self._record_shapes(name, module, inputs, output)
+        if out is None:
+            return
+        for rule, contract in shapes:
+            self._check_shape(name, rule, contract, out)
+        if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
+            self._record_output(slot, out)
+        if grad_hook is not None:
+            self._hook_inputs(name, grad_hook, inputs)
+
+    def _record_output(self, slot: Slot, out: Any) -> None:
+        stats = checks.activation_stats(
+            out,
+            total=slot.total,
+            mean_abs=slot.mean_abs,
+            zeros=slot.zeros,
+            nonnegative=slot.nonnegative,
+        )
+        kept = out.detach() if slot.retain else None  # the value, not the autograd graph
+        self._current.entries.append(Entry("forward", stats, slot, out.numel(), tensor=kept))
+
+    def _hook_inputs(
+        self, name: str, grad_hook: Callable[[Any], None], inputs: tuple[Any, ...]
+    ) -> None:
+        """The gradient w.r.t. a module's input is what its backward produced: check it there."""
+        import torch
+
+        if not torch.is_grad_enabled():
+            return
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.requires_grad and _first_claim(x, name):
+                x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
+
+    def _on_grad(self, slot: Slot, grad: Any) -> None:
+        stats = checks.activation_stats(grad)
+        tensor = grad.detach() if slot.retain else None
+        self._current.entries.append(Entry("backward", stats, slot, grad.numel(), tensor=tensor))
+        self._queue_backward_end()
+
+    def _queue_backward_end(self, *_: Any) -> None:
+        if self._backward_queued or not self._params:
+            return
+        from torch.autograd import Variable
+
+        Variable._execution_engine.queue_callback(self._backward_end)
+        self._backward_queued = True
+
+    def _on_backward_end(self) -> None:
+        self._backward_queued = False
+        self._current.grads_done = True
+        self._collect_grads()
+
+    def _collect_grads(self) -> None:
+        """One fused norm over every watched gradient; a later backward in the step replaces it."""
+        have = [(i, p.grad) for i, (_, p) in enumerate(self._params) if p.grad is not None]
+        self._current.entries = [e for e in self._current.entries if e.kind != "grads"]
+        for group in by_device(have, lambda item: item[1]).values():
+            keys = [i for i, _ in group]
+            self._current.entries.append(
+                Entry("grads", checks.norms([g for _, g in group]), keys=keys)
+            )
+
+    def _check_shape(self, name: str, rule: Rule, contract: checks.ShapeContract, out: Any) -> None:
+        why = contract.mismatch(tuple(out.shape))
+        key = (rule.name, name)
+        if why is None:
+            self._shape_active.discard(key)
+            return
+        if key in self._shape_active:
+            return
+        self._shape_active.add(key)
+        summary = f"output shape {list(out.shape)} breaks the contract {contract.text}: {why}"
+        details = {"expected": contract.text, "actual": list(out.shape)}
+        value = float(out.dim())
+        anomaly = Anomaly(rule.name, "shape", name, self.step_count, "forward", summary, value)
+        anomaly.details, anomaly.tensor = details, out.detach()
+        self._report([(anomaly, rule)], _user_frame(sys._getframe()))
+
+    # ------------------------------------------------------------------ step boundary
+    def record_loss(self, loss: Any) -> None:
+        """Check this step's loss (when the optimizer hook ends steps, call this before it)."""
+        if not self.enabled:
+            return
+        import torch
+
+        value = torch.as_tensor(loss).detach().float()
+        value = value.reshape(1) if value.numel() == 1 else value.mean().reshape(1)
+        self._current.entries = [e for e in self._current.entries if e.kind != "loss"]
+        kept = loss.detach() if isinstance(loss, torch.Tensor) else value
+        self._current.entries.append(Entry("loss", value, tensor=kept))
+
+    def step(self, loss: Any = None) -> None:
+        """End a training step: stats are packed, and read every ``check_every`` steps.
+
+        With ``optimizer=`` the optimizer's step ends steps; this then only
+        records ``loss`` (for the step the optimizer ended, when called after it).
+        """
+        if not self.enabled:
+            return
+        frame = _user_frame(sys._getframe(1))
+        try:
+            if self._handles_steps():
+                self._end_step(loss, frame)
+            elif loss is not None:
+                self._late_loss(loss) if self._updated else self.record_loss(loss)
+            self._updated = False
+        except AnomalyError:
+            raise
+        except Exception as e:
+            self._fail("step boundary", e)
+        watchdog.step(self.step_count)
+        if events.pending_break():  # `breakpod send ID break`: one flag check per step
+            shim.set_trace(frame=frame, header="break requested through the broker")
+
+    def _handles_steps(self) -> bool:
+        return self._optimizer is None
+
+    def _end_step(self, loss: Any, frame: FrameType | None = None) -> None:
+        if loss is not None:
+            self.record_loss(loss)
+        if not self._current.grads_done and self._params:
+            self._collect_grads()  # no backward ran through the model's output hook
+        done, self._current = self._current, StepRecord(self.step_count + 1)
+        self.step_count += 1
+        self._pending.append(done)
+        self._say_if_compiled(done)
+        if self._urgent:  # a break/stop/skip rule needs the verdict before the update
+            self._read(done)
+            self._evaluate_landed(wait=True, frame=frame)
+            self._apply_skip(done.step)
+        elif self.step_count % self.check_every == 0 or _keeps_tensors(done):
+            self._read(done)  # kept tensors (break/snapshot rules) live one step, not check_every
+        self._evaluate_landed(wait=False)
+
+    def _say_if_compiled(self, done: StepRecord) -> None:
+        """Gradients but no module stats: the model ran compiled, where hooks do not run."""
+        kinds = {e.kind for e in done.entries}
+        if self._said_compiled or not self._module_checks or "grads" not in kinds:
+            return
+        if kinds & {"forward", "backward"}:
+            return
+        self._said_compiled = True
+        announce(
+            "monitor: the model ran under torch.compile, where breakpod's module hooks do not "
+            "run; only gradient norms, parameters and the loss are checked (blamed on the "
+            "parameter's module). For per-module checks set BREAKPOD_DISABLE_COMPILE=1"
+        )
+
+    def _late_loss(self, loss: Any) -> None:
+        """``monitor.step(loss)`` after ``opt.step()``: the loss of the step that just ended.
+
+        Its update is applied already, so it waits for the next read (no extra one).
+        """
+        late, self._current = self._current, StepRecord(self.step_count - 1, partial=True)
+        self.record_loss(loss)
+        self._current, record = late, self._current
+        self._pending.append(record)
+
+    def _apply_skip(self, step: int) -> None:
+        """Drop this step's update: no gradient, so the optimizer's step changes nothing."""
+        if not self._ctx.take_skip():
+            return
+        params = _optimizer_params(self._optimizer) or list(self.model.parameters())
+        for p in params:
+            p.grad = None  # optimizers leave a parameter without a gradient untouched
+        self.skipped_steps += 1
+        for anomaly in self.anomalies:
+            if anomaly.step == step:
+                anomaly.skipped = True
+        announce(f"step {step}: update skipped (gradients dropped before the optimizer step)")
+
+    def flush(self) -> list[Anomaly]:
+        """Read and evaluate everything now (a host sync); returns the new anomalies."""
+        if not self.enabled:
+            return []
+        before = len(self.anomalies)
+        if self._pending:
+            self._read(self._pending[-1])
+        self._evaluate_landed(wait=True)
+        return self.anomalies[before:]
+
+    def _read(self, last: StepRecord, *, state: bool = True) -> None:
+        """Start the host copy of every pending step (with the state checks on ``last``)."""
+        if state:
+            self._add_state_checks(last)
+        steps, self._pending = self._pending, []
+        copies = {
+            device: to_host(t) for device, t in pack([e for s in steps for e in s.entries]).items()
+        }
+        self._inflight.append((copy_events(copies), copies, steps))
+        self.reads += 1
+
+    def _add_state_checks(self, step: StepRecord) -> None:
+        """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
+        for group in by_device(self._state_params, lambda item: item[1]).values():
+            step.entries.append(
+                Entry("params", checks.norms([p for _, p in group]), keys=[i for i, _ in group])
+            )
+        for _, group in by_device(self._bn_modules, lambda item: item[1].running_var).items():
+            step.entries.append(
+                Entry(
+                    "batchnorm",
+                    checks.batchnorm_stats([m for _, m in group]),
+                    keys=[n for n, _ in group],
+                )
+            )
+
+    def _evaluate_landed(self, *, wait: bool, frame: FrameType | None = None) -> None:
+        while self._inflight:
+            events, copies, steps = self._inflight[0]
+            if not landed(events, wait=wait):
+                return  # not landed yet: the next boundary looks again
+            self._inflight.pop(0)
+            values = {device: host.tolist() for device, host in copies.items()}
+            for step in steps:
+                self._report(self._detector.run(decode(step, values)), frame)
+
+    def _report(self, found: list[tuple[Anomaly, Rule]], frame: FrameType | None = None) -> None:
+        merged = merge_same_tensor(found)
+        self.anomalies.extend(a for a, _ in merged)
+        self._ctx.frame = frame
+        try:
+            for anomaly, actions in merged:
+                dispatch(anomaly, actions, self._ctx)
+                anomaly.tensor = None  # the actions had it; the anomaly list keeps no tensors
+        finally:
+            self._ctx.frame = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def _fail(self, where: str, error: Exception) -> None:
+        self.errors += 1
+        if where not in self._failed:
+            self._failed.add(where)
+            announce(f"monitor {where} failed ({type(error).__name__}: {error}); the job continues")
+
+    def close(self) -> None:
+        """Remove every hook; the monitor keeps its anomalies for inspection."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pending, self._inflight, self._current = [], [], StepRecord(self.step_count)
+        self.enabled = False
+        if monitor_of(self.model) is self:
+            MONITORS.pop(self.model, None)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def summary_line(self) -> str:
+        """``breakpod.summary(monitor)``: the counts, then the rules (cut at 120 characters)."""
+        state = "on" if self.enabled else "off"
+        line = (
+            f"monitor {state}: step {self.step_count}, {len(self.anomalies)} anomalies, "
+            f"{self.skipped_steps} skipped steps, {self.errors} errors; "
+            f"rules {', '.join(r.name for r in self.rules)}"
+        )
+        return line if len(line) <= 120 else line[:117] + "..."
+
+    def __repr__(self) -> str:
+        state = "on" if self.enabled else "off"
+        return (
+            f"<breakpod.Monitor {state} rules={[r.name for r in self.rules]} "
+            f"step={self.step_count} check_every={self.check_every} "
+            f"anomalies={len(self.anomalies)} skipped_steps={self.skipped_steps}>"
+        )
+
+
+def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
+    return [tuple(x.shape) for x in inputs if hasattr(x, "shape")]
+
+
+def _compiling() -> bool:
+    """Inside a torch.compile trace (constant there, so the hook traces to nothing)."""
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    return compiler is not None and bool(compiler.is_compiling())
+
+
+def _optimizer_params(optimizer: Any) -> list[Any]:
+    if optimizer is None:
+        return []
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _keeps_tensors(step: StepRecord) -> bool:
+    return any(e.tensor is not None for e in step.entries if e.kind in ("forward", "backward"))
+
+
+def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
+    """``skip_types`` spares pass-through modules' tensors, never parameters or their grads."""
+    if where == "param-gradient":
+        return "gradient" in rule["where"]
+    if where not in rule["where"]:
+        return False
+    return where in ("param", "loss") or type(module).__name__ not in rule["skip_types"]
+
+
+def _claim(tensor: Any, attr: str, name: str) -> bool:
+    """Check a tensor once: a container skips what one of its submodules already took.
+
+    The mark is an attribute on the tensor object, so it lives exactly as long
+    as the tensor (an id() table could confuse a freed tensor with a new one).
+    """
+    owner = tensor.__dict__.get(attr)
+    if owner is not None and (name == "" or owner.startswith(name + ".") or owner == name):
+        return False
+    setattr(tensor, attr, name)
+    return True
+
+
+def _first_claim(tensor: Any, name: str) -> bool:
+    """One gradient hook per tensor: its gradient is the same whichever consumer hooks it."""
+    if "_breakpod_bwd" in tensor.__dict__:
+        return False
+    tensor._breakpod_bwd = name
+    return True
+
+
+def _watches_params(info: ParamInfo, rules: list[Rule]) -> bool:
+    return any(
+        r.name in info.rules and r.check == "nonfinite" and "param" in r["where"] for r in rules
+    )
+
+
+__all__ = ["Monitor", "RuleError", "monitor_enabled", "watch"]

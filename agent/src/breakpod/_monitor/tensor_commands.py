@@ -1,0 +1,125 @@
+"""pdb commands for tensors, in every breakpod pdb session (loaded when torch is).
+
+tstat EXPR    one-line summary of a tensor (or of each tensor in a list/dict)
+tshape MODEL  last input/output shapes per module, as the monitor saw them (runs nothing)
+tgrad MODEL   gradient norm and non-finite counts per parameter
+tmem          CUDA memory per device, or the process RSS
+tnan MODEL    where non-finite values were seen: monitor anomalies and a scan now
+"""
+
+from __future__ import annotations
+
+import pdb
+import resource
+import sys
+from typing import Any
+
+from breakpod._debug.pdb_commands import command
+from breakpod._monitor.monitor import monitor_of
+from breakpod._monitor.summaries import nonfinite_counts, summary
+
+
+def _eval(debugger: pdb.Pdb, expr: str) -> Any:
+    if not expr:
+        raise ValueError("an expression is needed, e.g. tstat tensor")
+    frame = debugger.curframe
+    assert frame is not None
+    return eval(expr, frame.f_globals, debugger.curframe_locals)
+
+
+def _model(debugger: pdb.Pdb, expr: str) -> Any:
+    value = _eval(debugger, expr or "model")
+    model = getattr(value, "model", value)  # a Monitor stands for its model
+    if not hasattr(model, "named_modules"):
+        raise TypeError(
+            f"{expr or 'model'} is a {type(value).__name__}, not an nn.Module or Monitor"
+        )
+    return model
+
+
+@command("tstat")
+def tstat(debugger: pdb.Pdb, arg: str) -> None:
+    """tstat EXPR: one line per tensor: shape, dtype, device, size, range, mean, std, nan/inf."""
+    value = _eval(debugger, arg)
+    if isinstance(value, dict):
+        for key, item in value.items():
+            debugger.message(f"{key}: {summary(item)}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            debugger.message(f"[{i}]: {summary(item)}")
+    else:
+        debugger.message(summary(value))
+
+
+@command("tshape")
+def tshape(debugger: pdb.Pdb, arg: str) -> None:
+    """tshape MODEL: last input -> output shapes of each watched module (runs nothing)."""
+    model = _model(debugger, arg)
+    monitor = monitor_of(model)
+    if monitor is None or not monitor.shapes:
+        debugger.message("no shapes seen: watch the model with breakpod.watch() and run a step")
+        return
+    for name, (inputs, output) in monitor.shapes.items():
+        ins = ", ".join(str(list(s)) for s in inputs)
+        debugger.message(f"{name or '<model>'}: ({ins}) -> {list(output)}")
+
+
+@command("tgrad")
+def tgrad(debugger: pdb.Pdb, arg: str) -> None:
+    """tgrad MODEL: gradient L2 norm and nan/inf counts of each parameter."""
+    for name, param in _model(debugger, arg).named_parameters():
+        if param.grad is None:
+            debugger.message(f"{name}: no grad")
+            continue
+        counts = nonfinite_counts(param.grad)
+        bad = " ".join(f"{k}={v}" for k, v in counts.items() if v)
+        norm = float(param.grad.detach().float().norm())
+        debugger.message(f"{name}: |grad|={norm:.4g}{' ' + bad if bad else ''}")
+
+
+@command("tmem")
+def tmem(debugger: pdb.Pdb, arg: str) -> None:
+    """tmem: CUDA memory per device (allocated/reserved/peak), or the process RSS."""
+    torch = sys.modules["torch"]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            gib = 1024**3
+            debugger.message(
+                f"cuda:{i}: allocated {torch.cuda.memory_allocated(i) / gib:.2f} GiB, "
+                f"reserved {torch.cuda.memory_reserved(i) / gib:.2f} GiB, "
+                f"peak {torch.cuda.max_memory_allocated(i) / gib:.2f} GiB"
+            )
+        return
+    debugger.message(f"no CUDA device; process RSS {_rss_mib():.1f} MiB")
+
+
+def _rss_mib() -> float:
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        import os
+
+        return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak, in KiB on Linux
+
+
+@command("tnan")
+def tnan(debugger: pdb.Pdb, arg: str) -> None:
+    """tnan MODEL: non-finite values the monitor reported, and those in parameters/grads now."""
+    model = _model(debugger, arg)
+    monitor = monitor_of(model)
+    seen = [a for a in (monitor.anomalies if monitor else []) if a.check == "nonfinite"]
+    for anomaly in seen:
+        debugger.message(f"reported: {anomaly}")
+    found = 0
+    for name, param in model.named_parameters():
+        for what, tensor in (("param", param), ("grad", param.grad)):
+            counts = nonfinite_counts(tensor) if tensor is not None else {}
+            if any(counts.values()):
+                found += 1
+                debugger.message(
+                    f"now: {what} {name}: " + " ".join(f"{k}={v}" for k, v in counts.items())
+                )
+    if not seen and not found:
+        debugger.message("no non-finite values reported or present in parameters/gradients")
