@@ -24,6 +24,7 @@ LIVE_LATENCY_S = 2.0  # the issue's bound: a rank turns parked on the page withi
 # next step boundary when an admin sends "break" through the broker.
 LOOP = """
     import time
+    import breakpod
     from breakpod._broker import emitter
     from breakpod._core import events
     seen = []
@@ -32,7 +33,7 @@ LOOP = """
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and "resumed" not in seen:
         time.sleep(0.01)
-        emitter.break_if_requested()
+        breakpod.break_if_requested()
 """
 
 
