@@ -36,11 +36,14 @@ BROKER_LAYERS = (
     grimp.Layer("serving"),  # uvicorn: TLS, shutdown
     grimp.Layer("app", "admission"),  # the two ASGI apps
     grimp.Layer(
-        *("admin", "attach", "commands", "dashboard", "events", "sessions"), independent=False
+        *("admin", "attach", "commands", "dashboard", "events", "listing", "sessions"),
+        independent=False,
     ),  # routes
     grimp.Layer("auth"),  # FastAPI dependencies: token and role checks
     grimp.Layer("context"),  # what every request handler gets
-    grimp.Layer("notifiers", "metrics", "redis_server", "overlay", independent=False),
+    grimp.Layer(
+        *("notifiers", "metrics", "redis_server", "overlay", "fanout", "wakeups"), independent=False
+    ),
     grimp.Layer(
         *("models", "scripts", "tokens", "settings", "limits", "keys", "errors"),
         independent=False,

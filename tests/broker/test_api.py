@@ -9,6 +9,7 @@ import httpx
 import pytest
 import redis
 
+from breakpod_broker import keys
 from breakpod_broker.auth import PUBLIC_PATHS
 from tests.brokerkit import ADMIN, AGENT, AGENT2, VIEWER, post_events, register
 
@@ -150,8 +151,8 @@ def test_state_events_move_the_session_and_silence_shows_lost(broker, redis_url)
         post_events(broker, event("e2", kind="resumed"))
         assert c.get("/v1/sessions/s1").json()["state"] == "running"
         with redis.Redis.from_url(redis_url) as r:
-            assert 0 < r.ttl("breakpod:alive:s1") <= 60  # the heartbeat TTL
-            r.delete("breakpod:alive:s1")  # what the TTL does when heartbeats stop
+            assert 0 < r.ttl(keys.alive("s1")) <= 60  # the heartbeat TTL
+            r.delete(keys.alive("s1"))  # what the TTL does when heartbeats stop
         assert c.get("/v1/sessions/s1").json()["state"] == "lost"
         assert [
             s["id"] for s in c.get("/v1/sessions", params={"state": "lost"}).json()["sessions"]

@@ -155,30 +155,41 @@ def test_a_long_poll_outlasts_the_redis_socket_timeout(broker):
 
 
 @pytest.mark.timeout(30)
-def test_waiters_beyond_the_replica_cap_get_429_and_batches_obey_max_batch(start_broker):
-    broker = start_broker(BREAKPOD_MAX_WAITERS="2", BREAKPOD_MAX_BATCH="2")
+def test_streams_beyond_the_replica_cap_get_429_and_batches_obey_max_batch(start_broker):
+    """Command polls have no cap (they cost an asyncio.Event); event streams have one."""
+    broker = start_broker(
+        BREAKPOD_MAX_WAITERS="2", BREAKPOD_MAX_FOLLOWERS="1", BREAKPOD_MAX_BATCH="2"
+    )
     register(broker, "s1")
-    polls = [threading.Thread(target=_poll, args=(broker, 3)) for _ in range(2)]
+    statuses: list[int] = []
+    polls = [threading.Thread(target=_poll, args=(broker, 2, statuses)) for _ in range(4)]
     for poll in polls:
         poll.start()
-    time.sleep(1.0)
-    with broker.client(AGENT) as c:
-        refused = c.get("/v1/sessions/s1/commands", params={"wait": 1})
-        assert refused.status_code == 429 and "BREAKPOD_MAX_WAITERS" in refused.json()["detail"]
+    headers = {"Authorization": f"Bearer {VIEWER}"}
+    with (
+        httpx.Client(base_url=broker.url, timeout=10) as c,
+        c.stream("GET", "/v1/events/stream", headers=headers) as first,
+    ):
+        lines = first.iter_lines()  # kept: a dropped iterator closes the stream
+        next(lines)
+        refused = c.get("/v1/events/stream", headers=headers)
+        assert refused.status_code == 429 and "BREAKPOD_MAX_FOLLOWERS" in refused.json()["detail"]
         assert c.get("/readyz").status_code == 200
-    with broker.client(VIEWER) as c:
-        assert c.get("/v1/events/stream").status_code == 429
     for poll in polls:
         poll.join(10)
+    assert statuses == [200] * 4  # twice BREAKPOD_MAX_WAITERS
     with broker.client(AGENT) as c:
         assert c.get("/v1/sessions/s1/commands", params={"wait": 0}).status_code == 200
     too_many = post_events(broker, event("e1"), event("e2"), event("e3"))
     assert too_many.status_code == 413 and "at most 2" in too_many.json()["detail"]
 
 
-def _poll(broker, wait):
+def _poll(broker, wait, statuses=None):
     with broker.client(AGENT) as c:
-        assert c.get("/v1/sessions/s1/commands", params={"wait": wait}).status_code == 200
+        status = c.get("/v1/sessions/s1/commands", params={"wait": wait}).status_code
+    assert status == 200
+    if statuses is not None:
+        statuses.append(status)
 
 
 @pytest.mark.timeout(30)

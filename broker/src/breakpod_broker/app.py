@@ -26,14 +26,26 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from breakpod import protocol
-from breakpod_broker import __version__, admin, attach, commands, dashboard, events, sessions
+from breakpod_broker import (
+    __version__,
+    admin,
+    attach,
+    commands,
+    dashboard,
+    events,
+    listing,
+    sessions,
+)
 from breakpod_broker.context import Broker
+from breakpod_broker.events import _decode
+from breakpod_broker.fanout import BLOCK_MS, EventFanout
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
 from breakpod_broker.redis_server import EmbeddedRedis
 from breakpod_broker.scripts import Scripts
 from breakpod_broker.settings import BrokerSettings
 from breakpod_broker.tokens import Principal, TokenStore, load_tokens_file, parse_token_pairs
+from breakpod_broker.wakeups import CommandWakeups
 
 log = logging.getLogger(__name__)
 REDIS_TIMEOUT = 5.0  # seconds, for every non-blocking command and connection
@@ -57,7 +69,7 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
         docs_url=None,
         redoc_url=None,
     )
-    for module in (sessions, events, commands, attach, admin, dashboard):
+    for module in (sessions, listing, events, commands, attach, admin, dashboard):
         app.include_router(module.router)
     _add_error_handlers(app)
     app.add_middleware(BodyLimit)
@@ -90,6 +102,13 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
         )
         stack.push_async_callback(notifiers.close)
         await notifiers.start()
+        fanout = EventFanout(_own_client(settings.redis_url), settings.follower_queue, _decode)
+        stack.push_async_callback(fanout.redis.aclose)
+        stack.push_async_callback(fanout.close)
+        await fanout.start()
+        wakeups = CommandWakeups(_own_client(settings.redis_url))
+        stack.push_async_callback(wakeups.close)
+        await wakeups.start()
         yield Broker(
             settings,
             client,
@@ -99,6 +118,8 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
             Scripts.register_with(client),
             blocking=blocking,
             embedded=embedded,
+            fanout=fanout,
+            wakeups=wakeups,
         )
 
 
@@ -129,6 +150,18 @@ def _clients(url: str, settings: BrokerSettings) -> tuple[Any, Any]:
         **common,
     )
     return aioredis.Redis.from_pool(ordinary), aioredis.Redis.from_pool(blocking)
+
+
+def _own_client(url: str) -> Any:
+    """A client of its own for one long-lived reader (the fan-out's XREAD BLOCK, the
+    command subscription): never queued behind ordinary requests."""
+    return aioredis.Redis.from_url(
+        url,
+        decode_responses=True,
+        socket_connect_timeout=REDIS_TIMEOUT,
+        socket_timeout=REDIS_TIMEOUT + BLOCK_MS / 1000,
+        max_connections=2,
+    )
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -58,6 +58,7 @@ async def send(session_id: SessionId, body: CommandIn, who: Admin, broker: Broke
     async with broker.redis.pipeline(transaction=True) as pipe:
         pipe.lpush(keys.commands(session_id), command.model_dump_json())
         pipe.expire(keys.commands(session_id), broker.settings.retention_seconds)
+        pipe.publish(keys.COMMANDS_QUEUED, session_id)
         await pipe.execute()
     await _record(broker, session, command, "queued")
     return command
@@ -80,9 +81,8 @@ async def poll(
     pending = await broker.redis.lrange(keys.delivered(session_id), 0, MAX_PER_POLL - 1)
     if pending:
         return CommandList(commands=[Command.model_validate_json(raw) for raw in pending])
-    with broker.waiting("command poll"):
-        wait = min(wait, broker.settings.max_poll_seconds)
-        taken = await unless_closing(request, _take(broker, session_id, wait))
+    wait = min(wait, broker.settings.max_poll_seconds)
+    taken = await unless_closing(request, _take_when_queued(broker, session_id, wait))
     commands = [Command.model_validate_json(raw) for raw in taken]
     for command in commands:
         await _record(broker, session, command, "delivered")
@@ -111,6 +111,21 @@ async def unless_closing(request: Request, work: Coroutine[Any, Any, list[str]])
         raise HTTPException(
             503, f"Redis unavailable ({type(e).__name__}): poll again", {"Retry-After": "1"}
         ) from None
+
+
+async def _take_when_queued(broker: Broker, session_id: str, wait: float) -> list[str]:
+    """Queued commands at once, else the first ones queued within ``wait`` seconds:
+    woken by the replica's subscription (wakeups.py), taken with a plain LMOVE."""
+    deadline = time.monotonic() + wait
+    with broker.wakeups.waiter(session_id) as woken:  # before the first look: none missed
+        while True:
+            taken = await _take(broker, session_id, 0)
+            left = deadline - time.monotonic()
+            if taken or left <= 0:
+                return taken
+            woken.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(woken.wait(), left)
 
 
 async def _take(broker: Broker, session_id: str, wait: float) -> list[str]:

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, HTTPException, Request
 
+from breakpod_broker.fanout import EventFanout
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
 from breakpod_broker.redis_server import EmbeddedRedis
@@ -32,6 +33,21 @@ class Broker:
     blocking: Any = None
     waiters: int = 0
     embedded: EmbeddedRedis | None = None  # the supervised redis-server, without a Redis URL
+    fanout: EventFanout | None = None  # the replica's one reader of the event stream
+    wakeups: Any = None  # wakeups.CommandWakeups: the replica's one command subscription
+    # per-replica caches of values recomputed every few seconds, by what they hold
+    caches: dict[str, dict[Any, Any]] = dataclasses.field(default_factory=dict)
+
+    def room_to_follow(self) -> None:
+        """429 when the replica already serves ``max_followers`` event streams."""
+        limit = self.settings.max_followers
+        if self.fanout is not None and self.fanout.followers >= limit:
+            raise HTTPException(
+                429,
+                f"this broker replica already serves {limit} event streams: "
+                "retry later (or raise BREAKPOD_MAX_FOLLOWERS)",
+                {"Retry-After": "5"},
+            )
 
     def room(self, what: str) -> None:
         """429 when the replica already serves ``max_waiters`` long polls and streams."""

@@ -18,13 +18,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, HTTPException, Query
+from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import ValidationError
 
 from breakpod import protocol
 from breakpod.protocol import EventKind
-from breakpod_broker import keys
+from breakpod_broker import fanout, keys
 from breakpod_broker.auth import Agent, Credentials, Viewer
 from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.limits import MAX_DEPTH, MAX_FIELDS_BYTES, dotted, nonfinite, too_deep
@@ -39,6 +39,11 @@ from breakpod_broker.models import (
 from breakpod_broker.sessions import check_owner, read_many
 from breakpod_broker.tokens import Principal
 
+try:
+    import orjson
+except ImportError:  # optional: json.dumps then
+    orjson = None  # type: ignore[assignment]
+
 router = APIRouter(tags=["events"])
 log = logging.getLogger(__name__)
 SSE_BLOCK_MS = 2000  # also the keepalive period of an idle stream
@@ -51,13 +56,17 @@ ADDRESS = re.compile(protocol.ADDRESS_PATTERN)
 
 
 @router.post(protocol.EVENTS, response_model=IngestResult)
-async def post_events(batch: EventBatch, who: Agent, broker: BrokerDep) -> IngestResult:
+async def post_events(
+    batch: EventBatch, who: Agent, broker: BrokerDep, request: Request
+) -> IngestResult:
     """Store a batch of events; an agent token may write only its own sessions' events."""
     most = broker.settings.max_batch
     if len(batch.events) > most:
         raise HTTPException(413, f"{len(batch.events)} events in one batch: send at most {most}")
     sessions = await _sessions_for(broker, who, {e.session for e in batch.events})
-    return await ingest(broker, batch.events, sessions)
+    raw = await request.body()  # already read (and kept) by the body parser
+    finite = b"NaN" not in raw and b"Infinity" not in raw
+    return await ingest(broker, batch.events, sessions, finite=finite)
 
 
 async def _sessions_for(broker: Broker, who: Principal, ids: set[str]) -> dict[str, SessionOut]:
@@ -75,12 +84,18 @@ async def _sessions_for(broker: Broker, who: Principal, ids: set[str]) -> dict[s
 
 
 async def ingest(
-    broker: Broker, events: list[EventIn], sessions: dict[str, SessionOut]
+    broker: Broker,
+    events: list[EventIn],
+    sessions: dict[str, SessionOut],
+    *,
+    finite: bool = False,
 ) -> IngestResult:
-    """Store events (deduplicated), update session states, then notify; in batch order."""
+    """Store events (deduplicated), update session states, then notify; in batch order.
+    ``finite``: the request held no NaN or infinity, so the fast encoder may write it."""
     now = time.time()
     docs = [_document(e, sessions[e.session], now) for e in events]
-    encoded = [_dumps(doc, i) for i, doc in enumerate(docs)]
+    dumps = _fast_dumps if finite and orjson is not None else _dumps
+    encoded = [dumps(doc, i) for i, doc in enumerate(docs)]
     by_session: dict[str, list[int]] = {}
     for i, event in enumerate(events):
         by_session.setdefault(event.session, []).append(i)
@@ -175,6 +190,15 @@ def _dumps(doc: dict[str, Any], index: int) -> str:
     return text
 
 
+def _fast_dumps(doc: dict[str, Any], index: int) -> str:
+    """orjson (~5x json.dumps) for a request without NaN or infinities; same size limit."""
+    assert orjson is not None
+    text: str = orjson.dumps(doc, default=str).decode()
+    if len(text) > MAX_FIELDS_BYTES:
+        return _dumps(doc, index)  # the exact check and its message
+    return text
+
+
 def _fields_json(doc: dict[str, Any]) -> str:
     return json.dumps(doc["fields"], default=str, allow_nan=False)
 
@@ -207,15 +231,20 @@ class Filters:
 
     def needles(self, who: Principal) -> list[list[str]]:
         """Groups of texts; a stored event can match only if it holds one of each group."""
-        groups = [[f'"kind": {json.dumps(k)}' for k in sorted(self.kinds)]] if self.kinds else []
+        groups = [[t for k in sorted(self.kinds) for t in _both("kind", k)]] if self.kinds else []
         if who.namespaces is not None:  # may_see: "" stands for events without a namespace
-            groups.append([f'"namespace": {json.dumps(n or None)}' for n in who.namespaces])
+            groups.append([t for n in who.namespaces for t in _both("namespace", n or None)])
         return groups
 
     def match(self, who: Principal, doc: dict[str, Any]) -> bool:
         return (not self.kinds or doc.get("kind") in self.kinds) and who.may_see(
             doc.get("namespace")
         )
+
+
+def _both(name: str, value: Any) -> list[str]:
+    """The texts json.dumps and orjson (compact) write for one key and value."""
+    return [f'"{name}": {json.dumps(value)}', f'"{name}":{json.dumps(value)}']
 
 
 Since = Annotated[
@@ -349,7 +378,7 @@ async def stream_events(
 
     A stream ends when its token is revoked (checked every few seconds) and after
     ``max_stream_seconds``; clients reconnect with Last-Event-ID and lose nothing."""
-    broker.room("event stream")
+    broker.room_to_follow()
     resume = last_event_id if last_event_id and is_cursor(last_event_id) else since
     start = (
         parse_since(resume).lstrip("(") if resume else await _last_cursor(broker, filters.stream)
@@ -357,7 +386,7 @@ async def stream_events(
     if resume and not is_cursor(resume):  # seconds: include that millisecond
         start = _before(start)
     assert credentials is not None  # Viewer checked it
-    body = _sse(broker, Watch(who, credentials.credentials, filters), start)
+    body = _follow(broker, Watch(who, credentials.credentials, filters), start)
     return StreamingResponse(
         body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
@@ -382,24 +411,33 @@ class Watch:
     filters: Filters
 
 
-async def _sse(broker: Broker, watch: Watch, cursor: str) -> AsyncIterator[str]:
-    yield "retry: 1000\n\n"
-    started = checked = time.monotonic()
-    stream, filters, who = watch.filters.stream, watch.filters, watch.who
-    with broker.waiting("event stream", check=False):
-        while time.monotonic() - started < broker.settings.max_stream_seconds:
-            if time.monotonic() - checked >= TOKEN_RECHECK_SECONDS:
-                if await broker.tokens.lookup(watch.token) != who:
-                    return  # revoked (or changed): the client gets 401 when it reconnects
-                checked = time.monotonic()
-            reply = await broker.blocking.xread({stream: cursor}, count=500, block=SSE_BLOCK_MS)
-            if not reply:
-                yield ": keepalive\n\n"
-                continue
-            for entry_id, fields in reply[0][1]:
-                cursor = entry_id
-                doc = _decode(entry_id, fields)
-                if doc is not None and filters.match(who, doc):
-                    data = json.dumps(doc, allow_nan=False)
-                    yield f"id: {entry_id}\nevent: {doc['kind']}\ndata: {data}\n\n"
-            await asyncio.sleep(0)
+def _follow(broker: Broker, watch: Watch, start: str) -> AsyncIterator[str]:
+    """The stream's body: the replica's fan-out, after a catch-up from Redis."""
+    filters, who = watch.filters, watch.who
+
+    def wants(doc: dict[str, Any]) -> bool:
+        return (filters.session in (None, doc.get("session"))) and filters.match(who, doc)
+
+    async def catch_up(after: str) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
+        chunk = await broker.redis.xrange(filters.stream, "(" + after, "+", count=SCAN_CHUNK)
+        found = [(d["cursor"], d) for d in _matching(chunk, filters, who)]
+        return found, (chunk[-1][0] if len(chunk) == SCAN_CHUNK else None)
+
+    async def still_allowed() -> bool:
+        return await broker.tokens.lookup(watch.token) == who
+
+    async def body() -> AsyncIterator[str]:
+        assert broker.fanout is not None  # started with the app
+        with broker.fanout.follow(who.namespaces, wants) as follower:
+            async for text in fanout.stream(
+                broker.fanout,
+                follower,
+                catch_up,
+                start,
+                still_allowed,
+                max_seconds=broker.settings.max_stream_seconds,
+                recheck_seconds=TOKEN_RECHECK_SECONDS,
+            ):
+                yield text
+
+    return body()

@@ -1,14 +1,21 @@
 """Every Redis key the broker uses, with its lifetime (as arq's constants.py).
 
 All state lives here, so any number of broker replicas can share one Redis.
+
+Hash tags: a session's keys carry ``{SESSION_ID}`` and a job's index ``{JOB}``,
+so in a Redis Cluster each session's keys (and each job's) share one slot and
+the per-session Lua scripts touch one slot's keys (but for the global stream and
+index, see the README's Redis Cluster note).
 """
 
 from __future__ import annotations
 
 PREFIX = "breakpod:"
 
-# Sorted set: session id -> time of its last registration or heartbeat.
-# No TTL; members whose session hash has expired are pruned when listed.
+# Sorted set: session id -> time of its first registration (newest first when
+# listed; heartbeats leave it alone, so pages stay stable). No TTL; members
+# whose session hash has expired are pruned when listed. namespace_sessions and
+# job_sessions below are the same index narrowed to one namespace or one job.
 SESSIONS = PREFIX + "sessions"
 
 # Stream of every event, trimmed to settings.global_stream_maxlen (MAXLEN ~).
@@ -28,38 +35,54 @@ NOTIFIER_FAILURES = PREFIX + "notifier-failures"
 NOTIFIER_FAILURES_MAXLEN = 1000
 
 
+# Pub/sub channel: a session id, published after a command is queued for it;
+# each replica's one subscriber wakes the long-polls waiting on that session.
+COMMANDS_QUEUED = PREFIX + "commands-queued"
+
+
+def namespace_sessions(namespace: str) -> str:
+    """Sorted set as SESSIONS, of one namespace's sessions ("" for none)."""
+    return f"{PREFIX}namespace:{{{namespace}}}:sessions"
+
+
+def job_sessions(job: str) -> str:
+    """Sorted set as SESSIONS, of the sessions that registered with this job name
+    (in any namespace: listings check each session's own fields)."""
+    return f"{PREFIX}job:{{{job}}}:sessions"
+
+
 def session(session_id: str) -> str:
     """Hash: the session's fields. TTL: settings.retention_seconds, renewed on each write."""
-    return f"{PREFIX}session:{session_id}"
+    return f"{PREFIX}session:{{{session_id}}}"
 
 
 def alive(session_id: str) -> str:
     """String: present while heartbeats arrive. TTL: settings.heartbeat_ttl_seconds;
     when it expires the session shows as lost (its hash stays)."""
-    return f"{PREFIX}alive:{session_id}"
+    return f"{PREFIX}alive:{{{session_id}}}"
 
 
 def session_events(session_id: str) -> str:
     """Stream of one session's events, trimmed to settings.session_stream_maxlen.
     TTL: settings.retention_seconds, renewed on each write."""
-    return f"{PREFIX}events:{session_id}"
+    return f"{PREFIX}events:{{{session_id}}}"
 
 
 def seen(session_id: str, event_id: str) -> str:
     """String: marks an agent-chosen event id as ingested, so retries are dropped.
     TTL: settings.dedup_seconds (the window within which a retry is recognised)."""
-    return f"{PREFIX}seen:{session_id}:{event_id}"
+    return f"{PREFIX}seen:{{{session_id}}}:{event_id}"
 
 
 def commands(session_id: str) -> str:
     """List of queued commands (JSON), oldest at the right. TTL: retention, renewed on push."""
-    return f"{PREFIX}commands:{session_id}"
+    return f"{PREFIX}commands:{{{session_id}}}"
 
 
 def delivered(session_id: str) -> str:
     """List of commands handed to the agent but not yet acknowledged; redelivered
     on the next poll. TTL: retention, renewed on delivery."""
-    return f"{PREFIX}delivered:{session_id}"
+    return f"{PREFIX}delivered:{{{session_id}}}"
 
 
 def notified(idempotency_key: str) -> str:

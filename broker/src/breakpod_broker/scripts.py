@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-# KEYS: session hash, alive key, session index. ARGV: token id, namespace ("" for
+# KEYS: session hash, alive key, then the session indexes (all, its namespace's,
+# its job's): each scores the session by its first registration. ARGV: token id, namespace ("" for
 # none), now, retention, heartbeat ttl, session id, n fields to clear, the n
 # names, then field/value pairs. Returns "" when written, else (nothing written)
 # "owner" when another token registered the session, or "namespace:NS" when it
@@ -30,8 +31,25 @@ if n > 0 then redis.call('HDEL', KEYS[1], unpack(ARGV, 8, 7 + n)) end
 if #ARGV > 7 + n then redis.call('HSET', KEYS[1], unpack(ARGV, 8 + n)) end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
-redis.call('ZADD', KEYS[3], ARGV[3], ARGV[6])
+local created = redis.call('HGET', KEYS[1], 'created')
+for i = 3, #KEYS do redis.call('ZADD', KEYS[i], created, ARGV[6]) end
 return ''
+"""
+
+# KEYS: session hash, alive key. ARGV: token id, now, retention, heartbeat ttl,
+# then field/value pairs to set. The whole heartbeat, O(1): returns {'missing'},
+# {'owner', namespace} (another token's session: nothing written), or {'ok',
+# then the hash's field/value pairs as written}.
+HEARTBEAT_LUA = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if not owner then return {'missing'} end
+if owner ~= ARGV[1] then return {'owner', redis.call('HGET', KEYS[1], 'namespace') or ''} end
+redis.call('HSET', KEYS[1], 'last_seen', ARGV[2], unpack(ARGV, 5))
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
+local out = redis.call('HGETALL', KEYS[1])
+table.insert(out, 1, 'ok')
+return out
 """
 
 # KEYS: session hashes. ARGV: their ids. Drops from the index only ids whose
@@ -85,6 +103,7 @@ class Scripts:
     register: Any
     prune: Any
     ingest: Any
+    heartbeat: Any
 
     @classmethod
     def register_with(cls, redis: Any) -> Scripts:
@@ -92,4 +111,5 @@ class Scripts:
             redis.register_script(REGISTER_LUA),
             redis.register_script(PRUNE_LUA),
             redis.register_script(INGEST_LUA),
+            redis.register_script(HEARTBEAT_LUA),
         )

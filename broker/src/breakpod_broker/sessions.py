@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ValidationError
 
 from breakpod import protocol
 from breakpod_broker import keys
 from breakpod_broker.auth import Agent, Viewer
 from breakpod_broker.context import Broker, BrokerDep
-from breakpod_broker.models import Heartbeat, SessionId, SessionIn, SessionList, SessionOut
+from breakpod_broker.models import Heartbeat, SessionId, SessionIn, SessionOut
 from breakpod_broker.tokens import Principal
 
 router = APIRouter(tags=["sessions"])
@@ -39,7 +38,7 @@ async def register(
     cleared = [k for k, v in body.model_dump().items() if v is None]
     s = broker.settings
     refused = await broker.scripts.register(
-        keys=[keys.session(session_id), keys.alive(session_id), keys.SESSIONS],
+        keys=[keys.session(session_id), keys.alive(session_id), *_indexes(body)],
         args=[
             *(who.token_id, body.namespace or "", now, s.retention_seconds),
             *(s.heartbeat_ttl_seconds, session_id, len(cleared), *cleared),
@@ -54,25 +53,33 @@ async def register(
 async def heartbeat(
     session_id: SessionId, body: Heartbeat, who: Agent, broker: BrokerDep
 ) -> SessionOut:
-    """Keep a session alive (and optionally change its state)."""
-    await owned(broker, who, session_id)
-    now = time.time()
-    async with broker.redis.pipeline(transaction=True) as pipe:
-        pipe.hset(keys.session(session_id), mapping={**_strings(body), "last_seen": str(now)})
-        _touch(pipe, broker, session_id, now)
-        await pipe.execute()
-    return await load(broker, session_id)
+    """Keep a session alive (and optionally change its state): one Lua call."""
+    s = broker.settings
+    reply = await broker.scripts.heartbeat(
+        keys=[keys.session(session_id), keys.alive(session_id)],
+        args=[
+            *(who.token_id, time.time(), s.retention_seconds, s.heartbeat_ttl_seconds),
+            *(x for pair in _strings(body).items() for x in pair),
+        ],
+    )
+    return _heartbeaten(who, session_id, reply)
 
 
-@router.get(protocol.SESSIONS, response_model=SessionList)
-async def list_sessions(
-    who: Viewer, broker: BrokerDep, state: Annotated[str | None, Query(max_length=32)] = None
-) -> SessionList:
-    """Every known session, newest first; ``state`` filters (``lost`` included)."""
-    ids = await broker.redis.zrevrange(keys.SESSIONS, 0, 999)
-    found = [s for s in await read_many(broker, ids) if s is not None]
-    visible = [s for s in found if who.may_see(s.namespace) and state in (None, s.state)]
-    return SessionList(sessions=visible)
+def _heartbeaten(who: Principal, session_id: str, reply: list[str]) -> SessionOut:
+    """The session as the heartbeat script left it; 404 or 403 as ``owned`` answers."""
+    if reply[0] == "owner" and who.may_see(reply[1] or None):
+        raise _not_owner(session_id)
+    ok = reply[0] == "ok"
+    session = (
+        _decode(session_id, dict(zip(reply[1::2], reply[2::2], strict=True)), 1) if ok else None
+    )
+    if session is None:
+        raise HTTPException(
+            404,
+            f"no session {session_id!r}: an agent registers it with "
+            f"PUT {protocol.session_path(session_id)}",
+        )
+    return session
 
 
 @router.get(SESSION, response_model=SessionOut)
@@ -86,6 +93,12 @@ async def visible(broker: Broker, who: Principal, session_id: str) -> SessionOut
     if not who.may_see(session.namespace):
         raise HTTPException(404, f"no session {session_id!r}")
     return session
+
+
+def _indexes(body: SessionIn) -> list[str]:
+    """The listing indexes a session registered with ``body`` belongs to."""
+    found = [keys.SESSIONS, keys.namespace_sessions(body.namespace or "")]
+    return found + ([keys.job_sessions(body.job)] if body.job else [])
 
 
 def _refuse_registration(session_id: str, refused: str) -> None:
@@ -136,8 +149,11 @@ async def _read(broker: Broker, session_id: str) -> SessionOut | None:
     return (await read_many(broker, [session_id]))[0]
 
 
-async def read_many(broker: Broker, session_ids: list[str]) -> list[SessionOut | None]:
-    """Sessions by id in one round trip; ``None`` for those that expired."""
+async def read_many(
+    broker: Broker, session_ids: list[str], index: str = keys.SESSIONS
+) -> list[SessionOut | None]:
+    """Sessions by id in one round trip; ``None`` for those that expired (pruned
+    from the index of all sessions and from ``index``, the one they were listed from)."""
     async with broker.redis.pipeline(transaction=False) as pipe:
         for session_id in session_ids:
             pipe.hgetall(keys.session(session_id))
@@ -148,7 +164,8 @@ async def read_many(broker: Broker, session_ids: list[str]) -> list[SessionOut |
     ]
     gone = [i for i, s in zip(session_ids, found, strict=True) if s is None]
     if gone:  # expired: prune the index
-        await broker.scripts.prune(keys=[*map(keys.session, gone)], args=[*gone, keys.SESSIONS])
+        for listed in {keys.SESSIONS, index}:
+            await broker.scripts.prune(keys=[*map(keys.session, gone)], args=[*gone, listed])
     return found
 
 
@@ -168,13 +185,6 @@ def _decode(session_id: str, fields: dict[str, str], alive: int) -> SessionOut |
     except ValidationError as e:  # a required field is missing: not a session to show
         log.warning("session %s: stored hash is incomplete, skipped: %s", session_id, e)
         return None
-
-
-def _touch(pipe: Any, broker: Broker, session_id: str, now: float) -> None:
-    s = broker.settings
-    pipe.expire(keys.session(session_id), s.retention_seconds)
-    pipe.set(keys.alive(session_id), "1", ex=s.heartbeat_ttl_seconds)
-    pipe.zadd(keys.SESSIONS, {session_id: now})
 
 
 def _strings(body: BaseModel) -> dict[str, str]:

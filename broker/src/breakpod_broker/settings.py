@@ -62,3 +62,7 @@ class BrokerSettings(BaseSettings):
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     max_stream_seconds: float = Field(default=3600.0, gt=0)  # SSE clients then resume
+    # SSE streams one replica serves (each costs memory: a queue of follower_queue events)
+    max_followers: int = Field(default=10_000, ge=1, le=1_000_000)
+    # a follower this many events behind is dropped; it resumes with Last-Event-ID
+    follower_queue: int = Field(default=10_000, ge=10, le=1_000_000)

@@ -34,11 +34,22 @@ def client(args: argparse.Namespace) -> BrokerClient:
     return BrokerClient(url, args.broker_token or os.environ.get(ENV_TOKEN))
 
 
+def list_sessions(broker: BrokerClient, limit: int = 1000, **filters: Any) -> list[dict[str, Any]]:
+    """Every session the filters select (the broker applies them), page by page."""
+    params = {"limit": limit, **{k: v for k, v in filters.items() if v}}
+    found: list[dict[str, Any]] = []
+    while True:
+        page = broker.request("GET", f"/v1/sessions?{_query(**params)}".rstrip("?"))
+        found += page["sessions"]
+        if not page.get("next"):  # an older broker sends one page without `next`
+            return found
+        params["cursor"] = page["next"]
+
+
 def run_sessions(args: argparse.Namespace) -> int:
-    query = f"?state={args.state}" if args.state else ""
-    sessions = client(args).request("GET", f"/v1/sessions{query}")["sessions"]
-    if getattr(args, "job", None):
-        sessions = [s for s in sessions if s.get("job") == args.job]
+    job = getattr(args, "job", None)
+    sessions = list_sessions(client(args), state=args.state, job=job)
+    sessions = [s for s in sessions if not job or s.get("job") == job]  # older brokers
     if args.json:
         print(json.dumps(sessions, indent=2))
         return 0
@@ -67,7 +78,7 @@ def job_lines(sessions: list[dict[str, Any]]) -> list[str]:
 def run_stacks(args: argparse.Namespace) -> int:
     """``breakpod stacks SESSION|JOB``: every thread's stack of one rank or of each rank."""
     broker = client(args)
-    targets = job_sessions(broker.request("GET", "/v1/sessions")["sessions"], args.target)
+    targets = job_sessions(list_sessions(broker), args.target)
     body = {"command": "dump-stacks", "reason": "breakpod stacks"}
     sent = [
         (s, broker.request("POST", f"/v1/sessions/{s['id']}/commands", body)["id"]) for s in targets
@@ -182,7 +193,7 @@ def run_send(args: argparse.Namespace) -> int:
     body = {"command": args.command, "reason": args.reason}
     targets = [args.session]
     if not _is_session(broker, args.session):
-        sessions = broker.request("GET", "/v1/sessions")["sessions"]
+        sessions = list_sessions(broker)
         targets = [s["id"] for s in job_sessions(sessions, args.session)]
     for target in targets:
         sent = broker.request("POST", f"/v1/sessions/{target}/commands", body)
@@ -215,7 +226,7 @@ def attach_session(args: argparse.Namespace) -> int:
     broker = client(args)
     target = args.target
     if getattr(args, "rank", None) is not None:
-        sessions = broker.request("GET", "/v1/sessions")["sessions"]
+        sessions = list_sessions(broker)
         target = rank_session(sessions, args.target, args.rank)
     info = broker.request("GET", f"/v1/sessions/{target}/attach?local_port={_free_port()}")
     host, port = net.parse_address(info["connect"])

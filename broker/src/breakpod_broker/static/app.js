@@ -111,8 +111,16 @@ async function start(token) {
 // -- data ---------------------------------------------------------------------
 
 async function loadSessions() {
-  const { sessions } = await api(app.config.paths.sessions);
-  app.sessions = new Map(sessions.map((s) => [s.id, s]));
+  // page through the listing: the broker sends at most 1000 sessions a page
+  const found = new Map();
+  let cursor = null;
+  do {
+    const query = cursor ? `?limit=1000&cursor=${encodeURIComponent(cursor)}` : "?limit=1000";
+    const page = await api(app.config.paths.sessions + query);
+    for (const s of page.sessions) found.set(s.id, s);
+    cursor = page.next || null;
+  } while (cursor);
+  app.sessions = found;
 }
 
 function scheduleReload() {

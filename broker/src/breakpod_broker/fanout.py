@@ -1,0 +1,190 @@
+"""One Redis read loop per replica, fanned out in-process to every SSE follower.
+
+A replica reads the global event stream once (XREAD BLOCK on its own
+connection), decodes and encodes each event once, and offers the SSE text to
+the followers that may see it: those of every namespace, plus those whose
+token is limited to the event's namespace. A follower costs a bounded queue,
+not a Redis connection or a round trip.
+
+A follower that falls ``queue`` events behind is dropped: its stream ends and
+the client reconnects with Last-Event-ID, catching up from Redis. The loop
+never waits for a follower, so followers never slow ingest.
+
+A stream first catches up from Redis (XRANGE from its start) and only then
+takes events from its queue, skipping those it already sent: it subscribes
+before it reads Redis, so no event falls between the two.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from breakpod_broker import keys
+
+log = logging.getLogger(__name__)
+READ_COUNT = 1000
+BLOCK_MS = 2000
+CATCH_UP_CHUNK = 500
+RETRY_SECONDS = 1.0
+
+Cursor = tuple[int, int]
+
+
+def cursor_of(entry_id: str) -> Cursor:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def sse_text(entry_id: str, doc: dict[str, Any]) -> str:
+    data = json.dumps(doc, allow_nan=False)
+    return f"id: {entry_id}\nevent: {doc['kind']}\ndata: {data}\n\n"
+
+
+class Follower:
+    """One SSE stream's place in the fan-out: a bounded queue of (cursor, SSE text)."""
+
+    def __init__(
+        self, namespaces: frozenset[str] | None, wants: Callable[[dict[str, Any]], bool], size: int
+    ) -> None:
+        self.namespaces = namespaces  # None: every namespace
+        self.wants = wants
+        self.queue: asyncio.Queue[tuple[Cursor, str]] = asyncio.Queue(size)
+        self.dropped = False
+
+    def offer(self, cursor: Cursor, text: str) -> None:
+        if self.dropped:
+            return
+        try:
+            self.queue.put_nowait((cursor, text))
+        except asyncio.QueueFull:  # too slow: it resumes from Redis with Last-Event-ID
+            self.dropped = True
+
+
+class EventFanout:
+    """The replica's one reader of keys.EVENTS and its followers."""
+
+    def __init__(
+        self, blocking: Any, queue_size: int, decode: Callable[[str, Any], dict[str, Any] | None]
+    ) -> None:
+        self.redis = blocking
+        self.decode = decode  # events._decode: the same for pages and streams
+        self.queue_size = queue_size
+        self.everywhere: set[Follower] = set()
+        self.by_namespace: dict[str, set[Follower]] = {}
+        self.dropped = 0  # followers dropped for being slow, since start
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def followers(self) -> int:
+        return len(self.everywhere) + sum(map(len, self.by_namespace.values()))
+
+    async def start(self) -> None:
+        """Read from the stream's end; with Redis away, from its start (followers skip
+        what they already sent, so that costs one pass, never a duplicate)."""
+        try:
+            last = await self.redis.xrevrange(keys.EVENTS, "+", "-", count=1)
+        except Exception as e:  # the broker starts without Redis; /readyz says so
+            log.warning("event fan-out: Redis unavailable at start (%s)", e)
+            last = []
+        self._task = asyncio.create_task(self._run(str(last[0][0]) if last else "0-0"))
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    @contextlib.contextmanager
+    def follow(
+        self, namespaces: frozenset[str] | None, wants: Callable[[dict[str, Any]], bool]
+    ) -> Any:
+        follower = Follower(namespaces, wants, self.queue_size)
+        groups = (
+            [self.everywhere]
+            if namespaces is None
+            else [self.by_namespace.setdefault(n, set()) for n in namespaces]
+        )
+        for group in groups:
+            group.add(follower)
+        try:
+            yield follower
+        finally:
+            for group in groups:
+                group.discard(follower)
+            for n in namespaces or ():
+                if not self.by_namespace.get(n, True):
+                    del self.by_namespace[n]
+            self.dropped += follower.dropped
+
+    async def _run(self, cursor: str) -> None:
+        while True:
+            try:
+                reply = await self.redis.xread({keys.EVENTS: cursor}, READ_COUNT, BLOCK_MS)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # Redis away: followers wait, the loop retries
+                log.warning("event fan-out: reading Redis failed (%s); retrying", e)
+                await asyncio.sleep(RETRY_SECONDS)
+                continue
+            for entry_id, fields in reply[0][1] if reply else ():
+                cursor = entry_id
+                if self.everywhere or self.by_namespace:
+                    doc = self.decode(entry_id, fields)
+                    if doc is not None:
+                        self._offer(entry_id, doc)
+            await asyncio.sleep(0)
+
+    def _offer(self, entry_id: str, doc: dict[str, Any]) -> None:
+        text = None
+        position = cursor_of(entry_id)
+        ns = doc.get("namespace") or ""
+        for follower in (*self.everywhere, *self.by_namespace.get(ns, ())):
+            if follower.wants(doc):
+                text = text or sse_text(entry_id, doc)
+                follower.offer(position, text)
+
+
+async def stream(
+    fanout: EventFanout,
+    follower: Follower,
+    catch_up: Callable[[str], Any],
+    start: str,
+    still_allowed: Callable[[], Any],
+    *,
+    max_seconds: float,
+    recheck_seconds: float,
+    keepalive_seconds: float = BLOCK_MS / 1000,
+) -> AsyncIterator[str]:
+    """The SSE body: catch up from Redis after ``start`` (``catch_up(after)`` answers
+    the matching (id, doc) pairs of one chunk and the last id it read, None at the
+    end), then the follower's queue; ends when dropped, revoked or after ``max_seconds``."""
+    yield "retry: 1000\n\n"
+    started = checked = time.monotonic()
+    after: str | None = start
+    sent = cursor_of(start)
+    while after is not None:
+        sent = cursor_of(after)
+        matching, after = await catch_up(after)
+        for entry_id, doc in matching:
+            yield sse_text(entry_id, doc)
+    while time.monotonic() - started < max_seconds:
+        if time.monotonic() - checked >= recheck_seconds:
+            if not await still_allowed():
+                return  # the client gets 401 when it reconnects
+            checked = time.monotonic()
+        if follower.dropped and follower.queue.empty():
+            return  # too slow: the client resumes with Last-Event-ID
+        try:
+            position, text = await asyncio.wait_for(follower.queue.get(), keepalive_seconds)
+        except asyncio.TimeoutError:
+            yield ": keepalive\n\n"
+            continue
+        if position > sent:
+            sent = position
+            yield text
