@@ -327,7 +327,7 @@ class Emitter:
 
     def _run(self, command: dict[str, Any]) -> None:
         try:
-            ok, detail = self.on_command(command["command"])
+            ok, detail = self.on_command(command["command"])  # not protocol: a field name
         except Exception as e:  # a command must never take the process down
             ok, detail = False, f"{type(e).__name__}: {e}"
         assert self._poller is not None

@@ -7,6 +7,7 @@ import ipaddress
 import logging
 import socket
 
+from breakpod import protocol
 from breakpod._core.errors import ConfigError, InsecureBindError, ListenerError
 
 log = logging.getLogger(__name__)
@@ -46,13 +47,13 @@ def check_bind(host: str, *, backend: str, token: str | None, allow_insecure: bo
     """Refuse a non-loopback bind that lacks its opt-in, saying what to set."""
     if is_loopback(host):
         return
-    if backend == "pdb" and not token:
+    if backend == protocol.DEFAULT_LISTENER and not token:
         raise InsecureBindError(
             f"refusing to bind the remote pdb to non-loopback address {host!r} without a token: "
             "set BREAKPOD_TOKEN (clients must send it as their first line), "
             "or keep BREAKPOD_HOST=127.0.0.1 and use kubectl port-forward / docker exec"
         )
-    if backend == "debugpy" and not allow_insecure:
+    if backend == protocol.DAP_LISTENER and not allow_insecure:
         raise InsecureBindError(
             f"refusing to bind debugpy to non-loopback address {host!r}: debugpy has no client "
             "authentication, so anyone who reaches the port can run code in this process. "

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import TextIO
 
+from breakpod import protocol
 from breakpod._core import net
 from breakpod._core.config import format_seconds
 from breakpod._core.hosting import Hosting, reach_hints
@@ -69,13 +70,13 @@ def render(failure: Failure, hosting: Hosting) -> str:
         ("hold", f"{failure.hold}, then the run continues (exit status unchanged)"),
     ]
     rows += [("reach", hint) for hint in reach_hints(hosting, failure.host, failure.port)]
-    rows.append(("detach", DETACH[failure.backend]))
+    rows.append(("detach", DETACH[failure.backend]))  # not protocol: a row label
     body = [f"  {name:<7} {text}" for name, text in rows]
     return "\n".join(["", title.center(WIDTH, "!"), *body, "!" * WIDTH, ""])
 
 
 def _attach_line(failure: Failure) -> str:
-    if failure.backend == "debugpy":
+    if failure.backend == protocol.DAP_LISTENER:
         return (
             f"VS Code / DAP client to {failure.address}  "
             f"(breakpod attach --vscode {failure.address} prints a launch.json)"

@@ -83,7 +83,12 @@ class RemoteSession:
 class RemotePdb(CommandsMixin):
     """pdb bound to a :class:`RemoteSession` instead of stdin/stdout."""
 
-    def __init__(self, session: RemoteSession, *, quit_mode: str = "detach") -> None:
+    def __init__(
+        self,
+        session: RemoteSession,
+        *,
+        quit_mode: str = "detach",  # not protocol: a quit mode
+    ) -> None:
         super().__init__(stdin=session.io, stdout=session.io, skip=SKIP, nosigint=True)  # type: ignore[arg-type]
         self.session = session
         self.quit_mode = quit_mode

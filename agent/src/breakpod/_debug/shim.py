@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
+from breakpod import protocol
 from breakpod._core import events, holding, net, wiring
 from breakpod._core.announce import announce
 from breakpod._core.config import Settings, format_seconds
@@ -147,7 +148,9 @@ def _wait_for_dap_client(reason: str, hold: float) -> bool:
     announce(
         f"{reason}: waiting up to {format_seconds(hold)} for a DAP client on {endpoint.address}"
     )
-    events.emit("parked", backend="debugpy", address=endpoint.address, reason=reason)
+    events.emit(
+        protocol.PARKED, backend=protocol.DAP_LISTENER, address=endpoint.address, reason=reason
+    )
     holding.hold()
     try:
         attached = debugger.wait_for_debugpy_client(hold)
@@ -155,9 +158,9 @@ def _wait_for_dap_client(reason: str, hold: float) -> bool:
         holding.release()
     if not attached:
         announce(f"nobody attached within {format_seconds(hold)}; continuing")
-        events.emit("resumed", address=endpoint.address, why="hold time passed")
+        events.emit(protocol.RESUMED, address=endpoint.address, why="hold time passed")
         return False
-    events.emit("attached", address=endpoint.address, reason=reason)
+    events.emit(protocol.ATTACHED, address=endpoint.address, reason=reason)
     return True
 
 
@@ -177,7 +180,7 @@ def open_session(
         f"attach with: breakpod attach {target}  (or: nc {target.replace(':', ' ')})"
         + ("; a token is required: set BREAKPOD_TOKEN" if listener.requires_token else "")
     )
-    events.emit("parked", backend="pdb", address=address, reason=reason)
+    events.emit(protocol.PARKED, backend=protocol.DEFAULT_LISTENER, address=address, reason=reason)
     if session.wait():
         return session
     why = (
@@ -186,7 +189,7 @@ def open_session(
         else f"nobody attached within {format_seconds(hold_seconds)}"
     )
     announce(f"{why}; {then}")
-    events.emit("resumed", address=address, why=why)
+    events.emit(protocol.RESUMED, address=address, why=why)
     return None
 
 
@@ -236,7 +239,7 @@ def _post_mortem_debugpy(
     """Show ``tb`` to a DAP client (as an unhandled exception), waiting up to ``hold``."""
     if _wait_for_dap_client(reason, hold):
         debugger.debugpy_post_mortem(exc, tb)
-        events.emit("detached", why="post-mortem session over")
+        events.emit(protocol.DETACHED, why="post-mortem session over")
 
 
 def install_excepthook() -> None:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from breakpod import protocol
 from breakpod._core import config, hosting, notice
 from breakpod._core.announce import announce
 from breakpod._core.config import (
@@ -143,7 +144,7 @@ class FailureHold:
         tb = _failing_traceback(exc.__traceback__)
         endpoint = self._listen()
         failure = self._failure(test, exc, tb, endpoint)
-        local = endpoint.backend == "pdb" and shim.use_local_pdb(self.settings)
+        local = endpoint.backend == protocol.DEFAULT_LISTENER and shim.use_local_pdb(self.settings)
         if not local:  # a terminal gets pdb right there, as with --pdb
             notice.show(failure, self.where)
         self._emit(failure)
@@ -172,21 +173,21 @@ class FailureHold:
         from breakpod import _api as api
         from breakpod._debug import debugger
 
-        if self.backend == "debugpy":
+        if self.backend == protocol.DAP_LISTENER:
             endpoint = api.init_remote_debugger(
-                port=self.settings.port, backend="debugpy", enable=True
+                port=self.settings.port, backend=protocol.DAP_LISTENER, enable=True
             )
             if endpoint is None:
                 raise ListenerError("the debugpy listener did not start (see the line above)")
             return endpoint
         listener = debugger.pdb_listener(self.settings)
-        return debugger.Endpoint("pdb", listener.host, listener.port)
+        return debugger.Endpoint(protocol.DEFAULT_LISTENER, listener.host, listener.port)
 
     def _emit(self, failure: notice.Failure) -> None:
         from breakpod._core import events
 
         events.emit(
-            "ci_failure",
+            protocol.CI_FAILURE,
             test=failure.test,
             error=failure.error,
             where=f"{failure.file}:{failure.line}",
@@ -209,7 +210,9 @@ def _hold_seconds(option: str | None, where: hosting.Hosting) -> float:
 
 def _env_backend() -> str:
     value = os.environ.get(ENV["backend"], "").strip().lower()
-    return value if value in BACKENDS else "pdb"  # auto -> pdb: nc is on every runner
+    return (
+        value if value in BACKENDS else protocol.DEFAULT_LISTENER
+    )  # auto -> pdb: nc is on every runner
 
 
 def _port(option: str | None, worker: int) -> int:
@@ -284,7 +287,7 @@ def _watch_attach() -> Iterator[threading.Event]:
     attached = threading.Event()
 
     def sink(event: events.Event) -> None:
-        if event.kind == "attached":
+        if event.kind == protocol.ATTACHED:
             attached.set()
 
     events.add_sink(sink)

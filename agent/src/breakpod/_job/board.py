@@ -27,8 +27,10 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from breakpod import protocol
+
 CONNECT_SECONDS = 5.0
-STATES = ("collective", "user", "parked", "waiting-for-peer")
+STATES = ("collective", "user", protocol.PARKED, "waiting-for-peer")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from breakpod import protocol
 from breakpod._core import events
 from breakpod._core.announce import announce
 from breakpod._debug import debugger
@@ -29,6 +30,7 @@ from breakpod._job import board as job
 
 BREAK_AHEAD_SECONDS = 2.0  # the agreed break step lies this far ahead of the fastest rank
 MAX_BREAK_AHEAD = 1000  # steps
+BREAK_KEY = "break"  # not protocol: the board key of a job-wide break
 
 
 class JobPause:
@@ -69,7 +71,7 @@ class JobPause:
         """Training thread, at a step boundary: wait while a peer is parked."""
         if not self.paused:
             return
-        events.emit("waiting", step=step, ranks=self.peers, why="waiting for a parked rank")
+        events.emit(protocol.WAITING, step=step, ranks=self.peers, why="waiting for a parked rank")
         self.released.wait()
 
     def _publish(self, board: job.Board, parked: bool, step: int) -> None:
@@ -88,7 +90,7 @@ class JobPause:
             self._pause(board, step)
         elif others <= 0 and self.paused:
             announce(f"rank {_names(self.peers)} resumed; this rank continues")
-            events.emit("resumed", step=step, why="the parked rank resumed")
+            events.emit(protocol.RESUMED, step=step, why="the parked rank resumed")
             self._release()
 
     def _pause(self, board: job.Board, step: int) -> None:
@@ -97,7 +99,7 @@ class JobPause:
         self.peers = [
             r
             for r, n in notes.items()
-            if n and r != self.place.rank and (over is None or n.get("break") != over)
+            if n and r != self.place.rank and (over is None or n.get(BREAK_KEY) != over)
         ]
         if not self.peers:  # only ranks of a finished job break, about to continue
             return
@@ -106,7 +108,7 @@ class JobPause:
             for r in self.peers
         )
         announce(f"{where or 'a rank parked'}; this rank waits at step {step}")
-        events.emit("waiting", step=step, ranks=self.peers, why=where or "a rank parked")
+        events.emit(protocol.WAITING, step=step, ranks=self.peers, why=where or "a rank parked")
         self.released.clear()
 
     def _release(self) -> None:
@@ -114,14 +116,14 @@ class JobPause:
         self.released.set()
 
     def _follow_break(self, board: job.Board, step: int, speed: float | None) -> None:
-        current = board.get("break")
+        current = board.get(BREAK_KEY)
         if self.break_wanted:
             self.break_wanted = False
             if current is None or current.get("over"):
                 current = self._propose_break(board, current, step, speed)
         if self.break_done is not None and current and current["id"] == self.break_done:
             if not current.get("over"):
-                current = board.replace("break", current, {**current, "over": True})
+                current = board.replace(BREAK_KEY, current, {**current, "over": True})
             self.break_done = None
         if current is None or current == self.break_seen:
             return
@@ -143,15 +145,18 @@ class JobPause:
         ahead = 1 if not speed else min(MAX_BREAK_AHEAD, math.ceil(BREAK_AHEAD_SECONDS / speed) + 1)
         number = (seen or {}).get("id", 0) + 1
         proposal = {"id": number, "step": max([*steps, step]) + ahead, "over": False}
-        return board.replace("break", seen, proposal)
+        return board.replace(BREAK_KEY, seen, proposal)
 
 
 def note_for(reason: str, where: str) -> dict[str, str]:
     """Where and why a rank parks, as its peers print it."""
-    head = reason.split(":")[0].split(" at ")[0]
-    why = "breakpoint" if head.startswith("breakpoint()") else head.strip() or "parked"
+    head = reason.split(":")[0].split(" at ")[0].strip()
     if reason.startswith("break requested"):
-        why = "break"
+        why = "break"  # not protocol: words
+    elif head.startswith("breakpoint()"):
+        why = "breakpoint"
+    else:
+        why = head or "parked"  # not protocol: words
     return {"where": where, "why": why}
 
 

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from types import FrameType
 from typing import Any
 
+from breakpod import protocol
+
 Record = Mapping[str, Any]
 _LIBRARY_DIRS = tuple(
     os.path.normcase(os.path.realpath(p)) + os.sep
@@ -66,7 +68,7 @@ def state_text(record: Record) -> str:
         return f"in collective #{record['entered']} ({record.get('op') or '?'})"
     if state == "waiting-for-peer":
         return "waiting for a parked rank"
-    return "parked" if state == "parked" else "in user code"
+    return protocol.PARKED if state == protocol.PARKED else "in user code"
 
 
 def rank_line(rank: int, record: Record) -> str:

@@ -106,7 +106,7 @@ class Watchdog:
             self._stalled = False
             self._recovered = True
             announce(f"steps resumed at step {self.step}; the stall is over")
-            events.emit("resumed", step=self.step, why="heartbeat resumed after a stall")
+            events.emit(protocol.RESUMED, step=self.step, why="heartbeat resumed after a stall")
 
     def stop(self) -> None:
         self._stop.set()
@@ -223,7 +223,7 @@ class Watchdog:
         announce(stall_report.local_report(self.place.rank, record, silent, view))
         if self.board is None or self.place.rank != 0:
             events.emit(
-                "stall",
+                protocol.STALL,
                 seconds=round(silent, 1),
                 step=self.step,
                 rank=self.place.rank,
@@ -271,7 +271,9 @@ class Watchdog:
     def _record(self, silent: float, *, stacks: bool) -> dict[str, Any]:
         main = sys._current_frames().get(threading.main_thread().ident or -1)
         progress = collectives.progress
-        state = "parked" if holding.is_held() else "collective" if progress.waiting else "user"
+        state = (
+            protocol.PARKED if holding.is_held() else "collective" if progress.waiting else "user"
+        )
         if state == "user" and self.pause is not None and self.pause.paused:
             state = "waiting-for-peer"
         record: dict[str, Any] = {
@@ -297,7 +299,7 @@ class Watchdog:
         if stalled <= 0:
             if self._job_report is not None and self._job_report.get("done"):
                 announce("stall over: every rank is stepping again")
-                events.emit("resumed", scope="job", why="every rank is stepping again")
+                events.emit(protocol.RESUMED, scope="job", why="every rank is stepping again")
             self._job_report = None
             return
         if self._job_report is None:
@@ -319,7 +321,7 @@ class Watchdog:
         ranks = [{k: v for k, v in r.items() if k != "stacks"} for r in records.values()]
         stacks = {str(r): records[r].get("stacks") for r in blamed}
         events.emit(
-            "stall",
+            protocol.STALL,
             scope="job",
             seconds=round(silent, 1),
             culprits=blamed,
@@ -332,7 +334,7 @@ class Watchdog:
         stacks = format_stacks()
         where = f"no heartbeat for {silent:.0f}s (last step {self.step})"
         announce(f"stall: {where}; stacks:\n{stacks}")
-        events.emit("stall", seconds=round(silent, 1), step=self.step, stacks=stacks)
+        events.emit(protocol.STALL, seconds=round(silent, 1), step=self.step, stacks=stacks)
         self._maybe_inspect()
 
     def _maybe_inspect(self) -> None:
@@ -504,7 +506,7 @@ def _inspect(frame: FrameType, step: int | None) -> None:
     settings = shim.env_settings()
     session = shim.open_session(settings, reason, settings.hold_seconds)
     if session is not None:
-        inspect_remote(session, frame, quit_mode="detach")
+        inspect_remote(session, frame, quit_mode="detach")  # not protocol: a pdb quit mode
 
 
 def _exit_like_torch() -> None:
