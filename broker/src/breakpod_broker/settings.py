@@ -29,10 +29,13 @@ class Notifier(BaseModel):
     timeout_seconds: float = Field(default=5.0, gt=0, le=60)
 
 
-class BrokerSettings(BaseSettings):
-    """Everything the broker reads; see the README's Broker section."""
+ENV_PREFIX = "BREAKPOD_"
 
-    model_config = SettingsConfigDict(env_prefix="BREAKPOD_", extra="ignore")
+
+class BrokerSettings(BaseSettings):
+    """Everything the broker reads; docs/settings.md lists them (generated from here)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     # BREAKPOD_BROKER_HOST/PORT: plain BREAKPOD_HOST/PORT belong to the agent's listener
     broker_host: str = "127.0.0.1"
