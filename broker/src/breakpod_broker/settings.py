@@ -65,3 +65,30 @@ class BrokerSettings(BaseSettings):
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     max_stream_seconds: float = Field(default=3600.0, gt=0)  # SSE clients then resume
+
+
+# What each setting means, for `docs/settings.md` (generated: docs/gen_settings.py).
+HELP: dict[str, str] = {
+    "broker_host": "bind address (plain `BREAKPOD_HOST` is the agent's listener)",
+    "broker_port": "port",
+    "redis_url": "Redis to use; unset: an embedded redis-server in the data directory",
+    "data_dir": "embedded Redis data (AOF, `lock`, `redis.pid`) and `serve --dev` tokens",
+    "broker_tokens": "static tokens, `role:token,role:token` (roles agent, viewer, admin)",
+    "tokens_file": "YAML/JSON `tokens: {TOKEN: ROLE}` or `{TOKEN: {role, namespaces, name}}`",
+    "notifiers": "JSON list of webhook notifiers (name, url, format, kinds, retries, ...)",
+    "notify_claim_seconds": "a notifier job unfinished this long is taken over by another replica",
+    "notify_max_age": "a notifier job undelivered this long after its event is dead-lettered",
+    "max_body_bytes": "larger request bodies get 413",
+    "max_batch": "most events in one `POST /v1/events` (more: 413)",
+    "global_stream_maxlen": "events kept in the global stream (`XADD MAXLEN ~`)",
+    "session_stream_maxlen": "events kept per session",
+    "heartbeat_ttl_seconds": "a session silent this long shows `lost` (reason: no heartbeat)",
+    "retention_seconds": "how long a silent session (and its stream) is kept",
+    "dedup_seconds": "window in which a retried event id is recognised",
+    "max_poll_seconds": "longest command long-poll",
+    "max_waiters": "long polls + SSE streams one replica serves at once; beyond: 429",
+    "metrics_cache_seconds": "`/metrics` session counts are recounted at most this often",
+    "tls_cert_file": "serve the API over HTTPS with this PEM certificate (chain)",
+    "tls_key_file": "the certificate's PEM key",
+    "max_stream_seconds": "an SSE stream then ends; clients resume with `Last-Event-ID`",
+}

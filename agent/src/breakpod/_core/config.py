@@ -54,6 +54,34 @@ ENV: dict[str, str] = {
     "post_mortem": "BREAKPOD_POST_MORTEM",
     "attach_idle": "BREAKPOD_ATTACH_IDLE",
 }
+# What each variable means, for `docs/settings.md` (generated: docs/gen_settings.py).
+HELP: dict[str, str] = {
+    "enabled": "lets `init_remote_debugger()` start a listener",
+    "host": "listener address (a non-loopback one needs a token, or the opt-in for debugpy)",
+    "port": "base port (+ `LOCAL_RANK`); `0` = any free port",
+    "local_rank": "this process's index on its node (torchrun sets it), added to the port",
+    "token": "token a remote pdb client must send first (8+ characters); "
+    "required on non-loopback binds",
+    "require_token": "require the token on loopback too (hosts shared with other users)",
+    "allow_insecure": "allow debugpy on a non-loopback address (it has no authentication)",
+    "backend": "`auto`, `pdb` or `debugpy` (auto: debugpy when installed)",
+    "on_detach": "`wait`: a disconnect waits for the next client",
+    "quit_mode": "`exit`: `q` raises `BdbQuit` as in pdb",
+    "wait_timeout": "limit for `init_remote_debugger(wait=True)`",
+    "hold_seconds": "how long a park waits for a client (`forever` = no limit)",
+    "post_mortem": "post-mortem on uncaught exceptions",
+    "attach_idle": "an attached client silent this long is dropped; the park waits again",
+}
+# Variables outside Settings, read by the broker link and the CLI: (default, meaning).
+OTHER_ENV: dict[str, tuple[str, str]] = {
+    BROKER_URL_ENV: ("unset", "the broker's URL; unset: parks are announced in the log only"),
+    AGENT_TOKEN_ENV: ("unset", "the job's token for the broker (role agent)"),
+    BROKER_TOKEN_ENV: ("unset", "the CLI's token for the broker (role viewer or admin)"),
+    DEPRECATED_TOKEN_ENV: (
+        "unset",
+        "deprecated: stands in for each of the three tokens above this release",
+    ),
+}
 # Who may connect to the listener: a mistake in one of these must not open it up.
 SECURITY = frozenset({"host", "token", "require_token", "allow_insecure"})
 MIN_TOKEN_LENGTH = 8  # the broker's minimum too (breakpod_broker.auth.MIN_TOKEN_LENGTH)
