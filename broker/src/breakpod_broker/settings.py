@@ -79,7 +79,7 @@ HELP: dict[str, str] = {
     "notify_claim_seconds": "a notifier job unfinished this long is taken over by another replica",
     "notify_max_age": "a notifier job undelivered this long after its event is dead-lettered",
     "max_body_bytes": "larger request bodies get 413",
-    "max_batch": "most events in one `POST /v1/events` (more: 413)",
+    "max_batch": "most events in one batch an agent posts (more: 413)",
     "global_stream_maxlen": "events kept in the global stream (`XADD MAXLEN ~`)",
     "session_stream_maxlen": "events kept per session",
     "heartbeat_ttl_seconds": "a session silent this long shows `lost` (reason: no heartbeat)",
