@@ -27,6 +27,8 @@ def test_job_and_cli_each_use_their_own_broker_token(broker, spawn):
     assert DEPRECATED not in child.stderr
     refused = sessions_seen(broker, BREAKPOD_AGENT_TOKEN=AGENT)  # no CLI token set
     assert refused.returncode != 0
+    wrong_role = sessions_seen(broker, BREAKPOD_BROKER_TOKEN=AGENT)
+    assert wrong_role.returncode != 0 and "an agent token may not do this" in wrong_role.stderr
     child.proc.kill()
 
 
