@@ -5,9 +5,10 @@ broker lists it, and an engineer attaches by session id.
 2. examples/train_nan.py with stdin=/dev/null and PYTHONBREAKPOINT=breakpod.set_trace;
 3. once it parks, `breakpod sessions` shows it;
 4. `breakpod attach SESSION`: in a terminal, the demo attaches there and you
-   type; otherwise it prints the command for another terminal; or, with
-   DEMO_AUTOATTACH=1, a scripted engineer prints `loss`, the input's shape and
-   a tensor summary, then continues; the job finishes and exits 0.
+   type; without one (CI, an IDE runner, `| tee`), or with DEMO_AUTOATTACH=1,
+   a scripted engineer prints `loss`, the input's shape and a tensor summary,
+   then continues; the job finishes and exits 0. DEMO_AUTOATTACH=0 without a
+   terminal prints the command for another terminal and counts down the hold.
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ SCRIPT = "p loss\np x.shape\ntstat x\ntnan model\nc\n"
 TOKENS = {role: secrets.token_hex(8) for role in ("agent", "viewer", "admin")}
 
 
+HOLD_SECONDS = float(os.environ.get("BREAKPOD_HOLD_SECONDS", "300"))
+COUNTDOWN_EVERY = 30.0
+
+
 def main() -> int:
-    auto = os.environ.get("DEMO_AUTOATTACH") == "1"
+    auto = wants_scripted_engineer(os.environ.get("DEMO_AUTOATTACH"), sys.stdin.isatty())
     with tempfile.TemporaryDirectory(prefix="breakpod-demo-") as data:
         url = f"http://127.0.0.1:{free_port()}"
         broker = start_broker(url, data)
@@ -42,6 +47,15 @@ def main() -> int:
         finally:
             broker.terminate()
             broker.wait(timeout=20)
+
+
+def wants_scripted_engineer(setting: str | None, terminal: bool) -> bool:
+    """1: always; 0: never; unset: when there is no terminal to type in."""
+    if setting in ("0", "1"):
+        return setting == "1"
+    if not terminal:
+        say("no terminal here: a scripted engineer attaches (DEMO_AUTOATTACH=0 to do it yourself)")
+    return not terminal
 
 
 def start_broker(url: str, data: str) -> subprocess.Popen[bytes]:
@@ -65,7 +79,7 @@ def run_job(url: str, auto: bool) -> int:
         "PYTHONBREAKPOINT": "breakpod.set_trace",
         "PYTHONUNBUFFERED": "1",
         "BREAKPOD_BROKER_URL": url,
-        "BREAKPOD_TOKEN": TOKENS["agent"],
+        "BREAKPOD_AGENT_TOKEN": TOKENS["agent"],
     }
     env.setdefault("BREAKPOD_PORT", "0")
     say("2/4 training job, headless (stdin=/dev/null), watched by breakpod.watch(model)")
@@ -84,7 +98,7 @@ def run_job(url: str, auto: bool) -> int:
             threading.Thread(target=engineer, args=(url, auto), daemon=True).start()
     status = job.wait()
     say(f"training job exited with status {status}; its events at the broker:")
-    print(cli("events", "--broker", url, "--token", TOKENS["viewer"]), flush=True)
+    print(cli("events", "--broker", url, "--broker-token", TOKENS["viewer"]), flush=True)
     return status
 
 
@@ -92,12 +106,13 @@ def engineer(url: str, auto: bool) -> None:
     """What an engineer does once the job parks: find it, then attach."""
     session = parked_session(url)
     say("3/4 the broker knows the parked job:")
-    print(cli("sessions", "--broker", url, "--token", TOKENS["viewer"]), flush=True)
+    print(cli("sessions", "--broker", url, "--broker-token", TOKENS["viewer"]), flush=True)
     attach = ["attach", session, "--broker", url, "--broker-token", TOKENS["viewer"]]
     if not auto:
         command = " ".join([str(BIN / "breakpod"), *attach])
         if not sys.stdin.isatty():
-            say(f"4/4 attach from another terminal:\n    {command}")
+            say(f"4/4 attach from another terminal: {command}")
+            count_down(url, session)
             return
         say(f"4/4 attaching in this terminal ({command}); try `p loss`, `tstat x`, then `c`")
         subprocess.run([str(BIN / "breakpod"), *attach], check=False)
@@ -107,10 +122,27 @@ def engineer(url: str, auto: bool) -> None:
         print(f"[engineer] {line}", flush=True)
 
 
+def count_down(url: str, session: str) -> None:
+    """One line every COUNTDOWN_EVERY seconds while the job waits for a debugger."""
+    deadline = time.monotonic() + HOLD_SECONDS
+    while still_parked(url, session) and (left := deadline - time.monotonic()) > 0:
+        say(f"the job waits for a debugger on session {session}: {left:.0f}s left")
+        time.sleep(min(COUNTDOWN_EVERY, max(left, 0.1)))
+
+
+def still_parked(url: str, session: str) -> bool:
+    listed = json.loads(
+        cli("sessions", "--json", "--broker", url, "--broker-token", TOKENS["viewer"])
+    )
+    return any(s["id"] == session and s.get("state") == "parked" for s in listed)
+
+
 def parked_session(url: str, timeout: float = 30) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        listed = json.loads(cli("sessions", "--json", "--broker", url, "--token", TOKENS["viewer"]))
+        listed = json.loads(
+            cli("sessions", "--json", "--broker", url, "--broker-token", TOKENS["viewer"])
+        )
         parked = [s["id"] for s in listed if s.get("state") == "parked"]
         if parked:
             return str(parked[0])

@@ -53,7 +53,7 @@ def test_attach_sends_the_token_when_the_listener_asks(spawn):
         "attach",
         f"127.0.0.1:{child.park_port()}",
         stdin="p x\nc\n",
-        env={"BREAKPOD_TOKEN": "s3cret-token"},
+        env={"BREAKPOD_LISTENER_TOKEN": "s3cret-token"},
     )
     assert "41" in result.stdout and "token required" not in result.stdout
     assert child.wait() == 0

@@ -100,7 +100,7 @@ def test_second_client_is_refused_with_one_line(spawn, pdb_client):
     assert child.wait() == 0
 
 
-TOKEN_ENV = {"BREAKPOD_TOKEN": "s3cret-token", "BREAKPOD_REQUIRE_TOKEN": "1"}
+TOKEN_ENV = {"BREAKPOD_LISTENER_TOKEN": "s3cret-token", "BREAKPOD_REQUIRE_TOKEN": "1"}
 
 
 def test_non_loopback_bind_without_token_is_refused(spawn):
@@ -155,7 +155,9 @@ def test_a_silent_client_does_not_hold_up_the_next_one(tokened_child, pdb_client
 
 def test_require_token_without_a_token_is_a_clear_error(spawn):
     child = spawn(SCRIPT, env={"BREAKPOD_REQUIRE_TOKEN": "1"})
-    child.wait_for("BREAKPOD_REQUIRE_TOKEN=1 needs BREAKPOD_TOKEN to be set .*no debugger listener")
+    child.wait_for(
+        "BREAKPOD_REQUIRE_TOKEN=1 needs BREAKPOD_LISTENER_TOKEN to be set .*no debugger listener"
+    )
     assert child.wait() == 0 and "finished 42" in child.stdout()  # continued, no listener
 
 

@@ -57,13 +57,17 @@ def test_non_loopback_bind_without_token_fails_with_the_fix():
     result = run_doctor(env={"BREAKPOD_HOST": "0.0.0.0"})
     bind = line(result.stdout, "bind")
     assert bind.startswith("FAIL") and "0.0.0.0 is not loopback and no token is set" in bind
-    assert "fix: set BREAKPOD_TOKEN=<secret>" in bind
+    assert "fix: set BREAKPOD_LISTENER_TOKEN=<secret>" in bind
     assert result.returncode == 1
     assert "1 problem(s) block attaching" in result.stdout
 
 
 def test_json_output_and_a_token_make_the_bind_a_warning():
-    env = {"BREAKPOD_HOST": "0.0.0.0", "BREAKPOD_TOKEN": "s3cret-token", "BREAKPOD_BACKEND": "pdb"}
+    env = {
+        "BREAKPOD_HOST": "0.0.0.0",
+        "BREAKPOD_LISTENER_TOKEN": "s3cret-token",
+        "BREAKPOD_BACKEND": "pdb",
+    }
     result = run_doctor("--json", env=env)
     checks = {c["name"]: c for c in json.loads(result.stdout)}
     assert checks["bind"]["status"] == "warn" and "token set" in checks["bind"]["found"]
@@ -73,7 +77,7 @@ def test_json_output_and_a_token_make_the_bind_a_warning():
 
 
 def test_auto_backend_warns_that_init_remote_debugger_would_pick_debugpy():
-    result = run_doctor(env={"BREAKPOD_HOST": "0.0.0.0", "BREAKPOD_TOKEN": "s3cret-token"})
+    result = run_doctor(env={"BREAKPOD_HOST": "0.0.0.0", "BREAKPOD_LISTENER_TOKEN": "s3cret-token"})
     bind = line(result.stdout, "bind")
     assert bind.startswith("warn") and "picks debugpy" in bind and "BREAKPOD_BACKEND=pdb" in bind
 
@@ -150,7 +154,7 @@ def test_broker_reachable_and_token_accepted(broker_url):
 def test_broker_rejects_the_token(broker_url):
     result = doctor.broker_check(broker_url, "wrong")
     assert result.status == "FAIL" and "rejected the token" in result.found
-    assert "BREAKPOD_TOKEN" in result.fix
+    assert "BREAKPOD_AGENT_TOKEN" in result.fix
 
 
 def test_broker_without_token(broker_url):

@@ -57,7 +57,7 @@ def test_debugpy_on_non_loopback_needs_explicit_insecure_opt_in():
 
 
 def test_pdb_on_non_loopback_needs_a_token():
-    with pytest.raises(breakpod.InsecureBindError, match="BREAKPOD_TOKEN"):
+    with pytest.raises(breakpod.InsecureBindError, match="BREAKPOD_LISTENER_TOKEN"):
         breakpod.init_remote_debugger(host="0.0.0.0", backend="pdb", enable=True)
 
 

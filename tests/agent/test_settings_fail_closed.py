@@ -13,7 +13,7 @@ from breakpod._core.config import ENV, SECURITY, Settings
 from breakpod._debug import debugger
 
 GOOD_TOKEN = "tok-abcdefgh"
-TOKENED = {"BREAKPOD_REQUIRE_TOKEN": "1", "BREAKPOD_TOKEN": GOOD_TOKEN}
+TOKENED = {"BREAKPOD_REQUIRE_TOKEN": "1", "BREAKPOD_LISTENER_TOKEN": GOOD_TOKEN}
 
 SCRIPT = """
     x = 41
@@ -25,10 +25,10 @@ SCRIPT = """
 # (environment, the variable the one loud line must name)
 BAD_SECURITY = [
     ({"BREAKPOD_REQUIRE_TOKEN": "1"}, "BREAKPOD_REQUIRE_TOKEN"),
-    ({"BREAKPOD_REQUIRE_TOKEN": "1", "BREAKPOD_TOKEN": "   \n"}, "BREAKPOD_REQUIRE_TOKEN"),
-    ({"BREAKPOD_REQUIRE_TOKEN": "1", "BREAKPOD_TOKEN": "a"}, "BREAKPOD_TOKEN"),
-    ({"BREAKPOD_TOKEN": "short"}, "BREAKPOD_TOKEN"),
-    ({"BREAKPOD_TOKEN": "tok abcdefgh"}, "BREAKPOD_TOKEN"),
+    ({"BREAKPOD_REQUIRE_TOKEN": "1", "BREAKPOD_LISTENER_TOKEN": "   \n"}, "BREAKPOD_REQUIRE_TOKEN"),
+    ({"BREAKPOD_REQUIRE_TOKEN": "1", "BREAKPOD_LISTENER_TOKEN": "a"}, "BREAKPOD_LISTENER_TOKEN"),
+    ({"BREAKPOD_LISTENER_TOKEN": "short"}, "BREAKPOD_LISTENER_TOKEN"),
+    ({"BREAKPOD_LISTENER_TOKEN": "tok abcdefgh"}, "BREAKPOD_LISTENER_TOKEN"),
     ({**TOKENED, "BREAKPOD_REQUIRE_TOKEN": "maybe"}, "BREAKPOD_REQUIRE_TOKEN"),
     ({**TOKENED, "BREAKPOD_HOST": "127.0.0.1; rm -rf"}, "BREAKPOD_HOST"),
     ({**TOKENED, "BREAKPOD_ALLOW_INSECURE": "perhaps"}, "BREAKPOD_ALLOW_INSECURE"),
@@ -97,7 +97,7 @@ def test_the_issue_reproduction_asks_for_the_token(spawn):
 
 
 def test_a_token_read_from_a_file_matches_what_the_cli_sends(spawn, pdb_client):
-    child = spawn(SCRIPT, env={**TOKENED, "BREAKPOD_TOKEN": GOOD_TOKEN + "\n"})
+    child = spawn(SCRIPT, env={**TOKENED, "BREAKPOD_LISTENER_TOKEN": GOOD_TOKEN + "\n"})
     client = pdb_client(child.park_port())
     client.read_until("\n")
     client.send(GOOD_TOKEN + " \r")
@@ -114,17 +114,17 @@ def test_every_security_setting_is_covered_here():
 def test_the_strict_form_still_raises_naming_the_variable():
     with pytest.raises(breakpod.ConfigError, match="LOCAL_RANK='-70000' is not a local rank"):
         Settings.from_env({"LOCAL_RANK": "-70000"})
-    with pytest.raises(breakpod.ConfigError, match="BREAKPOD_TOKEN must be at least 8"):
-        Settings.from_env({"BREAKPOD_TOKEN": "abc"})
+    with pytest.raises(breakpod.ConfigError, match="BREAKPOD_LISTENER_TOKEN must be at least 8"):
+        Settings.from_env({"BREAKPOD_LISTENER_TOKEN": "abc"})
 
 
 def test_init_remote_debugger_refuses_a_bad_token_with_one_line(monkeypatch, capfd):
     monkeypatch.setattr(debugger._State, "pdb", None)
-    monkeypatch.setenv("BREAKPOD_TOKEN", "abc")
+    monkeypatch.setenv("BREAKPOD_LISTENER_TOKEN", "abc")
     assert breakpod.init_remote_debugger(port=0, backend="pdb", enable=True) is None
     assert debugger._State.pdb is None
     err = capfd.readouterr().err
-    assert err.count("\n") == 1 and "BREAKPOD_TOKEN must be at least 8" in err
+    assert err.count("\n") == 1 and "BREAKPOD_LISTENER_TOKEN must be at least 8" in err
 
 
 @pytest.mark.parametrize("rank", ["-70000", "70000", "x"])

@@ -41,7 +41,7 @@ LOOP = """
 
 def cli(broker, *args, token=VIEWER, stdin="", timeout=30, env=None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
-    full_env.update(BREAKPOD_BROKER_URL=broker.url, BREAKPOD_TOKEN=token, **(env or {}))
+    full_env.update(BREAKPOD_BROKER_URL=broker.url, BREAKPOD_BROKER_TOKEN=token, **(env or {}))
     return subprocess.run(
         [sys.executable, "-m", "breakpod._cli.main", *args],
         input=stdin,
@@ -53,7 +53,7 @@ def cli(broker, *args, token=VIEWER, stdin="", timeout=30, env=None):
 
 
 def agent_env(broker, **extra):
-    return {"BREAKPOD_BROKER_URL": broker.url, "BREAKPOD_TOKEN": AGENT, **extra}
+    return {"BREAKPOD_BROKER_URL": broker.url, "BREAKPOD_AGENT_TOKEN": AGENT, **extra}
 
 
 def only_session(broker, state=None):

@@ -20,7 +20,7 @@ from tests.conftest import Child, PdbClient
 
 ROUNDS = int(os.environ.get("CHAOS_ROUNDS", "2"))
 TOKEN = "tok-abcdefgh"
-TOKENED = {"BREAKPOD_TOKEN": TOKEN, "BREAKPOD_REQUIRE_TOKEN": "1"}
+TOKENED = {"BREAKPOD_LISTENER_TOKEN": TOKEN, "BREAKPOD_REQUIRE_TOKEN": "1"}
 GET_IN_SECONDS = 2.0
 
 LOOP = f"""
@@ -207,14 +207,16 @@ def test_a_16_mib_pdb_line_costs_little_and_the_session_goes_on(spawn):
 
 
 def test_a_token_with_a_trailing_newline_or_cr_matches(spawn):
-    child = spawn(LOOP, env={**TOKENED, "BREAKPOD_TOKEN": TOKEN + "\n"}, stdin="closed")
+    child = spawn(LOOP, env={**TOKENED, "BREAKPOD_LISTENER_TOKEN": TOKEN + "\n"}, stdin="closed")
     for n in range(1, ROUNDS + 1):
         assert get_in(wait_parks(child, n), token=TOKEN + "\r") < GET_IN_SECONDS
     finished(child)
 
 
 def test_a_one_character_token_opens_nothing(spawn):
-    child = spawn(LOOP, env={**TOKENED, "BREAKPOD_TOKEN": "a"}, stdin="closed")
+    child = spawn(LOOP, env={**TOKENED, "BREAKPOD_LISTENER_TOKEN": "a"}, stdin="closed")
     finished(child)
     assert "waiting up to" not in child.stderr
-    assert child.stderr.count("BREAKPOD_TOKEN must be at least 8") == ROUNDS  # once per break
+    assert (
+        child.stderr.count("BREAKPOD_LISTENER_TOKEN must be at least 8") == ROUNDS
+    )  # once per break

@@ -40,7 +40,7 @@ LOOP = """
 def agent_env(broker, rank, world_size=2, job="train-live"):
     return {
         "BREAKPOD_BROKER_URL": broker.url,
-        "BREAKPOD_TOKEN": AGENT,
+        "BREAKPOD_AGENT_TOKEN": AGENT,
         "BREAKPOD_JOB": job,
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),

@@ -80,7 +80,8 @@ def test_default_overlay_has_the_debug_settings() -> None:
     assert env["PYTHONBREAKPOINT"] == "breakpod.set_trace"
     assert env["BREAKPOD_BROKER_URL"] == "http://bp-breakpod.breakpod.svc:8765"
     assert env["BREAKPOD_HOST"] == "127.0.0.1"
-    assert env["BREAKPOD_TOKEN"] == {
+    assert "BREAKPOD_LISTENER_TOKEN" not in env  # loopback: kubectl port-forward, no token
+    assert env["BREAKPOD_AGENT_TOKEN"] == {
         "secretKeyRef": {"name": "breakpod-agent-token", "key": "token", "optional": True}
     }
     assert env["POD_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
@@ -104,7 +105,7 @@ def test_overlay_options() -> None:
     assert overlay["container"]["ports"][0]["containerPort"] == 6000
     env = env_of(overlay["container"])
     assert env["BREAKPOD_PORT"] == "6000" and env["BREAKPOD_BROKER_URL"] == "http://b:1"
-    assert "BREAKPOD_TOKEN" not in env
+    assert "BREAKPOD_AGENT_TOKEN" not in env
 
 
 def test_broker_pod_is_hardened_and_probed() -> None:

@@ -237,7 +237,7 @@ def test_notes_read_the_right_tokens(existing: bool) -> None:
         assert "get secret mine " in notes
     else:
         secret = secrets_of(documents(rendered))["bp-breakpod"]
-    viewer = run_with_secret(token_command(notes, "export BREAKPOD_TOKEN="), secret)
+    viewer = run_with_secret(token_command(notes, "export BREAKPOD_BROKER_TOKEN="), secret)
     agent = run_with_secret(token_command(notes, "--from-literal="), secret)
     expected = (
         ("v-0000000000", "g-0000000000")

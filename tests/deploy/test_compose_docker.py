@@ -30,6 +30,7 @@ TOKENS = {
     "BREAKPOD_AGENT_TOKEN": "agent-token-0123",
     "BREAKPOD_VIEWER_TOKEN": "viewer-token-0123",
     "BREAKPOD_ADMIN_TOKEN": "admin-token-0123",
+    "BREAKPOD_LISTENER_TOKEN": "listener-token-0123",
 }
 
 
@@ -69,7 +70,9 @@ def test_debug_overlay_merged() -> None:
     assert env["BREAKPOD_POST_MORTEM"] == "1"
     assert env["TORCH_COMPILE_DISABLE"] == "1"
     assert env["BREAKPOD_HOST"] == "0.0.0.0"  # needs a token: see net.check_bind
-    assert env["BREAKPOD_TOKEN"] == TOKENS["BREAKPOD_AGENT_TOKEN"]  # pdb token = agent token
+    assert env["BREAKPOD_AGENT_TOKEN"] == TOKENS["BREAKPOD_AGENT_TOKEN"]
+    assert env["BREAKPOD_LISTENER_TOKEN"] == TOKENS["BREAKPOD_LISTENER_TOKEN"]  # its own secret
+    assert "BREAKPOD_TOKEN" not in env
     assert train["depends_on"]["broker"]["condition"] == "service_healthy"
     assert config["services"]["broker"]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert config["services"]["redis"]["healthcheck"]["test"][-1] == "ping"
@@ -81,6 +84,9 @@ def test_debug_overlay_merged() -> None:
 def test_no_stack_without_tokens(files: tuple[str, ...], missing: str) -> None:
     env = {k: v for k, v in TOKENS.items() if k != missing}
     out = run_config(files, env)
+    if missing == "BREAKPOD_LISTENER_TOKEN" and "compose.debug.yml" not in files:
+        assert out.returncode == 0, out.stderr  # only the debug overlay has a listener
+        return
     assert out.returncode != 0, "compose ran without " + missing
     assert f"set {missing}" in out.stderr, out.stderr
 

@@ -37,7 +37,7 @@ def test_a_job_wide_break_parks_every_rank_at_one_step_and_one_continue_resumes_
 ):
     base = free_ports(4)
     env = debug_env(base, STEPS="300", STEP_SLEEP="0.1")
-    env.update(BREAKPOD_BROKER_URL=broker.url, BREAKPOD_TOKEN=AGENT)
+    env.update(BREAKPOD_BROKER_URL=broker.url, BREAKPOD_AGENT_TOKEN=AGENT)
     job = Job(tmp_path, 4, PORT, **env)
     try:
         wait_until(lambda: ranks_registered(broker), timeout=120)

@@ -40,7 +40,7 @@ def job_stall_event(broker):
 
 @pytest.mark.timeout(150)
 def test_the_broker_gets_one_job_stall_event_naming_the_culprit(broker, tmp_path: Path):
-    env = {"BREAKPOD_BROKER_URL": broker.url, "BREAKPOD_TOKEN": AGENT, "STALL_RANK": "2"}
+    env = {"BREAKPOD_BROKER_URL": broker.url, "BREAKPOD_AGENT_TOKEN": AGENT, "STALL_RANK": "2"}
     job = Job(tmp_path, 3, PORT, BREAKPOD_STALL_AFTER="3", **env)
     try:
         job.wait_for(r"rank 2 stalls now", timeout=60)

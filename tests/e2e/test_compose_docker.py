@@ -31,6 +31,7 @@ FILES = ["-f", "compose.yml", "-f", "compose.debug.yml", "-f", "compose.cpu.yml"
 BROKER = "http://127.0.0.1:8765"
 AGENT_TOKEN = "e2e-agent-token"  # compose has no default tokens
 VIEWER_TOKEN = "e2e-viewer-token"
+LISTENER_TOKEN = "e2e-listener-token"
 ENV = {
     **os.environ,
     "COMPOSE_PROJECT_NAME": PROJECT,
@@ -39,6 +40,7 @@ ENV = {
     "BREAKPOD_AGENT_TOKEN": AGENT_TOKEN,
     "BREAKPOD_VIEWER_TOKEN": VIEWER_TOKEN,
     "BREAKPOD_ADMIN_TOKEN": "e2e-admin-token",
+    "BREAKPOD_LISTENER_TOKEN": LISTENER_TOKEN,
 }
 IMAGES = {  # tag compose expects -> (Dockerfile, build args)
     "breakpod-broker:dev": ("docker/broker.Dockerfile", {"PYTHON_IMAGE": "breakpod-python:local"}),
@@ -99,7 +101,7 @@ def wait_for_log(service: str, pattern: str, timeout: float = 240) -> re.Match[s
 
 
 def sessions() -> list[dict[str, object]]:
-    out = run(BREAKPOD, "sessions", "--json", "--broker", BROKER, "--token", VIEWER_TOKEN)
+    out = run(BREAKPOD, "sessions", "--json", "--broker", BROKER, "--broker-token", VIEWER_TOKEN)
     return list(json.loads(out.stdout))
 
 
@@ -111,7 +113,7 @@ def test_nan_parks_in_the_container_and_an_engineer_attaches_from_the_host(stack
     client = PdbClient(5678)  # the 127.0.0.1 port compose published
     try:
         assert "token required" in client.read_until("\n")
-        client.send(AGENT_TOKEN)  # the pdb listener's token is the agent's
+        client.send(LISTENER_TOKEN)  # the pdb listener's own token
         assert "breakpoint() at" in client.read_until()
         assert "nan" in client.command("p loss")
         summary = client.command("tstat x")

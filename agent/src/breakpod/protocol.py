@@ -60,6 +60,7 @@ LISTENER_KINDS: Final = frozenset({"parked", "listening"})
 State = Literal["running", "parked", "waiting", "attached", "stalled", "finished"]
 STATES: Final = get_args(State)
 LOST: Final = "lost"  # not stored: a session whose heartbeat expired reads as lost
+LOST_REASON: Final = "no heartbeat"  # a lost session's reason, also not stored
 Lost = Literal["lost"]
 INITIAL_STATE: Final = "running"  # a session's state until an event says otherwise
 FINAL_STATE: Final = "finished"  # never reads as lost, and takes no more commands

@@ -9,7 +9,7 @@ debugpy, a VS Code ``launch.json``.
 from __future__ import annotations
 
 import shlex
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query
 
@@ -61,8 +61,13 @@ def instructions(session: SessionOut, local_port: int | None = None) -> AttachIn
         port_forward_argv=argv,
         attach_command=f"breakpod attach {session.id}" + (" --vscode" if editor else ""),
         direct_command=f"breakpod attach {'--vscode ' if editor else ''}{connect}",
-        vscode_launch=protocol.vscode_launch(session.id, host, int(port)) if editor else None,
+        vscode_launch=_launch(session, host, int(port)) if editor else None,
+        cwd=session.cwd,
     )
+
+
+def _launch(session: SessionOut, host: str, port: int) -> dict[str, Any]:
+    return protocol.vscode_launch(session.id, host, port, remote_root=session.cwd or ".")
 
 
 def port_forward_argv(namespace: str, pod: str, local: int, remote: int) -> list[str]:

@@ -40,7 +40,9 @@ def require(*roles: Role) -> Callable[..., Awaitable[Principal]]:
             raise HTTPException(401, "unknown token", {"WWW-Authenticate": "Bearer"})
         if found.role not in allowed:
             names = ", ".join(sorted(r.value for r in allowed))
-            raise HTTPException(403, f"a {found.role.value} token may not do this (needs: {names})")
+            role = found.role.value
+            article = "an" if role[0] in "aeiou" else "a"
+            raise HTTPException(403, f"{article} {role} token may not do this (needs: {names})")
         return found
 
     return check

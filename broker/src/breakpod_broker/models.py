@@ -68,6 +68,9 @@ class SessionIn(BaseModel):
     )
     state: State = protocol.INITIAL_STATE
     reason: Reason = None
+    cwd: str | None = Field(
+        default=None, max_length=4096, description="the process's working directory"
+    )
 
 
 class Heartbeat(BaseModel):
@@ -181,6 +184,7 @@ class AttachInfo(BaseModel):
     attach_command: str
     direct_command: str
     vscode_launch: dict[str, Any] | None = None
+    cwd: str | None = None  # the session's working directory: the launch.json's remoteRoot
 
 
 # -- tokens and operations ----------------------------------------------------

@@ -174,6 +174,7 @@ def _decode(session_id: str, fields: dict[str, str], alive: int) -> SessionOut |
         return None
     if not alive and fields.get("state") != protocol.FINAL_STATE:
         fields["state"] = protocol.LOST
+        fields["reason"] = protocol.LOST_REASON
     data = {**fields, "id": session_id}
     try:
         return SessionOut.model_validate(data)

@@ -29,10 +29,13 @@ class Notifier(BaseModel):
     timeout_seconds: float = Field(default=5.0, gt=0, le=60)
 
 
-class BrokerSettings(BaseSettings):
-    """Everything the broker reads; see the README's Broker section."""
+ENV_PREFIX = "BREAKPOD_"
 
-    model_config = SettingsConfigDict(env_prefix="BREAKPOD_", extra="ignore")
+
+class BrokerSettings(BaseSettings):
+    """Everything the broker reads; docs/settings.md lists them (generated from here)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
     # BREAKPOD_BROKER_HOST/PORT: plain BREAKPOD_HOST/PORT belong to the agent's listener
     broker_host: str = "127.0.0.1"
@@ -66,3 +69,32 @@ class BrokerSettings(BaseSettings):
     max_followers: int = Field(default=10_000, ge=1, le=1_000_000)
     # a follower this many events behind is dropped; it resumes with Last-Event-ID
     follower_queue: int = Field(default=10_000, ge=10, le=1_000_000)
+
+
+# What each setting means, for `docs/settings.md` (generated: docs/gen_settings.py).
+HELP: dict[str, str] = {
+    "broker_host": "bind address (plain `BREAKPOD_HOST` is the agent's listener)",
+    "broker_port": "port",
+    "redis_url": "Redis to use; unset: an embedded redis-server in the data directory",
+    "data_dir": "embedded Redis data (AOF, `lock`, `redis.pid`) and `serve --dev` tokens",
+    "broker_tokens": "static tokens, `role:token,role:token` (roles agent, viewer, admin)",
+    "tokens_file": "YAML/JSON `tokens: {TOKEN: ROLE}` or `{TOKEN: {role, namespaces, name}}`",
+    "notifiers": "JSON list of webhook notifiers (name, url, format, kinds, retries, ...)",
+    "notify_claim_seconds": "a notifier job unfinished this long is taken over by another replica",
+    "notify_max_age": "a notifier job undelivered this long after its event is dead-lettered",
+    "max_body_bytes": "larger request bodies get 413",
+    "max_batch": "most events in one batch an agent posts (more: 413)",
+    "global_stream_maxlen": "events kept in the global stream (`XADD MAXLEN ~`)",
+    "session_stream_maxlen": "events kept per session",
+    "heartbeat_ttl_seconds": "a session silent this long shows `lost` (reason: no heartbeat)",
+    "retention_seconds": "how long a silent session (and its stream) is kept",
+    "dedup_seconds": "window in which a retried event id is recognised",
+    "max_poll_seconds": "longest command long-poll",
+    "max_waiters": "size of the blocking Redis pool (notifier queue); long polls are not capped",
+    "max_followers": "SSE streams one replica serves (beyond: 429)",
+    "follower_queue": "a stream this many events behind is dropped; it resumes with Last-Event-ID",
+    "metrics_cache_seconds": "`/metrics` session counts are recounted at most this often",
+    "tls_cert_file": "serve the API over HTTPS with this PEM certificate (chain)",
+    "tls_key_file": "the certificate's PEM key",
+    "max_stream_seconds": "an SSE stream then ends; clients resume with `Last-Event-ID`",
+}

@@ -51,9 +51,15 @@ container:
         configMapKeyRef: {name: {{ $v.broker.tls.caConfigMap | quote }}, key: ca.crt, optional: true}
     {{- end }}
     {{- with $o.tokenSecret.name }}
-    - name: BREAKPOD_TOKEN
+    - name: BREAKPOD_AGENT_TOKEN
       valueFrom:
         secretKeyRef: {name: {{ . | quote }}, key: {{ $o.tokenSecret.key | quote }}, optional: true}
+    {{- if not (has $o.listenHost (list "127.0.0.1" "localhost" "::1")) }}
+    {{- /* a listener off loopback needs a token; the chart has one Secret for the pod */}}
+    - name: BREAKPOD_LISTENER_TOKEN
+      valueFrom:
+        secretKeyRef: {name: {{ . | quote }}, key: {{ $o.tokenSecret.key | quote }}, optional: true}
+    {{- end }}
     {{- end }}
     - name: BREAKPOD_POST_MORTEM
       value: {{ ternary "1" "0" $o.postMortem | quote }}

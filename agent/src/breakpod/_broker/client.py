@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from breakpod import protocol
-from breakpod._core.config import BROKER_URL_ENV, ENV
+from breakpod._core.config import AGENT_TOKEN_ENV, BROKER_TOKEN_ENV, BROKER_URL_ENV
 from breakpod._core.errors import BrokerError
 
 ENV_URL = BROKER_URL_ENV
-ENV_TOKEN = ENV["token"]
+ENV_TOKEN = BROKER_TOKEN_ENV  # the CLI's; a job's agent reads AGENT_TOKEN_ENV
 ENV_CA = "BREAKPOD_BROKER_CA"
 
 
@@ -202,7 +202,10 @@ def _encode(body: Any) -> bytes:
 def _explain(method: str, path: str, status: int, body: Any, url: str) -> str:
     detail = body.get("message") or body.get("detail") if isinstance(body, dict) else body
     if status == 401:
-        return f"the broker at {url} refused the token ({detail}): set --token or ${ENV_TOKEN}"
+        return (
+            f"the broker at {url} refused the token ({detail}): set ${ENV_TOKEN} "
+            f"(or --broker-token) for the CLI, ${AGENT_TOKEN_ENV} for a job"
+        )
     if status == 403:
         return f"the token may not {method} {path}: {detail}"
     return f"broker: {method} {path} -> HTTP {status}: {detail}"

@@ -1,7 +1,7 @@
 """Ships this process's events to the broker and hands the commands it sends back
 to a callback (``on_command``: the broker link passes ``broker_commands.run``).
 
-Enabled by ``BREAKPOD_BROKER_URL`` (token: ``BREAKPOD_TOKEN``); without it
+Enabled by ``BREAKPOD_BROKER_URL`` (token: ``BREAKPOD_AGENT_TOKEN``); without it
 nothing here runs: no thread, no sink, no socket. The training thread only
 appends to a bounded in-memory queue (when full the oldest event is dropped
 and counted); a sender thread posts batches with retry and backoff (jittered,
@@ -37,13 +37,12 @@ from breakpod._broker import exit_report
 from breakpod._broker.client import BrokerClient
 from breakpod._core import events, identity, wiring
 from breakpod._core.announce import announce
-from breakpod._core.config import BROKER_URL_ENV, ENV, parse_int
+from breakpod._core.config import AGENT_TOKEN_ENV, BROKER_URL_ENV, parse_int, token_value
 from breakpod._core.errors import BreakpodError, BrokerError
 from breakpod._core.events import pending_break, request_break
 
 log = logging.getLogger(__name__)
 
-ENV_TOKEN = ENV["token"]
 ENV_QUEUE = "BREAKPOD_EMIT_QUEUE"
 # What the agent sends (the broker records "command" events itself); anything
 # else travels as protocol.FALLBACK_KIND.
@@ -132,7 +131,7 @@ class Emitter:
     @classmethod
     def from_env(cls, on_command: CommandHandler = _no_commands) -> Emitter:
         size = parse_int(ENV_QUEUE, os.environ.get(ENV_QUEUE, "10000"))  # ConfigError: announced
-        url, token = os.environ[BROKER_URL_ENV], os.environ.get(ENV_TOKEN)
+        url, token = os.environ[BROKER_URL_ENV], token_value(AGENT_TOKEN_ENV)
         return cls(url, token, queue_size=size, on_command=on_command)
 
     def start(self) -> Emitter:

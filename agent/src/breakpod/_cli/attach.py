@@ -16,13 +16,17 @@ from collections.abc import Callable, Iterator
 from typing import TextIO
 
 from breakpod import protocol
-from breakpod._core.config import ENV
+from breakpod._core.config import LISTENER_TOKEN_ENV, token_value
 from breakpod._core.errors import AttachError
 from breakpod._debug.listener import REFUSED, TOKEN_PROMPT
 
 PROMPTS = ("(Pdb) ", ">>> ", "... ")
 HISTORY = os.path.expanduser("~/.breakpod_history")
 CONNECT_TIMEOUT = 5.0
+# A remote pdb speaks first (its prompt, a token request or a refusal); so does a
+# debugpy listener, at once, with a DAP message. Silence this long: not ours.
+FIRST_WORDS_TIMEOUT = 10.0
+DAP_HEADER = b"Content-Length:"
 
 
 def attach(
@@ -32,11 +36,42 @@ def attach(
     token: str | None = None,
     out: TextIO = sys.stdout,
     read_line: Callable[[str], str] = input,
+    remote_root: str = ".",
 ) -> None:
-    """Run an interactive session until the remote side closes or EOF is typed."""
+    """Run an interactive session until the remote side closes or EOF is typed.
+    A debugpy listener gets its launch.json printed and an :class:`AttachError`."""
     sock = connect(host, port)
-    with sock, _history():
-        _session(sock, token, out, read_line)
+    with sock:
+        first = _first_words(sock, host, port)
+        if first.startswith(DAP_HEADER):
+            out.write(vscode_launch(host, port, remote_root, "${workspaceFolder}") + "\n")
+            raise AttachError(
+                f"{host}:{port} is a debugpy (DAP) listener, not a remote pdb: open the "
+                "launch.json above in VS Code (or any DAP client), or run the job with "
+                "BREAKPOD_BACKEND=pdb to attach from a terminal"
+            )
+        with _history():
+            _session(sock, first, token, out, read_line)
+
+
+def _first_words(sock: socket.socket, host: str, port: int) -> bytes:
+    """What the listener says first: enough bytes to tell DAP from pdb."""
+    sock.settimeout(FIRST_WORDS_TIMEOUT)
+    data = b""
+    try:
+        while len(data) < len(DAP_HEADER) and DAP_HEADER.startswith(data):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except TimeoutError:
+        raise AttachError(
+            f"{host}:{port} accepted but said nothing in {FIRST_WORDS_TIMEOUT:g}s: it is not a "
+            "breakpod listener (a parked process greets at once); check the address"
+        ) from None
+    except OSError as e:
+        raise AttachError(f"the connection to {host}:{port} broke: {e.strerror or e}") from e
+    return data
 
 
 def connect(host: str, port: int) -> socket.socket:
@@ -51,14 +86,18 @@ def connect(host: str, port: int) -> socket.socket:
 
 
 def _session(
-    sock: socket.socket, token: str | None, out: TextIO, read_line: Callable[[str], str]
+    sock: socket.socket,
+    first: bytes,
+    token: str | None,
+    out: TextIO,
+    read_line: Callable[[str], str],
 ) -> None:
     sock.settimeout(None)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # ∈ μ σ split by recv
     pending = tail = ""
+    data = first
     try:
         while True:
-            data = sock.recv(65536)
             if not data:
                 _closed(pending, tail, out)
                 return
@@ -74,6 +113,7 @@ def _session(
                     return
                 sock.sendall((line + "\n").encode())
                 pending = ""
+            data = sock.recv(65536)
     except OSError as e:
         raise AttachError(f"the connection to the debugger broke: {e.strerror or e}") from e
 
@@ -122,14 +162,16 @@ def _partial_prompt_length(text: str) -> int:
 
 def _token(token: str | None) -> str:
     """Stripped, as the listener strips its own (a token read from a file ends in \\n)."""
-    token = (token or os.environ.get(ENV["token"]) or "").strip()
+    token = (token or token_value(LISTENER_TOKEN_ENV) or "").strip()
     if token:
         return token
     if sys.stdin.isatty():
         import getpass
 
         return getpass.getpass("breakpod token: ").strip()
-    raise AttachError("the listener requires a token: set BREAKPOD_TOKEN or pass --token")
+    raise AttachError(
+        f"the listener requires a token: set {LISTENER_TOKEN_ENV} or pass --listener-token"
+    )
 
 
 @contextlib.contextmanager

@@ -15,8 +15,10 @@ import time
 import urllib.parse
 from typing import Any
 
+from breakpod import protocol
 from breakpod._broker.client import ENV_TOKEN, ENV_URL, BrokerClient
 from breakpod._core import net
+from breakpod._core.config import token_value
 from breakpod._core.errors import AttachError, BrokerError
 
 PORT_FORWARD_TIMEOUT = 15.0
@@ -24,14 +26,15 @@ PORT_FORWARD_TIMEOUT = 15.0
 
 def add_broker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--broker", metavar="URL", help=f"broker URL (default: ${ENV_URL})")
-    p.add_argument("--token", dest="broker_token", help=f"broker token (default: ${ENV_TOKEN})")
+    p.add_argument("--broker-token", help=f"the CLI's broker token (default: ${ENV_TOKEN})")
+    p.add_argument("--token", dest="old_broker_token", help="deprecated: --broker-token")
 
 
 def client(args: argparse.Namespace) -> BrokerClient:
     url = getattr(args, "broker", None) or os.environ.get(ENV_URL)
     if not url:
         raise BrokerError(f"no broker given: pass --broker URL or set {ENV_URL}")
-    return BrokerClient(url, args.broker_token or os.environ.get(ENV_TOKEN))
+    return BrokerClient(url, args.broker_token or token_value(ENV_TOKEN))
 
 
 def list_sessions(broker: BrokerClient, limit: int = 1000, **filters: Any) -> list[dict[str, Any]]:
@@ -229,10 +232,12 @@ def attach_session(args: argparse.Namespace) -> int:
         sessions = list_sessions(broker)
         target = rank_session(sessions, args.target, args.rank)
     info = broker.request("GET", f"/v1/sessions/{target}/attach?local_port={_free_port()}")
+    _check_attachable(target, info)
     host, port = net.parse_address(info["connect"])
-    if args.vscode or info["listener"] == "debugpy":
-        launch = info.get("vscode_launch") or json.loads(
-            attach.vscode_launch(host, port, args.remote_root, args.local_root)
+    if args.vscode or info["listener"] == protocol.DAP_LISTENER:
+        remote_root = args.remote_root or info.get("cwd") or "."
+        launch = protocol.vscode_launch(
+            target, host, port, local_root=args.local_root, remote_root=remote_root
         )
         if info.get("port_forward"):
             print(f"// first run: {info['port_forward']}", file=sys.stderr)
@@ -240,8 +245,17 @@ def attach_session(args: argparse.Namespace) -> int:
         return 0
     forward = info.get("port_forward")
     with PortForward(port_forward_argv(info), port) if forward else contextlib.nullcontext():
-        attach.attach(host, port, token=args.token)
+        attach.attach(host, port, token=args.listener_token, remote_root=args.remote_root or ".")
     return 0
+
+
+def _check_attachable(target: str, info: dict[str, Any]) -> None:
+    """A finished or lost session has nothing listening: say so, exit non-zero."""
+    if info.get("state") in (protocol.FINAL_STATE, protocol.LOST):
+        raise AttachError(
+            f"session {target} is {info['state']}: nothing listens any more "
+            "(`breakpod sessions` lists the live ones)"
+        )
 
 
 def port_forward_argv(info: dict[str, Any]) -> list[str]:

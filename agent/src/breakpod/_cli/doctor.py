@@ -18,7 +18,16 @@ from typing import Any
 
 from breakpod._broker.client import BrokerClient
 from breakpod._core import hosting, net
-from breakpod._core.config import BROKER_URL_ENV, ENV, SHIM, Settings, format_seconds, parse_bool
+from breakpod._core.config import (
+    AGENT_TOKEN_ENV,
+    BROKER_URL_ENV,
+    ENV,
+    SHIM,
+    Settings,
+    format_seconds,
+    parse_bool,
+    token_value,
+)
 from breakpod._core.errors import BreakpodError, BrokerError
 from breakpod._debug import debugger, shim
 
@@ -197,8 +206,8 @@ def check_bind(ctx: Context) -> Iterator[Check]:
 BIND_FIXES = {
     "pdb": (
         "not loopback and no token is set: the remote pdb refuses to listen",
-        "set BREAKPOD_TOKEN=<secret> (clients send it first), or keep BREAKPOD_HOST=127.0.0.1 "
-        "and use kubectl port-forward / docker exec",
+        "set BREAKPOD_LISTENER_TOKEN=<secret> (clients send it first), "
+        "or keep BREAKPOD_HOST=127.0.0.1 and use kubectl port-forward / docker exec",
     ),
     "debugpy": (
         "not loopback: debugpy has no authentication, so it refuses without the opt-in",
@@ -252,7 +261,7 @@ def check_broker(ctx: Context) -> Iterator[Check]:
             f"none configured ({BROKER_URL_ENV}): parks are announced in the log only",
         )
         return
-    yield broker_check(url, ctx.settings.token)
+    yield broker_check(url, token_value(AGENT_TOKEN_ENV))
 
 
 def broker_check(url: str, token: str | None) -> Check:
@@ -263,14 +272,14 @@ def broker_check(url: str, token: str | None) -> Check:
             "broker", FAIL, f"{url} unreachable ({why})", f"check {BROKER_URL_ENV} and the network"
         )
     if not token:
-        return Check("broker", FAIL, f"{url} is up, but no token is set", f"set {ENV['token']}")
+        return Check("broker", FAIL, f"{url} is up, but no token is set", f"set {AGENT_TOKEN_ENV}")
     status, why = _call(url, token, BrokerClient.whoami)  # any valid token, whatever its role
     if status in (401, 403):
         return Check(
             "broker",
             FAIL,
             f"{url} rejected the token ({why})",
-            f"set {ENV['token']} to the broker's token",
+            f"set {AGENT_TOKEN_ENV} to an agent token of the broker",
         )
     if status is None or status >= 400:
         return Check("broker", WARN, f"{url} is up; the token check answered {why}")

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from breakpod import __version__
-from breakpod._core.config import BACKENDS
+from breakpod._core.config import BACKENDS, BROKER_TOKEN_ENV, LISTENER_TOKEN_ENV
 from breakpod._core.errors import BreakpodError
 
 
@@ -16,6 +16,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="breakpod: %(message)s")
+    take_deprecated_flags(args)
     try:
         return int(args.func(args) or 0)
     except BreakpodError as e:
@@ -23,6 +24,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+DEPRECATED_FLAGS = (("old_listener_token", "listener_token"), ("old_broker_token", "broker_token"))
+
+
+def take_deprecated_flags(args: argparse.Namespace) -> None:
+    """``--token`` meant the listener's token for attach and the broker's elsewhere:
+    it still works this release, with one line naming the flag that replaces it."""
+    for old, new in DEPRECATED_FLAGS:
+        value = getattr(args, old, None)
+        if value is None:
+            continue
+        flag = "--" + new.replace("_", "-")
+        print(f"breakpod: --token is deprecated here: use {flag}", file=sys.stderr)
+        if getattr(args, new, None) is None:
+            setattr(args, new, value)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +67,11 @@ def add_attach(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="HOST:PORT|SESSION_ID",
         help="listener address, e.g. 127.0.0.1:5678, or a session id known to the broker",
     )
-    p.add_argument("--token", help="token for non-loopback listeners (default: $BREAKPOD_TOKEN)")
+    p.add_argument(
+        "--listener-token",
+        help=f"the listener's token, when it requires one (default: ${LISTENER_TOKEN_ENV})",
+    )
+    p.add_argument("--token", dest="old_listener_token", help="deprecated: --listener-token")
     p.add_argument(
         "--vscode",
         action="store_true",
@@ -58,8 +79,8 @@ def add_attach(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument(
         "--remote-root",
-        default=".",
-        help="source root inside the container, for pathMappings (default: .)",
+        help="source root inside the container, for pathMappings "
+        "(default: the session's working directory, else .)",
     )
     p.add_argument(
         "--local-root",
@@ -68,7 +89,7 @@ def add_attach(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--rank", type=int, help="with a JOB as target: attach to this rank of the job")
     p.add_argument("--broker", metavar="URL", help="broker URL (default: $BREAKPOD_BROKER_URL)")
-    p.add_argument("--broker-token", help="broker token (default: $BREAKPOD_TOKEN)")
+    p.add_argument("--broker-token", help=f"the CLI's broker token (default: ${BROKER_TOKEN_ENV})")
     p.set_defaults(func=run_attach)
 
 
@@ -81,10 +102,11 @@ def run_attach(args: argparse.Namespace) -> int:
 
         return attach_session(args)
     host, port = net.parse_address(args.target)
+    remote_root = args.remote_root or "."  # HOST:PORT alone does not say the job's directory
     if args.vscode:
-        print(attach.vscode_launch(host, port, args.remote_root, args.local_root))
+        print(attach.vscode_launch(host, port, remote_root, args.local_root))
         return 0
-    attach.attach(host, port, token=args.token)
+    attach.attach(host, port, token=args.listener_token, remote_root=remote_root)
     return 0
 
 

@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -27,6 +28,13 @@ SHIM = "breakpod.set_trace"  # the PYTHONBREAKPOINT value
 DISABLE_COMPILE_ENV = "BREAKPOD_DISABLE_COMPILE"
 BACKENDS = ("auto", "pdb", "debugpy")  # auto: debugpy when importable, else pdb
 BROKER_URL_ENV = "BREAKPOD_BROKER_URL"  # read by the emitter, the CLI, run and doctor
+# Three secrets, three names: who may attach to this process's listener, what the
+# job's agent shows the broker (role agent), what the engineer's CLI shows it
+# (viewer or admin). The old single name still works for one release.
+LISTENER_TOKEN_ENV = "BREAKPOD_LISTENER_TOKEN"
+AGENT_TOKEN_ENV = "BREAKPOD_AGENT_TOKEN"
+BROKER_TOKEN_ENV = "BREAKPOD_BROKER_TOKEN"
+DEPRECATED_TOKEN_ENV = "BREAKPOD_TOKEN"
 TRUE = frozenset({"1", "true", "yes", "on"})
 FALSE = frozenset({"0", "false", "no", "off", ""})
 
@@ -35,7 +43,7 @@ ENV: dict[str, str] = {
     "host": "BREAKPOD_HOST",
     "port": "BREAKPOD_PORT",
     "local_rank": "LOCAL_RANK",
-    "token": "BREAKPOD_TOKEN",
+    "token": LISTENER_TOKEN_ENV,
     "require_token": "BREAKPOD_REQUIRE_TOKEN",
     "allow_insecure": "BREAKPOD_ALLOW_INSECURE",
     "backend": "BREAKPOD_BACKEND",
@@ -46,10 +54,71 @@ ENV: dict[str, str] = {
     "post_mortem": "BREAKPOD_POST_MORTEM",
     "attach_idle": "BREAKPOD_ATTACH_IDLE",
 }
+# What each variable means, for `docs/settings.md` (generated: docs/gen_settings.py).
+HELP: dict[str, str] = {
+    "enabled": "lets `init_remote_debugger()` start a listener",
+    "host": "listener address (a non-loopback one needs a token, or the opt-in for debugpy)",
+    "port": "base port (+ `LOCAL_RANK`); `0` = any free port",
+    "local_rank": "this process's index on its node (torchrun sets it), added to the port",
+    "token": "token a remote pdb client must send first (8+ characters); "
+    "required on non-loopback binds",
+    "require_token": "require the token on loopback too (hosts shared with other users)",
+    "allow_insecure": "allow debugpy on a non-loopback address (it has no authentication)",
+    "backend": "`auto`, `pdb` or `debugpy` (auto: debugpy when installed)",
+    "on_detach": "`wait`: a disconnect waits for the next client",
+    "quit_mode": "`exit`: `q` raises `BdbQuit` as in pdb",
+    "wait_timeout": "limit for `init_remote_debugger(wait=True)`",
+    "hold_seconds": "how long a park waits for a client (`forever` = no limit)",
+    "post_mortem": "post-mortem on uncaught exceptions",
+    "attach_idle": "an attached client silent this long is dropped; the park waits again",
+}
+# Variables outside Settings, read by the broker link and the CLI: (default, meaning).
+OTHER_ENV: dict[str, tuple[str, str]] = {
+    BROKER_URL_ENV: ("unset", "the broker's URL; unset: parks are announced in the log only"),
+    AGENT_TOKEN_ENV: ("unset", "the job's token for the broker (role agent)"),
+    BROKER_TOKEN_ENV: ("unset", "the CLI's token for the broker (role viewer or admin)"),
+    DEPRECATED_TOKEN_ENV: (
+        "unset",
+        "deprecated: stands in for each of the three tokens above this release",
+    ),
+}
 # Who may connect to the listener: a mistake in one of these must not open it up.
 SECURITY = frozenset({"host", "token", "require_token", "allow_insecure"})
 MIN_TOKEN_LENGTH = 8  # the broker's minimum too (breakpod_broker.auth.MIN_TOKEN_LENGTH)
 HOST_CHARS = re.compile(r"[A-Za-z0-9.:%_-]+")  # names, IPv4, IPv6 (with a zone)
+
+
+_deprecation_said = False  # one line per process, whichever setting read the old name
+
+
+def token_env(name: str, environ: Mapping[str, str] | None = None) -> tuple[str, str] | None:
+    """(the variable read, its value) for the token setting ``name``; the deprecated
+    ``BREAKPOD_TOKEN`` stands in for a missing one this release, with one line saying so."""
+    env = os.environ if environ is None else environ
+    if name in env:
+        return name, env[name]
+    if DEPRECATED_TOKEN_ENV not in env:
+        return None
+    _say_deprecated()
+    return DEPRECATED_TOKEN_ENV, env[DEPRECATED_TOKEN_ENV]
+
+
+def token_value(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    found = token_env(name, environ)
+    return None if found is None else found[1]
+
+
+def _say_deprecated() -> None:
+    global _deprecation_said
+    if _deprecation_said:
+        return
+    _deprecation_said = True
+    print(
+        f"breakpod: {DEPRECATED_TOKEN_ENV} is deprecated and goes away in the next release: "
+        f"set {LISTENER_TOKEN_ENV} (debugger listener), {AGENT_TOKEN_ENV} (job to broker) "
+        f"or {BROKER_TOKEN_ENV} (CLI to broker) instead",
+        file=sys.__stderr__ or sys.stderr,
+    )
 
 
 def parse_bool(name: str, raw: str) -> bool:
@@ -233,10 +302,11 @@ def _read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], list[tuple[str, s
     values: dict[str, Any] = {}
     problems: list[tuple[str, str]] = []
     for field, var in ENV.items():
-        if var not in env:
+        found = token_env(var, env) if field == "token" else (var, env[var]) if var in env else None
+        if found is None:
             continue
         try:
-            values[field] = PARSERS[field](var, env[var])
+            values[field] = PARSERS[field](*found)
         except ConfigError as e:
             problems.append((field, str(e)))
     return values, problems

@@ -41,8 +41,17 @@ def describe(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         "gpu": env.get("CUDA_VISIBLE_DEVICES") or None,
         "runtime": runtime(env),
         "attach_address": env.get("BREAKPOD_ATTACH_ADDRESS") or None,
+        "cwd": _cwd(),
     }
     return {k: v for k, v in info.items() if v is not None}
+
+
+def _cwd() -> str | None:
+    """The working directory: a debugpy launch.json maps the editor's sources onto it."""
+    try:
+        return os.getcwd()
+    except OSError:  # removed under the process
+        return None
 
 
 def session_id(env: Mapping[str, str] | None = None) -> str:

@@ -50,7 +50,7 @@ def check_bind(host: str, *, backend: str, token: str | None, allow_insecure: bo
     if backend == protocol.DEFAULT_LISTENER and not token:
         raise InsecureBindError(
             f"refusing to bind the remote pdb to non-loopback address {host!r} without a token: "
-            "set BREAKPOD_TOKEN (clients must send it as their first line), "
+            "set BREAKPOD_LISTENER_TOKEN (clients must send it as their first line), "
             "or keep BREAKPOD_HOST=127.0.0.1 and use kubectl port-forward / docker exec"
         )
     if backend == protocol.DAP_LISTENER and not allow_insecure:

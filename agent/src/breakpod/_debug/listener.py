@@ -328,7 +328,7 @@ class Listener:
                 self._admit(h.conn)
             else:
                 self._throttle.failed(h.peer, now)
-                _refuse(h.conn, "wrong or missing token; set BREAKPOD_TOKEN to the job's token")
+                _refuse(h.conn, "wrong or missing token; set BREAKPOD_LISTENER_TOKEN to the job's")
 
     def _end_handshake(self, h: _Handshake, why: str | None = None) -> None:
         self._pending.pop(h.conn, None)

@@ -178,7 +178,7 @@ def open_session(
     announce(
         f"{reason}: waiting up to {format_seconds(hold_seconds)} for a debugger on {address}; "
         f"attach with: breakpod attach {target}  (or: nc {target.replace(':', ' ')})"
-        + ("; a token is required: set BREAKPOD_TOKEN" if listener.requires_token else "")
+        + ("; a token is required: set BREAKPOD_LISTENER_TOKEN" if listener.requires_token else "")
     )
     events.emit(protocol.PARKED, backend=protocol.DEFAULT_LISTENER, address=address, reason=reason)
     if session.wait():

@@ -1,0 +1,48 @@
+"""`make demo` without a terminal (CI, an IDE runner, `| tee`) attaches the scripted
+engineer instead of waiting out the hold; with DEMO_AUTOATTACH=0 it counts down."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_demo(**env: str) -> tuple[subprocess.CompletedProcess[str], float]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BREAKPOD_", "DEMO_"))}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "run_demo.py")],
+        stdin=subprocess.DEVNULL,  # no terminal
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env={**clean, **env},
+    )
+    return done, time.monotonic() - started
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_demo_without_a_terminal_attaches_the_scripted_engineer():
+    done, took = run_demo()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "no terminal here: a scripted engineer attaches" in done.stdout
+    assert "[engineer]" in done.stdout and "nan" in done.stdout
+    assert took < 240  # the 300 s hold was never waited out
+    print(f"demo without a terminal: {took:.1f}s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_demo_told_not_to_attach_counts_down_the_hold():
+    done, _ = run_demo(DEMO_AUTOATTACH="0", BREAKPOD_HOLD_SECONDS="8")
+    assert "4/4 attach from another terminal:" in done.stdout
+    assert "the job waits for a debugger on session" in done.stdout and "s left" in done.stdout
+    assert done.returncode == 0, done.stdout[-3000:]
