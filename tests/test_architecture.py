@@ -64,6 +64,13 @@ AGENT_LAYERS = (
             "breakpod._integrations.pytest_plugin",
             "breakpod._integrations.autostart",
         ),
+        # exporters: the monitors' stats and anomalies into TensorBoard / MLflow
+        *(
+            "breakpod.export._exporter",
+            "breakpod.export._points",
+            "breakpod.export._tensorboard",
+            "breakpod.export._mlflow",
+        ),
         independent=False,
     ),
     grimp.Layer("breakpod._api"),  # the public entry points that compose the layers below

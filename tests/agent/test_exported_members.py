@@ -31,6 +31,7 @@ EXPECTED = {
     "summary",
     "break_if_requested",
     "emit",
+    "export",
 }
 
 

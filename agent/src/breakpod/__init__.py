@@ -10,6 +10,7 @@ neither torch nor debugpy, and each name below is imported on first use.
     breakpod.step()                        # a step boundary: stall detection (BREAKPOD_STALL_AFTER)
     breakpod.break_if_requested()          # your own loop's step boundary: park after a `break`
     breakpod.emit("log", message="...")    # an event for the broker (when one is configured)
+    breakpod.export.tensorboard("runs/x")  # the monitors' stats in TensorBoard (or .mlflow())
 
 This face is also where the layers meet: it installs the broker link in
 ``breakpod._core.wiring``, so the layers below ask for it without importing it.
@@ -50,8 +51,9 @@ _EXPORTS = {
     "RuleError": "breakpod._core.errors",
     "AnomalyError": "breakpod._core.errors",
 }
+_SUBPACKAGES = ("export",)  # public subpackages, imported on first use
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
 
 if TYPE_CHECKING:
     from typing import Any
@@ -102,6 +104,8 @@ wiring.provide(_connect_broker)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"breakpod.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'breakpod' has no attribute {name!r}")
