@@ -32,6 +32,9 @@ EXPECTED = {
     "break_if_requested",
     "emit",
     "export",
+    "health",
+    "phase",
+    "break_if",
 }
 
 
