@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -82,3 +83,24 @@ def test_memory_growth_hears_the_monitor_reads() -> None:
     finally:
         check.close()
     assert check.fired, "RSS grew 64 MiB per step and the rule stayed quiet"
+
+
+def test_rss_in_a_forked_worker_is_the_worker_s_own() -> None:
+    """The parent's open /proc/self/statm would keep reading the parent after a fork."""
+    from breakpod.health._memory import rss_bytes
+
+    rss_bytes()  # opens /proc/self/statm in the parent
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader-style worker that grows by 128 MiB (no torch after a fork)
+        try:
+            before = rss_bytes()
+            block = b"\x01" * (128 * 2**20)  # written, so resident
+            os.write(write, f"{before} {rss_bytes()}".encode())
+            del block
+        finally:
+            os._exit(0)
+    os.close(write)
+    before, after = map(int, os.read(read, 64).split())
+    os.waitpid(pid, 0)
+    assert after - before > 100 * 2**20, (before, after)

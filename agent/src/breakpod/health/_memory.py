@@ -21,11 +21,19 @@ from breakpod._core.announce import announce
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+# pid -> an open /proc/self/statm, read again with pread (no open per call); by pid,
+# since after a fork (a DataLoader worker) the inherited one still reads the parent.
+_statm: dict[int, int] = {}
+
+
 def rss_bytes() -> int:
     """The process's resident set size now (its peak where /proc is missing)."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * PAGE
+        pid = os.getpid()
+        fd = _statm.get(pid)
+        if fd is None:
+            fd = _statm[pid] = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        return int(os.pread(fd, 128, 0).split()[1]) * PAGE
     except (OSError, ValueError, IndexError):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
