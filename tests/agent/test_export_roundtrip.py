@@ -108,3 +108,20 @@ def test_a_closed_exporter_hears_nothing_more(tmp_path: Path) -> None:
     monitor.close()
     assert before > 0 and exporter.points == before
     assert set(tensorboard_scalars(tmp_path / "tb")["breakpod/loss"]) == {0}
+
+
+def test_phase_timings_are_exported_per_read(tmp_path: Path) -> None:
+    model = Net()
+    monitor = breakpod.watch(model, check_every=2)
+    with breakpod.export.tensorboard(tmp_path / "tb"):
+        for _ in range(4):
+            with breakpod.phase("forward"):
+                loss = model(torch.randn(4, 8)).square().mean()
+            with breakpod.phase("backward"):
+                model.zero_grad()
+                loss.backward()
+            monitor.step(loss)
+    monitor.close()
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    assert set(scalars["breakpod/phase/forward/host_ms"]) == {1, 3}  # at each read's last step
+    assert all(v > 0 for v in scalars["breakpod/phase/backward/host_ms"].values())

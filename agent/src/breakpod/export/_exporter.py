@@ -18,6 +18,7 @@ from breakpod import protocol
 from breakpod._core import events
 from breakpod._core.announce import announce
 from breakpod.export import _points
+from breakpod.health import _phases
 
 
 class Writer(Protocol):
@@ -40,6 +41,7 @@ class Exporter:
         self.writer = writer
         self.points = 0  # metric points written
         self._skipped_seen: set[tuple[int, int]] = set()  # (id(monitor), step)
+        self._phases_seen: dict[str, tuple[int, float, int, float]] = {}
         if writer is not None:
             events.add_local_sink(self._on_stats)
             events.add_sink(self._on_event)
@@ -81,6 +83,8 @@ class Exporter:
         monitor, params = event.fields["monitor"], event.fields["params"]
         for data in event.fields["steps"]:
             self.log(data.step, self._named(_points.step_metrics(data, params)))
+        if event.fields["steps"]:
+            self._log_phases(event.fields["steps"][-1].step)
         self._log_skipped(monitor)
 
     def _on_event(self, event: events.Event) -> None:
@@ -93,6 +97,28 @@ class Exporter:
         line = f"step {step} {fields.get('phase', '')} {where}: [{rule}] {fields.get('summary')}"
         self.log(step, self._named({f"{_points.PREFIX}/anomaly/{rule}": 1.0}))
         self._guard(lambda w: w.text(step, f"{_points.PREFIX}/anomalies", line))
+
+    def _log_phases(self, step: int) -> None:
+        """``breakpod.phase`` timings since the last read: mean host (and CUDA) ms per phase."""
+        _phases.timers.resolve()
+        now = {
+            name: (s.count, s.host_s, s.device_count, s.device_ms)
+            for name, s in _phases.timers.phases.items()
+        }
+        values = {}
+        for name, (count, host_s, dev_count, dev_ms) in now.items():
+            count0, host0, dev_count0, dev0 = self._phases_seen.get(name, (0, 0.0, 0, 0.0))
+            if count > count0:
+                values[f"{_points.PREFIX}/phase/{name}/host_ms"] = (
+                    1000 * (host_s - host0) / (count - count0)
+                )
+            if dev_count > dev_count0:
+                values[f"{_points.PREFIX}/phase/{name}/device_ms"] = (dev_ms - dev0) / (
+                    dev_count - dev_count0
+                )
+        self._phases_seen = now
+        if values:
+            self.log(step, self._named(values))
 
     def _log_skipped(self, monitor: Any) -> None:
         """Steps whose update a ``skip`` rule dropped (known after the read that found them)."""
