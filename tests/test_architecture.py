@@ -63,6 +63,7 @@ AGENT_LAYERS = (
             "breakpod._cli.runner",
             "breakpod._integrations.pytest_plugin",
             "breakpod._integrations.autostart",
+            "breakpod._integrations.jupyter",
         ),
         # exporters: the monitors' stats and anomalies into TensorBoard / MLflow
         *(

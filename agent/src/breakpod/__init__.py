@@ -109,6 +109,13 @@ def _connect_broker() -> Any:
 wiring.provide(_connect_broker)
 
 
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext breakpod``: the ``%breakpod`` magic (sessions, watch, attach, debug).
+
+    Looked up by name, as the lazy names are: the face stays below the integrations."""
+    importlib.import_module("breakpod._integrations.jupyter").load(ipython)
+
+
 def __getattr__(name: str) -> Any:
     if name in _SUBPACKAGES:
         return importlib.import_module(f"breakpod.{name}")
