@@ -66,10 +66,24 @@ AGENT_LAYERS = (
             "breakpod._cli.runner",
             "breakpod._integrations.pytest_plugin",
             "breakpod._integrations.autostart",
+            "breakpod._integrations.jupyter",
+        ),
+        # exporters: the monitors' stats and anomalies into TensorBoard / MLflow
+        *(
+            "breakpod.export._exporter",
+            "breakpod.export._points",
+            "breakpod.export._tensorboard",
+            "breakpod.export._mlflow",
         ),
         independent=False,
     ),
     grimp.Layer("breakpod._api"),  # the public entry points that compose the layers below
+    # the training health toolkit: timers, memory, placement, leakage, break_if
+    grimp.Layer(
+        *("breakpod.health._phases", "breakpod.health._memory", "breakpod.health._placement"),
+        *("breakpod.health._overlap", "breakpod.health._break_if"),
+        independent=False,
+    ),
     grimp.Layer("breakpod._broker.link"),  # the broker link: emitter + command handling
     grimp.Layer(
         *("breakpod._broker.commands", "breakpod._broker.emitter", "breakpod._broker.client"),

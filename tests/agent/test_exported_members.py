@@ -31,6 +31,10 @@ EXPECTED = {
     "summary",
     "break_if_requested",
     "emit",
+    "export",
+    "health",
+    "phase",
+    "break_if",
 }
 
 

@@ -10,6 +10,9 @@ neither torch nor debugpy, and each name below is imported on first use.
     breakpod.step()                        # a step boundary: stall detection (BREAKPOD_STALL_AFTER)
     breakpod.break_if_requested()          # your own loop's step boundary: park after a `break`
     breakpod.emit("log", message="...")    # an event for the broker (when one is configured)
+    breakpod.export.tensorboard("runs/x")  # the monitors' stats in TensorBoard (or .mlflow())
+    with breakpod.phase("forward"): ...    # the training health toolkit: breakpod.health
+    breakpod.break_if(loss_is_bad, every=10)  # park when a tensor condition holds
 
 This face is also where the layers meet: it installs the broker link in
 ``breakpod._core.wiring``, so the layers below ask for it without importing it.
@@ -49,9 +52,12 @@ _EXPORTS = {
     "summary": "breakpod._monitor.summaries",
     "RuleError": "breakpod._core.errors",
     "AnomalyError": "breakpod._core.errors",
+    "phase": "breakpod.health._phases",
+    "break_if": "breakpod.health._break_if",
 }
+_SUBPACKAGES = ("export", "health")  # public subpackages, imported on first use
 
-__all__ = sorted([*_EXPORTS, "__version__"])
+__all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
 
 if TYPE_CHECKING:
     from typing import Any
@@ -78,6 +84,8 @@ if TYPE_CHECKING:
     from breakpod._monitor.monitor import Monitor as Monitor
     from breakpod._monitor.monitor import watch as watch
     from breakpod._monitor.summaries import summary as summary
+    from breakpod.health._break_if import break_if as break_if
+    from breakpod.health._phases import phase as phase
 
 
 def _connect_broker() -> Any:
@@ -101,7 +109,16 @@ def _connect_broker() -> Any:
 wiring.provide(_connect_broker)
 
 
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext breakpod``: the ``%breakpod`` magic (sessions, watch, attach, debug).
+
+    Looked up by name, as the lazy names are: the face stays below the integrations."""
+    importlib.import_module("breakpod._integrations.jupyter").load(ipython)
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"breakpod.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'breakpod' has no attribute {name!r}")

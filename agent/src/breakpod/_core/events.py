@@ -57,6 +57,36 @@ def emit(kind: str, **fields: Any) -> None:
                 log.exception("breakpod event sink %r failed; further failures are silent", sink)
 
 
+# Local topics never leave the process (the broker link is a plain sink and never
+# sees them): per-step statistics for in-process exporters.
+STEP_STATS = "step_stats"
+_local_sinks: list[Sink] = []
+
+
+def add_local_sink(sink: Sink) -> None:
+    if sink not in _local_sinks:
+        _local_sinks.append(sink)
+
+
+def remove_local_sink(sink: Sink) -> None:
+    if sink in _local_sinks:
+        _local_sinks.remove(sink)
+
+
+def emit_local(kind: str, **fields: Any) -> None:
+    """Like :func:`emit`, to local sinks only; with none it costs one empty-list check."""
+    if not _local_sinks:
+        return
+    event = Event(kind, fields)
+    for sink in list(_local_sinks):
+        try:
+            sink(event)
+        except Exception:
+            if id(sink) not in _failed:
+                _failed.add(id(sink))
+                log.exception("breakpod local sink %r failed; further failures are silent", sink)
+
+
 _break = threading.Event()
 
 

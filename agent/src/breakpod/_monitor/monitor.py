@@ -552,13 +552,18 @@ class Monitor:
 
     def _evaluate_landed(self, *, wait: bool, frame: FrameType | None = None) -> None:
         while self._inflight:
-            events, copies, steps = self._inflight[0]
-            if not landed(events, wait=wait):
+            marks, copies, steps = self._inflight[0]
+            if not landed(marks, wait=wait):
                 return  # not landed yet: the next boundary looks again
             self._inflight.pop(0)
             values = {device: host.tolist() for device, host in copies.items()}
-            for step in steps:
-                self._report(self._detector.run(decode(step, values)), frame)
+            decoded = [decode(step, values) for step in steps]
+            # exporters (breakpod.export): host floats already read, before a stop can raise
+            events.emit_local(
+                events.STEP_STATS, monitor=self, steps=decoded, params=self._detector.params
+            )
+            for data in decoded:
+                self._report(self._detector.run(data), frame)
 
     def _report(self, found: list[tuple[Anomaly, Rule]], frame: FrameType | None = None) -> None:
         merged = merge_same_tensor(found)

@@ -1,0 +1,92 @@
+"""Device placement, data leakage and break_if: each fails on its broken case."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import breakpod
+from breakpod.health import PlacementError, overlap, placement
+from tests.agent.nets import Net
+
+
+def test_placement_names_the_first_module_with_a_wrong_dtype() -> None:
+    model = Net()
+    with pytest.raises(RuntimeError) as plain:  # torch's own error names no module
+        model(torch.randn(2, 8, dtype=torch.float64))
+    assert "fc1" not in str(plain.value)
+    check = placement(model)
+    with pytest.raises(PlacementError, match=r"module 'fc1' \(Linear\).*float32.*fix: "):
+        model(torch.randn(2, 8, dtype=torch.float64))
+    check.remove()
+
+
+def test_placement_names_a_module_on_another_device() -> None:
+    model = Net()
+    model.fc2.to("meta")
+    check = placement(model)
+    with pytest.raises(PlacementError, match=r"module 'fc2'.*on meta but an input on cpu.*fix"):
+        model(torch.randn(2, 8))
+    check.remove()
+
+
+def test_placement_lets_good_inputs_and_autocast_through() -> None:
+    model = Net()
+    check = placement(model)
+    model(torch.randn(2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(2, 8))  # mixed dtypes are autocast's point
+    model.fc1(torch.randn(2, 8))
+    emb = nn.Embedding(10, 4)
+    placement(emb)
+    emb(torch.tensor([1, 2]))  # integer indices into float weights: fine
+    check.remove()
+
+
+def test_overlap_finds_the_leaked_samples() -> None:
+    train = [(torch.full((3,), float(i)), i % 2) for i in range(100)]
+    val = [(torch.full((3,), float(i)), 0) for i in (5, 200, 42, 300)]
+    found = overlap(train, val)
+    assert found.duplicates == 2 and found.examples == [(0, 5), (2, 42)]
+    assert "2 of 4 validation samples" in str(found)
+    clean = overlap(train, [(torch.full((3,), 1000.0), 0)])
+    assert not clean and clean.duplicates == 0
+
+
+def test_overlap_tells_equal_bytes_of_other_shapes_apart_and_takes_a_key() -> None:
+    a, b = torch.zeros(4), torch.zeros(2, 2)
+    assert not overlap([a], [b], key=lambda x: x)
+    rows = [{"id": i, "text": f"t{i}"} for i in range(10)]
+    assert overlap(rows, [{"id": 99, "text": "t3"}], key=lambda r: r["text"]).duplicates == 1
+
+
+def test_overlap_streams_with_a_progress_line(capfd: pytest.CaptureFixture[str]) -> None:
+    found = overlap(iter(range(1000)), iter(range(990, 1010)), progress=True)
+    assert found.duplicates == 10 and found.train == 1000 and found.val == 20
+    assert "breakpod overlap: train 1,000" in capfd.readouterr().err
+
+
+BREAK_IF = """
+    import torch, breakpod
+    parks = 0
+    for step in range(10):
+        loss = torch.tensor(float('nan') if step == 1 else 1.0)
+        parks += breakpod.break_if(~loss.isfinite(), every=4)
+    print("parks", parks, flush=True)
+"""
+
+
+def test_break_if_parks_once_when_a_folded_tensor_condition_held(spawn) -> None:  # type: ignore[no-untyped-def]
+    child = spawn(BREAK_IF, env={"BREAKPOD_HOLD_SECONDS": "0.5"})
+    assert child.wait(timeout=60) == 0, child.stderr
+    assert "parks 1" in child.stdout()  # step 1 held, folded, read at the 4th call
+    assert re.search(r"break_if at .*child0\.py:6: the condition held", child.stderr)
+
+
+def test_break_if_false_never_parks_and_bools_work() -> None:
+    assert breakpod.break_if(torch.tensor(False), every=1) is False
+    assert breakpod.break_if(False) is False
+    assert breakpod.break_if(torch.tensor([0.0, 1.0]) > 5) is False
