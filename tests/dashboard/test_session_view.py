@@ -64,6 +64,11 @@ def test_an_anomaly_shows_its_rule_module_step_and_summary_as_text(broker, page)
     assert page.locator("#detail img, #detail script, #detail b, #detail i").count() == 0
     assert page.locator("#detail svg:not(.plot)").count() == 0
     assert page.evaluate("window.__xss") is None
+    # no section left out of this view is written as the word "null" instead
+    assert "null" not in page.evaluate(
+        "[...document.getElementById('detail').childNodes].filter(n => n.nodeType === 3)"
+        ".map(n => n.textContent).join(' ')"
+    )
 
 
 def test_the_plots_mark_nan_and_inf_points_and_drop_none(broker, page):

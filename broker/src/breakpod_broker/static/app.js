@@ -437,7 +437,7 @@ function renderDetail() {
     ["created", `${age(s.created)} ago`], ["last seen", `${age(s.last_seen)} ago`],
   ].filter(([, v]) => v !== null && v !== undefined && v !== "");
   const open = openFolds(panel);
-  panel.replaceChildren(
+  const parts = [
     el("h2", {}, el("span", { text: s.job || s.id }), el("button", { type: "button", class: "close", text: "×", onclick: () => { app.selected = null; panel.hidden = true; renderSoon(); } })),
     el("dl", { class: "facts" }, ...facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })])),
     actionsSection(s),
@@ -447,7 +447,8 @@ function renderDetail() {
     attachBlock(app.attach),
     el("h3", { text: "timeline" }),
     el("ol", { class: "timeline" }, ...app.timeline.slice(-200).reverse().map(eventItem)),
-  );
+  ];
+  panel.replaceChildren(...parts.filter(Boolean)); // (replaceChildren would write a null as "null")
   reopenFolds(panel, open);
 }
 
