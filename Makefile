@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
 .PHONY: install test lint demo bench clean chaos
-.PHONY: deploy-test helm-lint e2e-kind e2e-docker gpu-check
+.PHONY: deploy-test helm-lint e2e-kind e2e-docker gpu-check screenshots
 
 $(STAMP): agent/pyproject.toml broker/pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,3 +65,8 @@ e2e-kind: $(STAMP)
 # On a machine with a CUDA device and its own torch: the gpu-marked tests.
 gpu-check:
 	scripts/gpu-check.sh
+
+# The dashboard with fixture data (a 4-rank job, one rank parked on a NaN) as PNGs
+# under screenshots/ (gitignored), for the README; needs Debian's chromium.
+screenshots: $(STAMP)
+	$(PY) -m tests.dashboard.screenshots screenshots

@@ -13,60 +13,23 @@ from pathlib import Path
 import httpx
 
 from breakpod_broker import dashboard
-from tests.brokerkit import ADMIN, AGENT, AGENT2, VIEWER, register, wait_until
+from tests.brokerkit import AGENT, AGENT2, VIEWER, register, wait_until
+from tests.dashboard.pagekit import (
+    LOOP,
+    agent_env,
+    jobs_shown,
+    login,
+    received,
+    send,
+    sessions,
+    until,
+    watch_state,
+)
 
 STATIC = Path(dashboard.__file__).parent / "static"
 XSS_JOB = "<img src=x onerror=\"window.__xss='job'\">"
 XSS_REASON = "</td><script>window.__xss='reason'</script>"
 LIVE_LATENCY_S = 2.0  # the issue's bound: a rank turns parked on the page within 2 s
-
-# A training loop with a real agent: it registers, heartbeats, and parks at its
-# next step boundary when an admin sends "break" through the broker.
-LOOP = """
-    import time
-    import breakpod
-    from breakpod._broker import emitter
-    from breakpod._core import events
-    seen = []
-    events.add_sink(lambda event: seen.append(event.kind))
-    emitter.ensure_started()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and "resumed" not in seen:
-        time.sleep(0.01)
-        breakpod.break_if_requested()
-"""
-
-
-def agent_env(broker, rank, world_size=2, job="train-live"):
-    return {
-        "BREAKPOD_BROKER_URL": broker.url,
-        "BREAKPOD_AGENT_TOKEN": AGENT,
-        "BREAKPOD_JOB": job,
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-    }
-
-
-def sessions(broker, **query):
-    with broker.client(VIEWER) as c:
-        return c.get("/v1/sessions", params=query).json()["sessions"]
-
-
-def until(page, expression, timeout=15.0):
-    """Poll an expression (the page's CSP forbids the eval behind wait_for_function)."""
-    return wait_until(lambda: page.evaluate(expression), timeout=timeout, interval=0.02)
-
-
-def jobs_shown(page, count):
-    until(page, f"document.querySelectorAll('article.job').length === {count}")
-
-
-def login(page, broker, token=VIEWER):
-    started = time.perf_counter()
-    page.goto(broker.url + "/")
-    page.fill("#token", token)
-    page.click("#login button[type=submit]")
-    return started
 
 
 # -- without a browser: headers, no data in the page, the config route ----------------
@@ -96,10 +59,14 @@ def test_the_page_and_its_assets_carry_no_data_and_a_strict_csp(broker):
 
 def test_the_shipped_files_load_nothing_from_elsewhere_and_write_no_html():
     html = (STATIC / "index.html").read_text()
-    script = (STATIC / "app.js").read_text()
+    scripts = [n for n in dashboard.FILES if n.endswith(".js")]
+    assert set(re.findall(r'<script src="/dashboard/([^"]+)"', html)) == set(scripts)
+    script = "\n".join((STATIC / name).read_text() for name in scripts)
     assert re.findall(r"<script[^>]*>([^<]+)</script>", html) == []  # no inline script
     assert " style=" not in html and "<style" not in html
-    for text in (html, script, (STATIC / "style.css").read_text()):
+    # SVG's namespace name is an identifier the DOM needs, never fetched
+    script_urls = script.replace('"http://www.w3.org/2000/svg"', "SVG_NS")
+    for text in (html, script_urls, (STATIC / "style.css").read_text()):
         assert "http://" not in text and "https://" not in text and "//cdn" not in text
     assert "innerHTML" not in script and "insertAdjacentHTML" not in script
     assert "document.write" not in script and "eval(" not in script
@@ -136,13 +103,12 @@ def test_ranks_appear_turn_parked_live_filter_and_escape_agent_text(broker, spaw
     first_data = time.perf_counter() - started
     in_page = int(page.evaluate("document.documentElement.dataset.firstDataMs"))
     page.evaluate("window.__sameDocument = true")
-    _watch_parked(page, ranks[1]["id"])
+    watch_state(page, ranks[1]["id"], "parked")
 
-    _send(broker, ranks[1]["id"], "break")
+    send(broker, ranks[1]["id"], "break")
     children[1].wait_for("break requested through the broker")
     shown_at = until(page, "window.__parkedAt") / 1000
-    received = _received(broker, ranks[1]["id"], "parked")
-    latency = shown_at - received
+    latency = shown_at - received(broker, ranks[1]["id"], "parked")
     print(f"\nfirst data {first_data * 1000:.0f} ms after goto ({in_page} ms in the page); ")
     print(f"agent event received -> parked on the page: {latency * 1000:.0f} ms")
     assert page.evaluate("window.__sameDocument") is True  # no reload
@@ -154,7 +120,7 @@ def test_ranks_appear_turn_parked_live_filter_and_escape_agent_text(broker, spaw
     _check_filters(page)
     _check_attach(page, ranks[1]["id"])
     _check_states_it_does_not_know(page, ranks[0]["id"])
-    _send(broker, ranks[1]["id"], "resume")  # the loop then ends: running, then finished
+    send(broker, ranks[1]["id"], "resume")  # the loop then ends: running, then finished
     cell = f"document.querySelector(`.rank[data-session='{ranks[1]['id']}']`).dataset.state"
     until(page, f"['running', 'finished'].includes({cell})")
 
@@ -162,34 +128,6 @@ def test_ranks_appear_turn_parked_live_filter_and_escape_agent_text(broker, spaw
 def _by_rank(broker, job, world_size):
     found = {s["rank"]: s for s in sessions(broker) if s["job"] == job}
     return found if len(found) == world_size else None
-
-
-def _watch_parked(page, session_id):
-    """Record (Date.now) when the rank's cell first reads parked, whatever re-renders it."""
-    page.evaluate(
-        """(id) => {
-            const seen = () => {
-                const cell = document.querySelector(`.rank[data-session="${id}"]`);
-                if (cell && cell.dataset.state === "parked" && !window.__parkedAt)
-                    window.__parkedAt = Date.now();
-            };
-            new MutationObserver(seen).observe(document.getElementById("jobs"),
-                {childList: true, subtree: true, attributes: true});
-        }""",
-        session_id,
-    )
-
-
-def _send(broker, session_id, command):
-    with broker.client(ADMIN) as c:
-        sent = c.post(f"/v1/sessions/{session_id}/commands", json={"command": command})
-        assert sent.status_code in (200, 201, 202), sent.text
-
-
-def _received(broker, session_id, kind):
-    with broker.client(VIEWER) as c:
-        page = c.get("/v1/events", params={"session": session_id, "kind": kind}).json()
-    return page["events"][-1]["received"]
 
 
 def _check_escaped(page):

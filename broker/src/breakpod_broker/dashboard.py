@@ -7,7 +7,11 @@ header to the ordinary API (sessions, events, attach) and to the SSE event
 stream, which it reads with ``fetch`` (EventSource cannot send headers, and a
 token in a URL would land in logs and history). No other route is added but
 :data:`CONFIG`: what the page needs to read the API (the protocol's states and
-the state each event kind moves a session to), so the page spells none of them.
+the state each event kind moves a session to, the command paths and names, the
+token's role), so the page spells none of them. The command buttons are drawn
+for admin tokens only; the command API refuses any other token (403) whatever
+a page shows, and a bearer header (never a cookie) is what makes a request
+count, so another site cannot forge one.
 
 Every response from here carries a strict Content-Security-Policy: scripts,
 styles and connections from this origin only, no inline script, no framing.
@@ -50,6 +54,8 @@ SECURITY_HEADERS = {
 # The only files served: a fixed list, so no request path ever reaches the file system.
 FILES = {
     "index.html": "text/html; charset=utf-8",
+    "plot.js": "text/javascript; charset=utf-8",
+    "detail.js": "text/javascript; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
@@ -87,11 +93,14 @@ async def config(who: Viewer) -> dict[str, Any]:
         "urgent": list(URGENT),
         "state_of_kind": protocol.STATE_OF_KIND,
         "event_kinds": sorted(protocol.EVENT_KINDS),
+        "listener_kinds": sorted(protocol.LISTENER_KINDS),
+        "commands": [protocol.BREAK, protocol.RESUME, protocol.DUMP_STACKS],
         "role": who.role.value,
         "paths": {
             "sessions": protocol.SESSIONS,
             "events": protocol.EVENTS,
             "stream": protocol.EVENTS_STREAM,
             "attach": protocol.attach_path("{id}"),
+            "commands": protocol.commands_path("{id}"),
         },
     }

@@ -16,6 +16,7 @@ const app = {
   timeline: [],
   cursor: null, // the last event seen: the stream resumes after it
   reloadTimer: null,
+  confirming: null, // {session, command} while an admin confirms a command
   renderQueued: false,
   abort: null,
 };
@@ -63,6 +64,22 @@ async function api(path) {
   }
   if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
   return response.json();
+}
+
+// A state-changing call: {ok, status, body}; the caller shows a refusal as it came.
+async function post(path, body) {
+  try {
+    const response = await fetch(path, {
+      method: "POST",
+      headers: { Authorization: `Bearer ${app.token}`, "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+      cache: "no-store",
+    });
+    const answer = await response.json().catch(() => ({}));
+    return { ok: response.ok, status: response.status, body: answer };
+  } catch (error) {
+    return { ok: false, status: 0, body: { detail: `the broker did not answer (${error})` } };
+  }
 }
 
 // -- token --------------------------------------------------------------------
@@ -139,6 +156,7 @@ function scheduleReload() {
 // broker's full record follows in one debounced re-read.
 function onEvent(event) {
   app.cursor = event.cursor || app.cursor;
+  noteCommandEvent(event);
   const session = app.sessions.get(event.session);
   const next = app.config.state_of_kind[event.kind];
   if (session && next) {
@@ -149,6 +167,7 @@ function onEvent(event) {
   }
   if (app.selected === event.session) {
     app.timeline.push(event);
+    if (app.config.listener_kinds.includes(event.kind)) refreshAttach(event.session);
     renderDetail();
   }
   if (!session || next) scheduleReload();
@@ -367,16 +386,29 @@ async function select(id) {
   app.selected = id;
   app.timeline = [];
   app.attach = null;
+  app.confirming = null;
   renderSoon();
   try {
-    const path = `${app.config.paths.events}?session=${encodeURIComponent(id)}&limit=200`;
+    // the latest 1000: the plots want the history, the timeline shows the last 200
+    const path = `${app.config.paths.events}?session=${encodeURIComponent(id)}&limit=1000`;
     const [page, attach] = await Promise.all([api(path), attachInfo(id)]);
     if (app.selected !== id) return;
-    app.timeline = page.events;
+    const read = new Set(page.events.map((e) => e.cursor));
+    app.timeline = [...page.events, ...app.timeline.filter((e) => !read.has(e.cursor))]; // + what streamed in meanwhile
     app.attach = attach;
     renderDetail();
   } catch (error) {
     if (error instanceof Unauthorized) showLogin(`token refused (${error.message})`);
+  }
+}
+
+async function refreshAttach(id) {
+  try {
+    const attach = await attachInfo(id);
+    if (app.selected === id) app.attach = attach;
+    renderSoon();
+  } catch (error) {
+    showLogin(`token refused (${error.message})`);
   }
 }
 
@@ -404,13 +436,36 @@ function renderDetail() {
     ["runtime", s.runtime], ["listener", s.listener], ["address", s.address],
     ["created", `${age(s.created)} ago`], ["last seen", `${age(s.last_seen)} ago`],
   ].filter(([, v]) => v !== null && v !== undefined && v !== "");
-  panel.replaceChildren(
+  const open = openFolds(panel);
+  const parts = [
     el("h2", {}, el("span", { text: s.job || s.id }), el("button", { type: "button", class: "close", text: "×", onclick: () => { app.selected = null; panel.hidden = true; renderSoon(); } })),
     el("dl", { class: "facts" }, ...facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })])),
+    actionsSection(s),
+    anomalySection(app.timeline),
+    stallSection(app.timeline),
+    plotsSection(app.timeline),
     attachBlock(app.attach),
     el("h3", { text: "timeline" }),
     el("ol", { class: "timeline" }, ...app.timeline.slice(-200).reverse().map(eventItem)),
-  );
+  ];
+  panel.replaceChildren(...parts.filter(Boolean)); // (replaceChildren would write a null as "null")
+  reopenFolds(panel, open);
+}
+
+// A live re-render keeps the folds the reader opened (stacks, long fields) open.
+function openFolds(panel) {
+  return new Set([...panel.querySelectorAll("details[open] > summary")].map(foldKey));
+}
+
+function reopenFolds(panel, open) {
+  for (const summary of panel.querySelectorAll("details > summary")) {
+    if (open.has(foldKey(summary))) summary.parentElement.open = true;
+  }
+}
+
+function foldKey(summary) {
+  const section = summary.closest("section, li");
+  return `${section ? section.className : ""}/${summary.textContent}`;
 }
 
 function copyable(label, text) {
