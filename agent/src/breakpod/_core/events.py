@@ -35,26 +35,16 @@ _failed: set[int] = set()
 
 
 def add_sink(sink: Sink) -> None:
-    if sink not in _sinks:
-        _sinks.append(sink)
+    _add(_sinks, sink)
 
 
 def remove_sink(sink: Sink) -> None:
-    if sink in _sinks:
-        _sinks.remove(sink)
+    _remove(_sinks, sink)
 
 
 def emit(kind: str, **fields: Any) -> None:
-    if not _sinks:
-        return
-    event = Event(kind, fields)
-    for sink in list(_sinks):
-        try:
-            sink(event)
-        except Exception:
-            if id(sink) not in _failed:
-                _failed.add(id(sink))
-                log.exception("breakpod event sink %r failed; further failures are silent", sink)
+    if _sinks:
+        _deliver(_sinks, Event(kind, fields))
 
 
 # Local topics never leave the process (the broker link is a plain sink and never
@@ -64,27 +54,37 @@ _local_sinks: list[Sink] = []
 
 
 def add_local_sink(sink: Sink) -> None:
-    if sink not in _local_sinks:
-        _local_sinks.append(sink)
+    _add(_local_sinks, sink)
 
 
 def remove_local_sink(sink: Sink) -> None:
-    if sink in _local_sinks:
-        _local_sinks.remove(sink)
+    _remove(_local_sinks, sink)
 
 
 def emit_local(kind: str, **fields: Any) -> None:
     """Like :func:`emit`, to local sinks only; with none it costs one empty-list check."""
-    if not _local_sinks:
-        return
-    event = Event(kind, fields)
-    for sink in list(_local_sinks):
+    if _local_sinks:
+        _deliver(_local_sinks, Event(kind, fields))
+
+
+def _add(sinks: list[Sink], sink: Sink) -> None:
+    if sink not in sinks:
+        sinks.append(sink)
+
+
+def _remove(sinks: list[Sink], sink: Sink) -> None:
+    if sink in sinks:
+        sinks.remove(sink)
+
+
+def _deliver(sinks: list[Sink], event: Event) -> None:
+    for sink in list(sinks):
         try:
             sink(event)
         except Exception:
             if id(sink) not in _failed:
                 _failed.add(id(sink))
-                log.exception("breakpod local sink %r failed; further failures are silent", sink)
+                log.exception("breakpod event sink %r failed; further failures are silent", sink)
 
 
 _break = threading.Event()
