@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import textwrap
 
 import pytest
 
@@ -78,7 +79,7 @@ SAME = (
 
 
 def line_of(marker: str) -> int:
-    lines = JOB.strip("\n").splitlines()
+    lines = textwrap.dedent(JOB).splitlines()  # as spawn writes it
     return next(i for i, text in enumerate(lines, 1) if marker in text)
 
 
