@@ -80,7 +80,9 @@ class Capture:
         self._clock = clock
         # Only running statistics change during forward; other buffers are left alone.
         self._stateful = [
-            (name, m) for name, m in model.named_modules() if getattr(m, "track_running_stats", False)
+            (name, m)
+            for name, m in model.named_modules()
+            if getattr(m, "track_running_stats", False)
         ]
         self._handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
@@ -141,7 +143,8 @@ def rng_states() -> tuple[Any, list[Any]]:
     import torch
 
     cuda = []
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    ready = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    if ready:
         cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
     return torch.get_rng_state(), cuda
 

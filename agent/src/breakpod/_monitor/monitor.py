@@ -110,7 +110,9 @@ def watch(
         wiring.connect()  # anomaly events and broker commands, when a broker is set
     folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
     ctx = ActionContext(model=model, snapshot_dir=folder, sink=sink)
-    monitor = Monitor(model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled)
+    monitor = Monitor(
+        model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled
+    )
     monitor.start_capture(replay)  # timetravel
     return monitor
 

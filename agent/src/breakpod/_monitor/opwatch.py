@@ -36,7 +36,11 @@ NONDETERMINISTIC_CUDA = frozenset(
         *("upsample_linear1d_backward", "upsample_bilinear2d_backward"),
         *("upsample_bicubic2d_backward", "upsample_trilinear3d_backward"),
         *("adaptive_avg_pool2d_backward", "adaptive_avg_pool3d_backward"),
-        *("adaptive_max_pool2d_backward", "avg_pool3d_backward", "max_pool3d_with_indices_backward"),
+        *(
+            "adaptive_max_pool2d_backward",
+            "avg_pool3d_backward",
+            "max_pool3d_with_indices_backward",
+        ),
         *("grid_sampler_2d_backward", "grid_sampler_3d_backward", "_ctc_loss_backward"),
         *("_scaled_dot_product_efficient_attention_backward", "_efficient_attention_backward"),
         *("_scaled_dot_product_flash_attention_backward", "_flash_attention_backward"),
@@ -64,7 +68,9 @@ class BadOp:
     def lines(self) -> list[str]:
         where = f"module '{self.module}'" if self.module else "the model's root"
         node = f", autograd node {self.node}" if self.node else ""
-        head = "first non-finite op" if self.born else "first non-finite output (inputs already bad)"
+        head = (
+            "first non-finite op" if self.born else "first non-finite output (inputs already bad)"
+        )
         return [
             f"{head}: {self.op} ({self.phase}{node}) in {where} at {self.source}",
             *(f"  input {i}: {s}" for i, s in enumerate(self.inputs)),
@@ -118,9 +124,9 @@ class OpWatch:
     def saw(self, func: Any, args: Any, kwargs: Any, out: Any, finite_before: bool | None) -> None:
         self.ops += 1
         name = func._schema.name.removeprefix("aten::")
-        if name in NONDETERMINISTIC_CUDA and any(t.is_cuda for t in _tensors(out)):
-            if name not in self.nondeterministic:
-                self.nondeterministic.append(name)
+        fresh = name in NONDETERMINISTIC_CUDA and name not in self.nondeterministic
+        if fresh and any(t.is_cuda for t in _tensors(out)):
+            self.nondeterministic.append(name)
         if self.first is not None or name.startswith(UNINITIALISED):
             return
         outs = _floats(out)
@@ -210,14 +216,14 @@ def modes(watch: OpWatch) -> tuple[Any, Any]:
                 watch.remember_nodes((args, kwargs), out)
             return out
 
-    class Ops(TorchDispatchMode):
+    class Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             finite_before = watch.before(func, args, kwargs or {})
             out = func(*args, **(kwargs or {}))
             watch.saw(func, args, kwargs or {}, out, finite_before)
             return out
 
-    return Functions(), Ops()
+    return Functions(), Ops()  # type: ignore[no-untyped-call]
 
 
 def module_tracking(watch: OpWatch) -> list[Any]:

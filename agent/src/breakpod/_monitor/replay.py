@@ -32,7 +32,7 @@ from breakpod._monitor.capture import (
     set_rng_states,
 )
 from breakpod._monitor.checks import first_tensor
-from breakpod._monitor.opwatch import BadOp, OpWatch, module_tracking, modes
+from breakpod._monitor.opwatch import BadOp, OpWatch, modes, module_tracking
 
 BUNDLE_VERSION = 1
 

@@ -19,7 +19,8 @@ import sys
 from typing import Any
 
 from breakpod._debug.pdb_commands import command
-from breakpod._monitor import anomaly, replay, whatif
+from breakpod._monitor import replay, whatif
+from breakpod._monitor.anomaly import _PARKED
 from breakpod._monitor.monitor import MONITORS, Monitor, monitor_of
 from breakpod._monitor.summaries import nonfinite_counts, summary
 
@@ -132,8 +133,8 @@ def tnan(debugger: pdb.Pdb, arg: str) -> None:
 
 def _monitor_here(debugger: pdb.Pdb) -> Monitor:
     """The parked anomaly's monitor, else the only open one."""
-    if anomaly._PARKED and isinstance(anomaly._PARKED[-1].monitor, Monitor):
-        return anomaly._PARKED[-1].monitor
+    if _PARKED and isinstance(_PARKED[-1].monitor, Monitor):
+        return _PARKED[-1].monitor
     open_ = [m for ref in list(MONITORS.values()) if (m := ref()) is not None]
     if len(open_) == 1:
         return open_[0]

@@ -82,7 +82,9 @@ class StepResult:
     def line(self) -> str:
         loss = "n/a" if self.loss is None else f"{self.loss:.6g}"
         norm = "none" if self.grad_norm is None else f"{self.grad_norm:.6g}"
-        out = "" if self.nonfinite_output is None else f", non-finite output {self.nonfinite_output}"
+        out = (
+            "" if self.nonfinite_output is None else f", non-finite output {self.nonfinite_output}"
+        )
         return (
             f"{self.name}: loss {loss}, grad norm {norm}, non-finite grads "
             f"{self.nonfinite_grads}, non-finite params after update {self.nonfinite_params}{out}"
@@ -116,9 +118,7 @@ def whatif(
     return [first, second]
 
 
-def _apply(
-    model: Any, opt: Any, change: Change, name: str, loss: float | None
-) -> StepResult:
+def _apply(model: Any, opt: Any, change: Change, name: str, loss: float | None) -> StepResult:
     import torch
 
     params = _params(opt)
@@ -155,7 +155,7 @@ def _next_step(
         if loss is not None:
             loss.backward()
         elif inputs.output_grad is not None and out.requires_grad:
-            out.backward(inputs.output_grad)  # the captured upstream gradient, no loss known
+            out.backward(inputs.output_grad)  # type: ignore[no-untyped-call]  # the captured upstream gradient, no loss known
     value = float(loss.detach().float().mean()) if loss is not None else None
     result = _apply(model, opt, Change(), f"step {inputs.step + 1} (same batch)", value)
     result.nonfinite_output = _nonfinite(out.detach())
