@@ -8,7 +8,6 @@ tnan MODEL    where non-finite values were seen: monitor anomalies and a scan no
 replay        re-run the parked step op by op: the first op that went non-finite
 replay save PATH   write the step (inputs, output grad, RNG, state) for `breakpod replay`
 whatif CHANGE the parked step on a copy with lr=X, clip=X or skip-batch, and the next one
-flight        the flight recorder's last steps per module (first bad step, trend before)
 """
 
 from __future__ import annotations
