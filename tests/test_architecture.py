@@ -94,10 +94,14 @@ AGENT_LAYERS = (
     grimp.Layer(
         "breakpod._monitor.monitor", "breakpod._monitor.tensor_commands", independent=False
     ),
+    # time travel: replay and whatif over the per-step capture and the op instrumentation
+    grimp.Layer("breakpod._monitor.replay", "breakpod._monitor.whatif", independent=False),
     grimp.Layer(
         "breakpod._monitor.anomaly",
         "breakpod._monitor.detect",
         "breakpod._monitor.stats",
+        "breakpod._monitor.capture",
+        "breakpod._monitor.opwatch",
         independent=False,
     ),
     grimp.Layer(

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_events(commands)
     add_send(commands)
     add_stacks(commands)
+    add_replay(commands)  # timetravel
     return parser
 
 
@@ -218,6 +219,36 @@ def add_stacks(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each rank")
     broker_cli.add_broker_flags(p)
     p.set_defaults(func=broker_cli.run_stacks)
+
+
+def add_replay(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = commands.add_parser(
+        "replay",
+        help="replay a step saved with 'replay save' and name its first non-finite op",
+        description="Build the model with FACTORY (module:function, called with no "
+        "arguments), load the bundle's weights, RNG and inputs, and re-run the step op by op.",
+    )
+    p.add_argument("bundle", help="the file written by 'replay save PATH' at a park")
+    p.add_argument("--model", required=True, metavar="MODULE:FACTORY")
+    p.set_defaults(func=run_replay)
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    import importlib
+
+    from breakpod._monitor import replay
+
+    module, _, name = args.model.partition(":")
+    if not module or not name:
+        raise replay.ReplayError(f"--model {args.model!r}: expected module:factory, e.g. train:Net")
+    sys.path.insert(0, "")  # the current folder, as `python -m` would
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise replay.ReplayError(f"--model {args.model}: {e}") from e
+    report = replay.replay_bundle(args.bundle, factory())
+    print("\n".join(report.lines()))
+    return 0 if report.reproduced is not False else 1
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from breakpod._job import watchdog
 from breakpod._monitor import checks
 from breakpod._monitor.anomaly import ActionContext, Anomaly, dispatch, merge_same_tensor
 from breakpod._monitor.anomaly import user_frame as _user_frame
+from breakpod._monitor.capture import Capture, capture_wanted, replaying  # timetravel
 from breakpod._monitor.compiled import apply_compile_policy, unwrap_compiled
 from breakpod._monitor.detect import Detector, ParamInfo, Slot
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
@@ -89,6 +90,7 @@ def watch(
     expect: Mapping[str, Any] | None = None,
     sink: Callable[[Anomaly], Any] | None = None,
     snapshot_dir: str | os.PathLike[str] | None = None,
+    replay: bool | None = None,  # timetravel: capture for `replay`/`whatif` (see capture.py)
 ) -> Monitor:
     """Watch ``model`` with the default rules plus ``rules``; see the README's "Tensor monitors".
 
@@ -108,7 +110,11 @@ def watch(
         wiring.connect()  # anomaly events and broker commands, when a broker is set
     folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
     ctx = ActionContext(model=model, snapshot_dir=folder, sink=sink)
-    return Monitor(model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled)
+    monitor = Monitor(
+        model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled
+    )
+    monitor.start_capture(replay)  # timetravel
+    return monitor
 
 
 def _config(config: Any) -> dict[str, Any]:
@@ -192,6 +198,7 @@ class Monitor:
         self._said_compiled = False
         self._shape_active: set[tuple[str, str]] = set()
         self._failed: set[str] = set()
+        self.capture: Capture | None = None  # timetravel: set by start_capture()
         if enabled:
             previous = monitor_of(model)
             if previous is not None:  # two monitors would double every hook and report
@@ -199,6 +206,18 @@ class Monitor:
                 previous.close()
             self._install(optimizer)
             MONITORS[model] = weakref.ref(self)
+
+    # ------------------------------------------------------------------ timetravel (replay.py)
+    def start_capture(self, wanted: bool | None = None) -> None:
+        """Keep each step's root inputs, RNG and output gradient for ``replay``/``whatif``."""
+        if self.enabled and capture_wanted(wanted, any(r.parks for r in self.rules)):
+            self.capture = Capture(self.model, lambda: self.step_count)
+
+    def replay(self) -> Any:
+        """Re-run the last captured step under op instrumentation; see ``replay.py``."""
+        from breakpod._monitor import replay
+
+        return replay.replay(self.model, self.capture)
 
     # ------------------------------------------------------------------ setup
     def _rules_for(
@@ -295,6 +314,8 @@ class Monitor:
 
         def hook(*args: Any) -> None:
             if _compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
+                return
+            if replaying():  # timetravel: a replayed step is not a new step
                 return
             try:
                 fn(*args)
@@ -588,6 +609,8 @@ class Monitor:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self.capture is not None:  # timetravel
+            self.capture.close()
         self._pending, self._inflight, self._current = [], [], StepRecord(self.step_count)
         self.enabled = False
         if monitor_of(self.model) is self:

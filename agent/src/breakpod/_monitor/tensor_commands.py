@@ -5,6 +5,9 @@ tshape MODEL  last input/output shapes per module, as the monitor saw them (runs
 tgrad MODEL   gradient norm and non-finite counts per parameter
 tmem          CUDA memory per device, or the process RSS
 tnan MODEL    where non-finite values were seen: monitor anomalies and a scan now
+replay        re-run the parked step op by op: the first op that went non-finite
+replay save PATH   write the step (inputs, output grad, RNG, state) for `breakpod replay`
+whatif CHANGE the parked step on a copy with lr=X, clip=X or skip-batch, and the next one
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import sys
 from typing import Any
 
 from breakpod._debug.pdb_commands import command
-from breakpod._monitor.monitor import monitor_of
+from breakpod._monitor import replay, whatif
+from breakpod._monitor.anomaly import _PARKED
+from breakpod._monitor.monitor import MONITORS, Monitor, monitor_of
 from breakpod._monitor.summaries import nonfinite_counts, summary
 
 
@@ -123,3 +128,68 @@ def tnan(debugger: pdb.Pdb, arg: str) -> None:
                 )
     if not seen and not found:
         debugger.message("no non-finite values reported or present in parameters/gradients")
+
+
+def _monitor_here(debugger: pdb.Pdb) -> Monitor:
+    """The parked anomaly's monitor, else the only open one."""
+    if _PARKED and isinstance(_PARKED[-1].monitor, Monitor):
+        return _PARKED[-1].monitor
+    open_ = [m for ref in list(MONITORS.values()) if (m := ref()) is not None]
+    if len(open_) == 1:
+        return open_[0]
+    raise ValueError(f"{len(open_)} watched models and no parked anomaly: nothing to choose")
+
+
+@command("replay")
+def replay_command(debugger: pdb.Pdb, arg: str) -> None:
+    """replay | replay save PATH: re-run the parked step op by op, or write it to PATH."""
+    monitor = _monitor_here(debugger)
+    verb, _, rest = arg.partition(" ")
+    if verb == "save":
+        if not rest.strip():
+            raise ValueError("replay save needs a file path, e.g. replay save /tmp/step.pt")
+        path = replay.save_bundle(rest.strip(), monitor.model, monitor.capture)
+        debugger.message(f"saved; replay it with: breakpod replay {path} --model module:factory")
+        return
+    if verb:
+        raise ValueError(f"replay: unknown argument {verb!r}; use 'replay' or 'replay save PATH'")
+    for line in replay.replay(monitor.model, monitor.capture).lines():
+        debugger.message(line)
+
+
+@command("whatif")
+def whatif_command(debugger: pdb.Pdb, arg: str) -> None:
+    """whatif lr=X | clip=X | skip-batch [loss=EXPR]: this step and the next on a copy."""
+    monitor = _monitor_here(debugger)
+    change, loss_expr = whatif.parse_change(arg)
+    inputs = replay._captured(monitor.capture)
+    loss_fn = None
+    if loss_expr is not None:
+        frame = debugger.curframe
+        assert frame is not None
+        scope = dict(frame.f_globals)
+        scope.update(debugger.curframe_locals)
+
+        def loss_fn(out: Any) -> Any:
+            return eval(loss_expr, scope, {"out": out})
+
+    results = whatif.whatif(
+        monitor.model,
+        monitor._optimizer,
+        inputs,
+        change,
+        real_loss=_frame_loss(debugger),
+        loss_fn=loss_fn,
+    )
+    debugger.message(f"whatif {change} on a copy (the real model is untouched):")
+    for result in results:
+        debugger.message("  " + result.line())
+
+
+def _frame_loss(debugger: pdb.Pdb) -> float | None:
+    """The parked step's loss, when the user's frame holds it as ``loss``."""
+    value = debugger.curframe_locals.get("loss")
+    torch = sys.modules["torch"]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach())
+    return None

@@ -1,0 +1,179 @@
+"""What ``replay`` needs of each step, kept cheaply while the job trains.
+
+At the watched model's root forward (a pre-hook): references to its inputs
+(detached, not copied: training code rarely writes into a batch in place),
+the RNG states (CPU and every initialised CUDA device) and copies of the
+model's buffers (BatchNorm's running stats change during forward). On the
+output tensor: the gradient that flowed into it, so a replay needs no
+knowledge of the loss. Only the last forward is kept; each one replaces it.
+
+On by default when a rule parks (``break``, the only place ``replay`` runs)
+or in debug mode (``ENABLE_REMOTE_DEBUG=1``); ``watch(..., replay=True/False)`` or
+``BREAKPOD_REPLAY=1/0`` decide explicitly. Off means no hook at all.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from breakpod._core.announce import announce
+from breakpod._core.config import ENV, parse_bool
+from breakpod._monitor.checks import first_tensor
+
+REPLAY_ENV = "BREAKPOD_REPLAY"
+DEBUG_ENV = ENV["enabled"]  # debug mode: ENABLE_REMOTE_DEBUG
+_REPLAYING = [0]  # > 0 while a replay or whatif runs: the monitor's own hooks stand aside
+
+
+def replaying() -> bool:
+    """True while a replay re-runs a step (the monitor must not record it as a new step)."""
+    return _REPLAYING[0] > 0
+
+
+@contextlib.contextmanager
+def replay_in_progress() -> Iterator[None]:
+    _REPLAYING[0] += 1
+    try:
+        yield
+    finally:
+        _REPLAYING[0] -= 1
+
+
+def capture_wanted(
+    explicit: bool | None, parks: bool, environ: Mapping[str, str] | None = None
+) -> bool:
+    """``replay=`` argument > ``BREAKPOD_REPLAY`` > on when a rule parks or in debug mode."""
+    env = os.environ if environ is None else environ
+    if explicit is not None:
+        return bool(explicit)
+    if REPLAY_ENV in env:
+        return parse_bool(REPLAY_ENV, env[REPLAY_ENV])
+    debug = DEBUG_ENV in env and parse_bool(DEBUG_ENV, env[DEBUG_ENV])
+    return parks or debug
+
+
+@dataclasses.dataclass
+class StepInputs:
+    """One forward of the root module: enough to run it again, bit for bit."""
+
+    step: int
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng_cpu: Any
+    rng_cuda: list[Any]
+    buffers: dict[str, Any]
+    output_grad: Any = None
+    forwards: int = 1  # forwards seen in this step (gradient accumulation replays the last)
+
+
+class Capture:
+    """Hooks on the root module that keep the last forward's :class:`StepInputs`."""
+
+    def __init__(self, model: Any, clock: Callable[[], int]) -> None:
+        self.model = model
+        self.last: StepInputs | None = None
+        self.errors = 0
+        self._clock = clock
+        # Only running statistics change during forward; other buffers are left alone.
+        self._stateful = [
+            (name, m)
+            for name, m in model.named_modules()
+            if getattr(m, "track_running_stats", False)
+        ]
+        self._handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after),
+        ]
+
+    def _before(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if replaying() or _compiling():
+            return
+        try:
+            step = self._clock()
+            forwards = self.last.forwards + 1 if self.last and self.last.step == step else 1
+            self.last = StepInputs(
+                step,
+                _detached(args),
+                _detached(kwargs),
+                *rng_states(),
+                self._running_stats(),
+                forwards=forwards,
+            )
+        except Exception as e:  # never into training
+            self._failed(e)
+
+    def _running_stats(self) -> dict[str, Any]:
+        return {
+            f"{name}.{key}" if name else key: b.detach().clone()
+            for name, m in self._stateful
+            if m.training
+            for key, b in m.named_buffers(recurse=False)
+            if b is not None
+        }
+
+    def _after(self, module: Any, args: Any, output: Any) -> None:
+        if replaying() or _compiling() or self.last is None:
+            return
+        out = first_tensor(output)
+        if out is not None and out.requires_grad:
+            out.register_hook(self._on_grad)  # type: ignore[no-untyped-call]
+
+    def _on_grad(self, grad: Any) -> None:
+        if self.last is not None and not replaying():
+            self.last.output_grad = grad.detach()
+
+    def _failed(self, error: Exception) -> None:
+        self.errors += 1
+        if self.errors == 1:
+            announce(f"replay capture failed ({type(error).__name__}: {error}); the job continues")
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.last = None
+
+
+def rng_states() -> tuple[Any, list[Any]]:
+    """The CPU generator's state and each initialised CUDA device's (no device sync)."""
+    import torch
+
+    cuda = []
+    ready = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    if ready:
+        cuda = [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_states(cpu: Any, cuda: list[Any]) -> None:
+    import torch
+
+    torch.set_rng_state(cpu)
+    if not torch.cuda.is_available():
+        return  # a bundle from a GPU job replayed on a CPU machine
+    for i, state in enumerate(cuda[: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(state, i)
+
+
+def _detached(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple):
+        return tuple(_detached(v) for v in value)
+    if isinstance(value, list):
+        return [_detached(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _detached(v) for k, v in value.items()}
+    return value
+
+
+def _compiling() -> bool:
+    import torch
+
+    return bool(torch.compiler.is_compiling())

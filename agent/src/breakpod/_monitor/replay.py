@@ -1,0 +1,232 @@
+"""``replay``: run the captured step again, op by op, and name the first bad op.
+
+At an anomaly park the weights are still those the failing step started with
+(the park is before the update). :func:`replay` puts back the step's RNG
+states and running statistics, runs the root forward on the captured inputs
+and the backward from the captured output gradient under
+:mod:`breakpod._monitor.opwatch`, then restores everything it touched: the
+parameters' ``.grad`` (the same tensor objects), the buffers (copied back
+bit for bit) and the RNG states. The replay reproduced the step when its
+parameter gradients equal the real ones bit for bit.
+
+``replay save PATH`` writes the same material with ``torch.save``;
+``breakpod replay PATH --model module:factory`` replays it elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from breakpod._core.errors import BreakpodError
+from breakpod._monitor.capture import (
+    Capture,
+    StepInputs,
+    replay_in_progress,
+    rng_states,
+    set_rng_states,
+)
+from breakpod._monitor.checks import first_tensor
+from breakpod._monitor.opwatch import BadOp, OpWatch, modes, module_tracking
+
+BUNDLE_VERSION = 1
+
+
+class ReplayError(BreakpodError):
+    """Replay is not possible here (nothing captured, a bad bundle); the message says why."""
+
+
+@dataclasses.dataclass
+class ReplayReport:
+    step: int
+    ops: int
+    seconds: float
+    reproduced: bool | None  # None: no real gradients to compare with
+    why_not: str
+    first: BadOp | None
+    first_any: BadOp | None
+    nondeterministic: list[str]
+    forwards: int
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.nondeterministic:
+            out.append(
+                "warning: non-deterministic CUDA ops met (results may differ run to run): "
+                + ", ".join(self.nondeterministic)
+            )
+        if self.forwards > 1:
+            out.append(f"note: {self.forwards} forwards in this step; the last one is replayed")
+        said = {True: "reproduced bit-exactly", False: "NOT reproduced", None: "not compared"}
+        verdict = said[self.reproduced] + (f" ({self.why_not})" if self.why_not else "")
+        out.append(
+            f"replay of step {self.step}: forward + backward, {self.ops} ops in "
+            f"{self.seconds:.3f} s: {verdict}"
+        )
+        bad = self.first or self.first_any
+        out.extend(bad.lines() if bad else ["no op produced a non-finite value"])
+        return out
+
+
+def replay(model: Any, capture: Capture | None) -> ReplayReport:
+    """Replay the last captured step of ``model`` (in place; everything touched is restored)."""
+    inputs = _captured(capture)
+    return run_step(model, inputs, compare=True)
+
+
+def run_step(model: Any, inputs: StepInputs, *, compare: bool) -> ReplayReport:
+    import torch
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    real_grads = [p.grad for p in params]
+    started = time.perf_counter()
+    with _restored(model, params, real_grads), replay_in_progress(), torch.enable_grad():
+        _load_step_state(model, inputs)
+        watch = _instrumented_run(model, inputs)
+        reproduced, why = _compare(params, real_grads, inputs) if compare else (None, "")
+    return ReplayReport(
+        inputs.step,
+        watch.ops,
+        time.perf_counter() - started,
+        reproduced,
+        why,
+        watch.first,
+        watch.first_any,
+        watch.nondeterministic,
+        inputs.forwards,
+    )
+
+
+def _captured(capture: Capture | None) -> StepInputs:
+    if capture is None:
+        raise ReplayError(
+            "replay capture is off: watch(model, replay=True) or BREAKPOD_REPLAY=1 turns it on"
+        )
+    if capture.last is None:
+        raise ReplayError("no step captured yet: the model's forward has not run under watch()")
+    return capture.last
+
+
+def _instrumented_run(model: Any, inputs: StepInputs) -> OpWatch:
+    import torch
+
+    watch = OpWatch(model, sys._getframe())
+    functions, ops = modes(watch)
+    hooks = module_tracking(watch)
+    try:
+        with functions, ops:
+            out = first_tensor(model(*inputs.args, **inputs.kwargs))
+        node_hooks = watch.hook_graph([out.grad_fn] if out is not None else [])
+        watch.phase = "backward"
+        if out is not None and out.requires_grad and inputs.output_grad is not None:
+            with ops:
+                torch.autograd.backward(out, inputs.output_grad)
+        for handle in node_hooks:
+            handle.remove()
+    finally:
+        for handle in hooks:
+            handle.remove()
+    return watch
+
+
+def _compare(params: list[Any], real: list[Any], inputs: StepInputs) -> tuple[bool | None, str]:
+    if inputs.output_grad is None:
+        return None, "no gradient reached the output in the captured step"
+    if all(g is None for g in real):
+        return None, "the real step left no gradients to compare with"
+    for p, g in zip(params, real, strict=True):
+        if (p.grad is None) != (g is None) or (g is not None and not same_bits(p.grad, g)):
+            why = "gradients differ"
+            if inputs.forwards > 1:
+                why += ": the real ones accumulate several forwards"
+            return False, why
+    return True, ""
+
+
+def same_bits(a: Any, b: Any) -> bool:
+    """Bitwise equality (NaN payloads included), which ``torch.equal`` cannot say for NaN."""
+    import torch
+
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    width = ints.get(a.element_size())
+    if width is None or not a.is_floating_point():
+        return bool(torch.equal(a, b))
+    return bool(torch.equal(a.contiguous().view(width), b.contiguous().view(width)))
+
+
+def _load_step_state(model: Any, inputs: StepInputs) -> None:
+    set_rng_states(inputs.rng_cpu, inputs.rng_cuda)
+    own = dict(model.named_buffers())
+    for name, value in inputs.buffers.items():
+        if name in own:
+            own[name].copy_(value)
+
+
+@contextlib.contextmanager
+def _restored(model: Any, params: list[Any], grads: list[Any]) -> Iterator[None]:
+    """Whatever the replay does, the model leaves it as it came (grads, buffers, RNG)."""
+    import torch
+
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    rng = rng_states()
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g
+        set_rng_states(*rng)
+
+
+# -- the offline bundle ------------------------------------------------------------
+
+
+def save_bundle(path: str | Path, model: Any, capture: Capture | None) -> Path:
+    """``torch.save`` what a replay needs: inputs, output gradient, RNG, state dict, gradients."""
+    import torch
+
+    inputs = _captured(capture)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    bundle = {
+        "breakpod_replay": BUNDLE_VERSION,
+        "inputs": dataclasses.asdict(inputs),
+        "state_dict": model.state_dict(),
+        "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+        "training": model.training,
+    }
+    torch.save(bundle, target)
+    return target
+
+
+def replay_bundle(path: str | Path, model: Any) -> ReplayReport:
+    """Replay a saved bundle on ``model`` (built by the user's factory, same architecture)."""
+    import torch
+
+    try:
+        bundle = torch.load(Path(path), map_location="cpu", weights_only=False)
+    except (OSError, RuntimeError, EOFError) as e:
+        raise ReplayError(f"{path}: cannot read a replay bundle ({e})") from e
+    if not isinstance(bundle, dict) or bundle.get("breakpod_replay") != BUNDLE_VERSION:
+        raise ReplayError(f"{path}: not a breakpod replay bundle (write one with 'replay save')")
+    try:
+        model.load_state_dict(bundle["state_dict"])
+    except RuntimeError as e:
+        raise ReplayError(f"{path}: the model does not match the bundle: {e}") from e
+    model.train(bundle["training"])
+    named = dict(model.named_parameters())
+    for name, grad in bundle["grads"].items():
+        named[name].grad = grad
+    return run_step(model, StepInputs(**bundle["inputs"]), compare=True)

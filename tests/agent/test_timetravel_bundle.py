@@ -1,0 +1,105 @@
+"""``replay save`` + ``breakpod replay BUNDLE --model module:factory``; capture off: no hook."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import breakpod
+from breakpod._monitor import replay
+from tests.agent.nets import Net, batch
+
+FACTORY = """
+    import torch
+    from tests.agent.nets import Net
+
+    def build():  # the bundle holds tensors, not Python attributes: the factory sets those
+        model = Net()
+        model.poison.mode = "backward"
+        return model
+"""
+
+
+@pytest.fixture(autouse=True)
+def _enabled(monkeypatch):
+    for var in ("BREAKPOD_MONITOR", "AI_DEBUG_MODE", "BREAKPOD_REPLAY", "ENABLE_REMOTE_DEBUG"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def parked_net() -> tuple[Net, breakpod.Monitor]:
+    """Four healthy steps, then a step whose backward goes NaN, stopped before its update."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = breakpod.watch(model, replay=True)
+    for step in range(5):
+        model.poison.mode = "backward" if step == 4 else None
+        x, y = batch(step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if step < 4:
+            opt.step()
+            monitor.step()
+    return model, monitor
+
+
+@pytest.mark.timeout(120)
+def test_a_saved_step_replays_in_another_process(tmp_path):
+    model, monitor = parked_net()
+    here = monitor.replay()
+    assert here.reproduced and here.first is not None and here.first.phase == "backward"
+    path = replay.save_bundle(tmp_path / "step.pt", model, monitor.capture)
+    (tmp_path / "factory.py").write_text(textwrap.dedent(FACTORY))
+    root = str(__import__("pathlib").Path(__file__).parents[2])
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "breakpod._cli.main",
+            "replay",
+            str(path),
+            "--model",
+            "factory:build",
+        ],
+        cwd=tmp_path,
+        env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=100,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "reproduced bit-exactly" in run.stdout, run.stdout
+    # sqrt'(0) = 1 / (2 sqrt(0)): the division, blamed on the forward line that made the node
+    expected = (
+        "first non-finite op: aten.div.Tensor (backward, autograd node SqrtBackward0) "
+        "in module 'poison' at nets.py:22 in forward"
+    )
+    assert expected in run.stdout, run.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "breakpod._cli.main", "replay", str(path), "--model", "factory"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": root, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert bad.returncode == 2 and "expected module:factory" in bad.stderr, bad.stderr
+
+
+def test_replay_off_installs_no_hook_and_says_how_to_turn_it_on():
+    model = Net()
+    hooks = len(model._forward_pre_hooks)
+    monitor = breakpod.watch(model, replay=False)
+    assert monitor.capture is None and len(model._forward_pre_hooks) == hooks
+    with pytest.raises(replay.ReplayError, match="replay=True"):
+        monitor.replay()
+    monitor.close()
+    on = breakpod.watch(model, rules=[{"name": "b", "check": "nonfinite", "action": "break"}])
+    assert on.capture is not None  # a parking rule turns capture on by default
+    on.close()
+    assert len(model._forward_pre_hooks) == hooks
