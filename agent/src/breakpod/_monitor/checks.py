@@ -36,7 +36,6 @@ def write_stats(
     x: torch.Tensor,
     cells: Sequence[torch.Tensor],
     base: int,
-    *,
     total: bool = True,
     mean_abs: bool = False,
     zeros: bool = False,
@@ -44,12 +43,12 @@ def write_stats(
     """Write ``[sum x, sum |x|, count of non-zeros]`` into ``cells[base:]`` on ``x``'s device.
 
     ``cells`` are 0-d views of the monitor's per-step buffer, so each statistic
-    is one kernel writing into preallocated memory,
-    where a result per statistic would be allocated and stacked later.
+    is one kernel writing into preallocated memory (no result allocated per
+    statistic, none stacked later). ``x`` must be detached: ``out=`` refuses
+    tensors that require grad.
     """
     import torch
 
-    x = x.detach()
     i = base
     if total:
         torch.sum(x, dim=None, dtype=torch.float32, out=cells[i])
@@ -65,7 +64,8 @@ def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """L2 norm of each tensor, fused where torch can (one kernel per device on CUDA)."""
     import torch
 
-    return torch.stack(torch._foreach_norm([t.detach() for t in tensors])).float()
+    with torch.no_grad():  # one guard, not a detach per tensor
+        return torch.stack(torch._foreach_norm(list(tensors), dtype=torch.float32))
 
 
 def batchnorm_stats(modules: Sequence[Any]) -> torch.Tensor:

@@ -40,6 +40,11 @@ class Slot:
     def width(self) -> int:
         return int(self.total) + int(self.mean_abs) + int(self.zeros)
 
+    @property
+    def flags(self) -> tuple[bool, bool, bool]:
+        """``(total, mean_abs, zeros)``: the columns :func:`.checks.write_stats` writes."""
+        return self.total, self.mean_abs, self.zeros
+
 
 @dataclasses.dataclass(frozen=True)
 class ParamInfo:

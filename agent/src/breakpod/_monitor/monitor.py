@@ -317,8 +317,10 @@ class Monitor:
     def _guarded(self, where: str, fn: Callable[..., None]) -> Callable[..., None]:
         """Wrap a hook: a failure is reported once and swallowed; only ``stop`` raises."""
 
+        compiling = _is_compiling()
+
         def hook(*args: Any) -> None:
-            if _compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
+            if compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
                 return
             try:
                 fn(*args)
@@ -382,17 +384,17 @@ class Monitor:
 
     def _write_stats(self, slot: Slot, x: Any) -> None:
         """The slot's statistics into this step's buffer; the host notes that it ran."""
-        record = self._current
-        ran = record.ran.get(x.device)
+        record, device = self._current, x.device
+        ran = record.ran.get(device)
         if ran is None:
-            ran = record.ran[x.device] = {}
+            ran = record.ran[device] = {}
         if slot.index in ran:  # a second call in this step (micro-batches): the sums add
             scratch = x.new_zeros(slot.width, dtype=_float32())
-            checks.write_stats(x, scratch.unbind(), 0, **slot_flags(slot))
-            self._table.add_into(x.device, slot, scratch)
+            checks.write_stats(x, scratch.unbind(), 0, *slot.flags)
+            self._table.add_into(device, slot, scratch)
             ran[slot.index] += x.numel()
         else:
-            checks.write_stats(x, self._table.cells(x.device), slot.base, **slot_flags(slot))
+            checks.write_stats(x, self._table.cells(device), slot.base, *slot.flags)
             ran[slot.index] = x.numel()
         if slot.retain:
             record.kept[slot.index] = x
@@ -651,24 +653,22 @@ def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
     return [tuple(x.shape) for x in inputs if hasattr(x, "shape")]
 
 
-def _compiling() -> bool:
-    """Inside a torch.compile trace (constant there, so the hook traces to nothing)."""
+def _is_compiling() -> Callable[[], bool]:
+    """True inside a torch.compile trace (constant there, so the hook traces to nothing);
+    looked up once per hook, not per call."""
     compiler = getattr(sys.modules.get("torch"), "compiler", None)
-    return compiler is not None and bool(compiler.is_compiling())
+    check = getattr(compiler, "is_compiling", None)
+    return check if check is not None else _never
+
+
+def _never() -> bool:
+    return False
 
 
 def _optimizer_params(optimizer: Any) -> list[Any]:
     if optimizer is None:
         return []
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def slot_flags(slot: Slot) -> dict[str, bool]:
-    return {
-        "total": slot.total,
-        "mean_abs": slot.mean_abs,
-        "zeros": slot.zeros,
-    }
 
 
 def _float32() -> Any:
