@@ -402,14 +402,23 @@ class Monitor:
     def _hook_inputs(
         self, name: str, grad_hook: Callable[[Any], None], inputs: tuple[Any, ...]
     ) -> None:
-        """The gradient w.r.t. a module's input is what its backward produced: check it there."""
+        """The gradient w.r.t. a module's input is what its backward produced: check it there.
+
+        A pre-hook on the node that produced the input sees that gradient (all
+        consumers' sum, as a tensor hook would) for about half the cost of
+        ``Tensor.register_hook``; a leaf input has no node, so it gets a tensor hook.
+        """
         import torch
 
         if not torch.is_grad_enabled():
             return
         for x in inputs:
             if isinstance(x, torch.Tensor) and x.requires_grad and _first_claim(x, name):
-                x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
+                node = x.grad_fn
+                if node is None:
+                    x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
+                else:
+                    node.register_prehook(_output_grad(grad_hook, x.output_nr))
 
     def _on_grad(self, slot: Slot, grad: Any) -> None:
         self._write_stats(slot, grad.detach())
@@ -669,6 +678,17 @@ def _optimizer_params(optimizer: Any) -> list[Any]:
     if optimizer is None:
         return []
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _output_grad(grad_hook: Callable[[Any], None], index: int) -> Callable[[Any], None]:
+    """A node pre-hook handing ``grad_hook`` the gradient of the node's output ``index``."""
+
+    def pre_hook(grad_outputs: Any) -> None:
+        grad = grad_outputs[index]
+        if grad is not None:  # an output no loss depends on has no gradient
+            grad_hook(grad)
+
+    return pre_hook
 
 
 def _float32() -> Any:
