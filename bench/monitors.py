@@ -2,11 +2,18 @@
 
 Two models (a small ResNet-style CNN, batch 32 x 3x64x64, and a 4-layer
 transformer encoder, batch 16 x 128 tokens x d_model 256), trained with SGD
-under seven setups: no monitoring, breakpod disabled, breakpod default rules
+under eight setups: no monitoring, breakpod disabled, breakpod default rules
 with check_every=1 and 10, the default rules plus a ``break`` rule (judged
-before ``optimizer.step()``: one host read per step), the per-layer
-``.item()`` checks tutorials paste into training loops, and
-``torch.autograd.detect_anomaly()``.
+before ``optimizer.step()``: one host read per step), 20 lines of
+hand-written hooks writing non-finite flags into a device tensor (read once
+per step: the floor of per-module checking), the per-layer ``.item()``
+checks tutorials paste into training loops, and
+``torch.autograd.detect_anomaly()``. Then MLPs of 10 to 800 small
+Linear+ReLU modules, where the per-module cost shows: baseline, breakpod at
+check_every=1 and 10, and the hand-written hooks, with the added µs per
+module and per step. Last, each setup's peak resident memory, one fresh
+process per setup (``VmHWM``), and the top-level torch ops per step
+(the kernel launches on a GPU) from ``torch.profiler``.
 
 The setups run interleaved (a few steps of each, round after round) so that
 drift on a shared machine hits them all alike; each ratio is the median, over
@@ -15,7 +22,7 @@ fastest of the round's few steps each, as preemption only ever adds time).
 ``torch.set_num_threads(1)`` keeps the ratios stable on busy cores. "host reads/step" counts the
 device-to-host reads (syncs on a GPU) each approach performs per step.
 
-    python bench/monitors.py [--rounds N]
+    python bench/monitors.py [--rounds N] [--quick]
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +43,10 @@ from torch import nn
 
 import breakpod
 
-TARGETS = {"disabled": 1.01, "check_every=1": 1.10, "check_every=10": 1.05, "break rule": 1.10}
+TARGETS = {"disabled": 1.01, "check_every=1": 1.05, "check_every=10": 1.02, "break rule": 1.10}
+MLP_SIZES = (10, 50, 200, 800)
+MLP_PER_MODULE_US = 10.0  # target: added µs per watched module per step
+RSS_SLACK = 1.05  # target: peak RSS with monitors <= baseline + 5%
 
 
 class Block(nn.Module):
@@ -87,6 +99,20 @@ class Encoder(nn.Module):
 def transformer() -> tuple[nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
     tokens = torch.randint(0, 1000, (16, 128))
     return Encoder(), lambda: (tokens, tokens.roll(1, dims=1).flatten())
+
+
+def mlp(modules: int) -> Callable[[], tuple[nn.Module, Callable[[], Any]]]:
+    """``modules`` small leaf modules: Linear(64, 64) and ReLU alternating, batch 32."""
+
+    def build() -> tuple[nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+        layers: list[nn.Module] = []
+        for _ in range(modules // 2):
+            layers += [nn.Linear(64, 64), nn.ReLU()]
+        model = nn.Sequential(*layers[:-1], nn.Linear(64, 10))
+        x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+        return model, lambda: (x, y)
+
+    return build
 
 
 class Setup:
@@ -177,6 +203,33 @@ class ItemChecks(Setup):
                     print(f"exploding gradient in {name}")
 
 
+class DeviceFlags(Setup):
+    """The anchor: forward hooks write isfinite flags into one device tensor, read once a step."""
+
+    name = "hand-written device-flag hooks"
+    key = "device flags"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        leaves = [m for m in model.modules() if not list(m.children())]
+        self.flags = torch.ones(len(leaves), dtype=torch.bool)
+        for i, module in enumerate(leaves):
+            module.register_forward_hook(self._hook(self.flags[i]))
+
+    @staticmethod
+    def _hook(flag: torch.Tensor) -> Callable[..., None]:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor) and output.is_floating_point():
+                torch.all(torch.isfinite(output), out=flag)
+
+        return hook
+
+    def after(self, loss: torch.Tensor) -> None:
+        self.reads += 1
+        if not bool(self.flags.all()):
+            print("non-finite activation")
+
+
 class DetectAnomaly(Setup):
     name = "torch.autograd.detect_anomaly()"
 
@@ -209,21 +262,41 @@ def setups(build: Callable[[], Any]) -> Iterator[Setup]:
     yield Breakpod(fresh(), 1)
     yield Breakpod(fresh(), 10)
     yield BreakRule(fresh())
+    yield DeviceFlags(fresh())
     yield ItemChecks(fresh())
     yield DetectAnomaly(fresh())
+
+
+def mlp_setups(build: Callable[[], Any]) -> Iterator[Setup]:
+    def fresh() -> nn.Module:
+        torch.manual_seed(0)
+        model: nn.Module = build()[0]
+        return model
+
+    yield Setup(fresh())
+    yield Breakpod(fresh(), 1)
+    yield Breakpod(fresh(), 10)
+    yield DeviceFlags(fresh())
 
 
 Result = tuple[Setup, float, float]
 
 
-def measure(build: Callable[[], Any], rounds: int, per_round: int, warmup: int) -> list[Result]:
+def measure(
+    build: Callable[[], Any],
+    rounds: int,
+    per_round: int,
+    warmup: int,
+    make: Callable[[Callable[[], Any]], Iterator[Setup]] = setups,
+    base_time: list[float] | None = None,
+) -> list[Result]:
     """Per setup: median over rounds of its step time / the baseline's that round; reads/step.
 
     Within a round each setup's fastest of ``per_round`` steps is taken: other
     processes on a shared machine only ever add time, and do so to every setup.
     """
     data = build()[1]
-    runs = list(setups(build))
+    runs = list(make(build))
     with _quiet_warnings():
         for s in runs:
             for _ in range(warmup):
@@ -236,6 +309,8 @@ def measure(build: Callable[[], Any], rounds: int, per_round: int, warmup: int) 
                 times[id(s)] = min(s.step(*data()) for _ in range(per_round))
             for s in runs:
                 ratios[id(s)].append(times[id(s)] / times[id(runs[0])])
+            if base_time is not None:
+                base_time.append(times[id(runs[0])])
     steps = rounds * per_round
     return [(s, statistics.median(ratios[id(s)]), s.reads / steps) for s in runs]
 
@@ -284,24 +359,237 @@ def verdicts(results: dict[str, list[Result]]) -> list[str]:
     return out
 
 
+def measure_mlps(rounds: int, sizes: tuple[int, ...] = MLP_SIZES) -> list[str]:
+    """One row per MLP size: ratios and added µs per module per step, next to the anchor."""
+    header = f"{'MLP modules':>11}{'base ms/step':>14}" + "".join(
+        f"{k + ' ratio':>22}{'µs/module':>11}" for k in MLP_KEYS
+    )
+    lines = [header, "-" * len(header)]
+    for n in sizes:
+        base: list[float] = []
+        rows = measure(mlp(n), rounds, 3, warmup=3, make=mlp_setups, base_time=base)
+        base_s = statistics.median(base)
+        row = f"{n:>11}{base_s * 1e3:>14.2f}"
+        for setup, ratio, _ in rows[1:]:
+            per_module = (ratio - 1) * base_s / n * 1e6
+            row += f"{ratio:>21.3f}x{per_module:>11.1f}"
+            MLP_RESULTS[(n, getattr(setup, "key", ""))] = (ratio, per_module)
+        lines.append(row)
+    return lines
+
+
+MLP_KEYS = ("check_every=1", "check_every=10", "device flags")
+MLP_RESULTS: dict[tuple[int, str], tuple[float, float]] = {}
+
+
+def mlp_verdicts() -> list[str]:
+    out = []
+    for n in (200, 800):
+        if (n, "check_every=1") not in MLP_RESULTS:
+            continue
+        ratio, per_module = MLP_RESULTS[(n, "check_every=1")]
+        anchor = MLP_RESULTS[(n, "device flags")][0]
+        ok = "ok" if ratio <= anchor and per_module <= MLP_PER_MODULE_US else "MISSED"
+        out.append(
+            f"mlp{n}: check_every=1 {ratio:.3f}x, {per_module:.1f} µs/module (target <= the "
+            f"hand-written hooks' {anchor:.3f}x and <= {MLP_PER_MODULE_US:g} µs) {ok}"
+        )
+    return out
+
+
+RSS_MODELS: dict[str, Callable[[], Any]] = {"transformer": transformer, "mlp800": mlp(800)}
+RSS_SETUPS = ("baseline", "check_every=1", "check_every=10", "device flags")
+
+
+def one_setup(model_name: str, key: str) -> Setup:
+    torch.manual_seed(0)
+    model = RSS_MODELS[model_name]()[0]
+    if key == "baseline":
+        return Setup(model)
+    if key == "device flags":
+        return DeviceFlags(model)
+    return Breakpod(model, int(key.partition("=")[2]))
+
+
+def peak_rss_child(model_name: str, key: str, steps: int) -> None:
+    """Run in a fresh process: train ``steps`` steps, print the peak RSS in MiB."""
+    torch.set_num_threads(1)
+    setup = one_setup(model_name, key)
+    data = RSS_MODELS[model_name]()[1]
+    with _quiet_warnings():
+        for _ in range(steps):
+            setup.step(*data())
+    print(_peak_rss_mib())
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak RSS: VmHWM (``ru_maxrss`` would keep the forking parent's peak)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def peak_rss(steps: int) -> list[str]:
+    """Peak RSS per setup, each in its own process (the peak is a process-wide maximum)."""
+    lines = [f"{'model':<12}" + "".join(f"{k:>18}" for k in RSS_SETUPS) + "   (peak RSS, MiB)"]
+    for model_name in RSS_MODELS:
+        peaks = {}
+        for key in RSS_SETUPS:
+            out = subprocess.run(
+                [sys.executable, __file__, "--rss-child", model_name, key, str(steps)],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=True,
+            )
+            peaks[key] = float(out.stdout.split()[-1])
+        base = peaks["baseline"]
+        row = f"{model_name:<12}"
+        for key in RSS_SETUPS:
+            row += f"{peaks[key]:>10.0f} ({peaks[key] / base:.3f})"
+        worst = max(peaks[k] for k in RSS_SETUPS if k.startswith("check_every"))
+        ok = "ok" if worst <= base * RSS_SLACK else "MISSED"
+        lines.append(f"{row}   monitors <= baseline + 5%: {ok}")
+    return lines
+
+
+# Ops that only make a view or metadata: no kernel on a GPU.
+NO_KERNEL = {
+    "aten::detach", "aten::alias", "aten::view", "aten::select", "aten::slice", "aten::unbind",
+    "aten::as_strided", "aten::expand", "aten::t", "aten::reshape", "aten::lift_fresh",
+    "aten::resolve_conj", "aten::resolve_neg", "aten::empty", "aten::detach_", "aten::flatten",
+}  # fmt: skip
+
+
+def launches(events: Any) -> list[Any]:
+    """Outermost torch ops (forward, and backward under autograd's nodes) that run a kernel."""
+    return [
+        e
+        for e in events
+        if e.name.startswith("aten::")
+        and e.name not in NO_KERNEL
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    ]
+
+
+def ops_per_step(sizes: tuple[int, ...] = (200, 800), steps: int = 3) -> list[str]:
+    """Torch ops that launch a kernel (on a GPU) per step, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = [f"{'MLP modules':>11}" + "".join(f"{k:>18}" for k in ("baseline", *MLP_KEYS))]
+    for n in sizes:
+        counts = []
+        for setup in mlp_setups(mlp(n)):
+            data = mlp(n)()[1]
+            for _ in range(3):
+                setup.step(*data())
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    setup.step(*data())
+            top = launches(prof.events())
+            counts.append(len(top) / steps)
+        added = [c - counts[0] for c in counts]
+        lines.append(
+            f"{n:>11}{counts[0]:>18.0f}"
+            + "".join(f"{a:>+11.0f} ({a / n:.2f}/m)" for a in added[1:])
+        )
+    return lines
+
+
+def cuda_check(steps: int = 20) -> list[str]:
+    """On CUDA: ratios at check_every=1 and 10 with log/event rules, and no host sync per step.
+
+    ``torch.cuda.set_sync_debug_mode("error")`` raises on any synchronising
+    call, so a monitored step that completes made none (the host reads are
+    non-blocking copies, evaluated once their event reports them landed).
+    """
+    builds = {"mlp200": mlp(200), "mlp800": mlp(800), "resnet": resnet, "transformer": transformer}
+    lines = [f"{'model':<12}{'base ms/step':>14}{'check_every=1':>15}{'check_every=10':>16}"]
+    for name, build in builds.items():
+        torch.manual_seed(0)
+        x, y = (t.cuda() for t in build()[1]())
+        runs = {}
+        for key in ("baseline", "check_every=1", "check_every=10"):
+            torch.manual_seed(0)
+            model = build()[0].cuda()
+            every = int(key.partition("=")[2] or 0)
+            runs[key] = Breakpod(model, every) if every else Setup(model)
+        for setup in runs.values():  # warm-up: allocator, cuDNN, lazy buffers
+            for _ in range(3):
+                setup.step(x, y)
+        torch.cuda.synchronize()
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(steps):
+                for key, setup in runs.items():
+                    times[key].append(_cuda_step(setup, x, y))
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        for key, setup in runs.items():
+            if isinstance(setup, Breakpod):
+                setup.monitor.flush()
+                assert setup.monitor.errors == 0, f"{name} {key}: monitor errors"
+        base = statistics.median(times["baseline"])
+        ratio = {k: statistics.median(v) / base for k, v in times.items()}
+        lines.append(
+            f"{name:<12}{base * 1e3:>14.2f}{ratio['check_every=1']:>14.3f}x"
+            f"{ratio['check_every=10']:>15.3f}x"
+        )
+    lines.append("no host sync in any monitored step (sync debug mode 'error'): ok")
+    return lines
+
+
+def _cuda_step(setup: Setup, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One step timed with CUDA events (reading them afterwards, outside sync-debug)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    setup.step(x, y)
+    end.record()
+    torch.cuda.set_sync_debug_mode(0)
+    end.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    return float(start.elapsed_time(end)) / 1e3
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (CNN)")
     parser.add_argument("--steps", type=int, default=3, help="steps of each setup per round (CNN)")
+    parser.add_argument("--quick", action="store_true", help="MLPs, ops and memory only")
+    parser.add_argument("--cuda", action="store_true", help="the CUDA table and sync check")
+    parser.add_argument("--rss-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.cuda:
+        print("\n".join(cuda_check()))
+        return 0
+    if args.rss_child:
+        peak_rss_child(args.rss_child[0], args.rss_child[1], int(args.rss_child[2]))
+        return 0
     torch.set_num_threads(1)
     big_rounds = max(3, 2 * args.rounds // 3)
-    results = {
-        "resnet": measure(resnet, args.rounds, args.steps, warmup=3),
-        "transformer": measure(transformer, big_rounds, 1, warmup=2),
-    }
-    print(
-        f"torch {torch.__version__}, CPU, 1 thread; ratio = median over interleaved rounds of "
-        f"step time / baseline step time in the same round (CNN: {args.rounds} rounds, best of "
-        f"{args.steps} steps each; transformer: {big_rounds} rounds of 1 step; after warm-up)"
-    )
-    print(table(results))
-    print("\n".join(verdicts(results)))
+    if not args.quick:
+        results = {
+            "resnet": measure(resnet, args.rounds, args.steps, warmup=3),
+            "transformer": measure(transformer, big_rounds, 1, warmup=2),
+        }
+        print(
+            f"torch {torch.__version__}, CPU, 1 thread; ratio = median over interleaved rounds "
+            f"of step time / baseline step time in the same round (CNN: {args.rounds} rounds, "
+            f"best of {args.steps} steps each; transformer: {big_rounds} rounds of 1 step; "
+            "after warm-up)"
+        )
+        print(table(results))
+        print("\n".join(verdicts(results)))
+    print(f"\nMLPs of small Linear(64)+ReLU modules, batch 32 ({big_rounds} rounds, best of 3)")
+    print("\n".join(measure_mlps(big_rounds)))
+    print("\n".join(mlp_verdicts()))
+    print("\nkernel launches per step (torch ops that run one, from the profiler), added")
+    print("\n".join(ops_per_step()))
+    print("\npeak resident memory, one process per setup (ratio to the baseline)")
+    print("\n".join(peak_rss(steps=40)))
     return 0
 
 

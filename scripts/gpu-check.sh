@@ -3,7 +3,10 @@
 # has one (a GPU box, or the device machine some sessions are lent): the
 # `gpu`-marked tests, among them a monitored training step under
 # torch.cuda.set_sync_debug_mode("error"), which fails on any host-device
-# sync in breakpod's hooks. It uses that machine's own python3 with its torch
+# sync in breakpod's hooks, then the monitors bench on CUDA (bench/monitors.py
+# --cuda: step-time ratios, and zero host syncs per monitored step under
+# sync-debug "error" with the default log/event rules). Without a CUDA
+# device it says so and exits 0. It uses that machine's own python3 with its torch
 # and pytest; breakpod itself needs nothing installed (the agent has no
 # dependencies), and the broker's test fixtures are left out (--noconftest).
 set -euo pipefail
@@ -11,12 +14,17 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 export PYTHONPATH="$PWD/agent/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-"$PY" - <<'PYCODE'
+if ! "$PY" - <<'PYCODE'
 import torch
 if not torch.cuda.is_available():
-    raise SystemExit("gpu-check: no CUDA device visible; nothing to check here")
+    raise SystemExit(1)
 names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 print(f"gpu-check: torch {torch.__version__}, {len(names)} device(s): {', '.join(names)}")
 PYCODE
+then
+  echo "gpu-check: skipped, no CUDA device visible here"
+  exit 0
+fi
 "$PY" -m pytest tests/agent/test_monitor_cost.py -m gpu --noconftest -p no:cacheprovider \
   -o addopts="" -o filterwarnings=ignore::DeprecationWarning --timeout 300 -v -rs
+"$PY" bench/monitors.py --cuda

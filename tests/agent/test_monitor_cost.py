@@ -103,13 +103,13 @@ def test_the_enforcement_catches_a_hook_that_syncs(monkeypatch, capfd):
     """The test above can fail: a host read inside breakpod's own hooks is counted as an error."""
     monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
     monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
-    real = checks.activation_stats
+    real = checks.write_stats
 
-    def syncing(x, **kwargs):
+    def syncing(x, *args, **kwargs):
         x.sum().item()  # the mistake the enforcement must catch
-        return real(x, **kwargs)
+        return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(checks, "activation_stats", syncing)
+    monkeypatch.setattr(checks, "write_stats", syncing)
     model = Net()
     monitor = breakpod.watch(model)
     with no_host_reads():

@@ -49,12 +49,7 @@ def _held(monitor) -> list[torch.Tensor]:
         *monitor._pending,
         *(s for _, _, ss in monitor._inflight for s in ss),
     ]
-    return [
-        e.tensor
-        for s in steps
-        for e in s.entries
-        if e.kind in ("forward", "backward") and e.tensor is not None
-    ]
+    return [t for s in steps for t in s.kept.values()]
 
 
 def test_tensors_kept_for_break_rules_live_one_step_whatever_check_every():

@@ -1,7 +1,7 @@
 """On-device reductions and host-side shape contracts.
 
-Everything here that touches tensor *values* returns a small tensor on the
-tensor's own device and never reads it on the host: no ``.item()``,
+Everything here that touches tensor *values* writes or returns a small
+tensor on the tensor's own device and never reads it on the host: no ``.item()``,
 ``bool(tensor)``, ``.cpu()`` or ``.tolist()``. The monitor concatenates these
 small tensors and reads them every ``check_every`` steps.
 
@@ -11,10 +11,11 @@ cheaper than ``aminmax``, far cheaper than ``isnan(x).any()``) and is
 non-finite exactly when the tensor holds a NaN or an Inf (or, for float32,
 values near 1e38 whose sum overflows: an anomaly too). NaN vs +Inf vs -Inf
 is read from the sum's value; exact counts are taken later from kept
-tensors. ``sum |x|`` and the zero count (``numel - sum |sign x|``, several
-times faster than ``count_nonzero``) run only where a rule needs them.
-Results stay 0-d tensors: stacking them in the hook would cost a kernel per
-hook; the monitor stacks a whole step at once.
+tensors. ``sum |x|`` (the L1 norm, one pass) and the non-zero count (the
+L0 norm) run only where a rule needs them.
+Each statistic is written with ``out=`` into a 0-d view of the monitor's
+per-step buffer: one kernel, no allocation, and no stacking at the step's
+end (the buffer is the stack).
 """
 
 from __future__ import annotations
@@ -31,52 +32,40 @@ ANY = ("*", "_", "?", "")
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 
-def activation_stats(
+def write_stats(
     x: torch.Tensor,
-    *,
+    cells: Sequence[torch.Tensor],
+    base: int,
     total: bool = True,
     mean_abs: bool = False,
     zeros: bool = False,
-    nonnegative: bool = False,
-) -> tuple[torch.Tensor, ...]:
-    """``([sum x], [sum |x|], [count of zeros])`` as float32 0-d tensors on ``x``'s device.
+) -> None:
+    """Write ``[sum x, sum |x|, count of non-zeros]`` into ``cells[base:]`` on ``x``'s device.
 
-    ``nonnegative`` (a ReLU's output) lets the zero count skip ``abs``.
+    ``cells`` are 0-d views of the monitor's per-step buffer, so each statistic
+    is one kernel writing into preallocated memory (no result allocated per
+    statistic, none stacked later). ``x`` must be detached: ``out=`` refuses
+    tensors that require grad.
     """
-    x = x.detach()
-    parts = [_sum(x)] if total else []
+    import torch
+
+    i = base
+    if total:
+        torch.sum(x, dim=None, dtype=torch.float32, out=cells[i])
+        i += 1
     if mean_abs:
-        parts.append(_sum(x.abs()))
-    if zeros:
-        parts.append(x.numel() - _nonzeros(x, nonnegative))
-    return tuple(parts)
-
-
-TINY = 1e-30
-
-
-def _nonzeros(x: torch.Tensor, nonnegative: bool) -> torch.Tensor:
-    """Count of non-zero values; for a float32 ReLU output ``sum(min(x, 1e-30)) * 1e30``
-    is one cheap pass (values below 1e-30 count as zero)."""
-    import torch
-
-    if nonnegative and x.dtype == torch.float32:
-        return x.clamp(max=TINY).sum() * (1 / TINY)
-    return _sum(x.sign().abs())
-
-
-def _sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum accumulated and returned in float32 (half sums overflow at 65504)."""
-    import torch
-
-    return x.sum() if x.dtype == torch.float32 else x.sum(dtype=torch.float32)
+        torch.linalg.vector_norm(x, 1, dtype=torch.float32, out=cells[i])
+        i += 1
+    if zeros:  # the count of non-zero values
+        torch.linalg.vector_norm(x, 0, dtype=torch.float32, out=cells[i])
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """L2 norm of each tensor, fused where torch can (one kernel per device on CUDA)."""
     import torch
 
-    return torch.stack(torch._foreach_norm([t.detach() for t in tensors])).float()
+    with torch.no_grad():  # one guard, not a detach per tensor
+        return torch.stack(torch._foreach_norm(list(tensors), dtype=torch.float32))
 
 
 def batchnorm_stats(modules: Sequence[Any]) -> torch.Tensor:

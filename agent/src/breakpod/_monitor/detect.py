@@ -30,8 +30,20 @@ class Slot:
     total: bool = True  # the values start with sum(x): the non-finite signal
     mean_abs: bool = False
     zeros: bool = False
-    nonnegative: bool = False
     retain: bool = False
+    index: int = -1  # in the monitor's slot table
+    base: int = -1  # first column in the per-step buffer
+    abs_limit: float = math.inf  # the lowest max_mean_abs of the rules watching it
+    zero_limit: float = math.inf  # the lowest max_zero_fraction likewise
+
+    @property
+    def width(self) -> int:
+        return int(self.total) + int(self.mean_abs) + int(self.zeros)
+
+    @property
+    def flags(self) -> tuple[bool, bool, bool]:
+        """``(total, mean_abs, zeros)``: the columns :func:`.checks.write_stats` writes."""
+        return self.total, self.mean_abs, self.zeros
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +84,8 @@ class StepData:
     params: dict[int, float] | None = None
     batchnorm: dict[str, list[float]] | None = None
     partial: bool = False  # only a loss, reported after the optimizer ended its step
+    # (ran slots, host values, kept tensors) per device, until expanded into samples
+    slot_groups: list[tuple[Any, Any, Any]] = dataclasses.field(default_factory=list)
 
 
 Found = tuple[Anomaly, Rule]
@@ -100,10 +114,16 @@ class Detector:
                 found.extend(check(rule, data))
         return found
 
+    def hot_modules(self) -> set[str]:
+        """Modules with a per-module condition mid-streak or active: their samples must be seen
+        even when fine, to clear it (the host builds samples only for flagged slots)."""
+        hot = {key[1] for key, n in self._streak.items() if n > 0 and len(key) == 2}
+        return hot | {key[1] for key in self._active if len(key) == 2}
+
     def _fires(self, key: tuple[Any, ...], cond: bool, rule: Rule) -> bool:
         """Edge-triggered streak counter: True once when ``cond`` held ``consecutive`` times."""
         if not cond:
-            self._streak[key] = 0
+            self._streak.pop(key, None)
             self._active.discard(key)
             return False
         self._streak[key] += 1

@@ -3,7 +3,9 @@
 How a step flows:
 
 * forward hooks reduce each watched module's output on its device
-  (:mod:`breakpod._monitor.checks`) and register a gradient hook on its inputs;
+  (:mod:`breakpod._monitor.checks`), each statistic one kernel writing into
+  the slot table's preallocated buffer (:class:`~breakpod._monitor.stats.SlotTable`),
+  and register a gradient hook on its inputs, which does the same;
   shape contracts are checked from metadata, on the host, at once;
 * at the end of each backward, one fused ``_foreach_norm`` gives every
   parameter's gradient norm;
@@ -11,9 +13,10 @@ How a step flows:
   *pre*-hook, before the update is applied) the step's small stats tensors
   are concatenated into one per device;
 * every ``check_every`` steps the host reads them (a non-blocking copy to
-  pinned memory on CUDA, evaluated at the next boundary once it landed) and
-  :mod:`breakpod._monitor.detect` turns them into :class:`~breakpod._monitor.anomaly.Anomaly`
-  records, handed to each rule's actions;
+  pinned memory on CUDA, evaluated at the next boundary once it landed); the
+  slot table judges every module's statistics at once, as vectors, and
+  :mod:`breakpod._monitor.detect` turns the few flagged ones into
+  :class:`~breakpod._monitor.anomaly.Anomaly` records, handed to each rule's actions;
 * when a rule would ``break``, ``stop`` or ``skip``, the answer is needed
   before the update: the boundary then reads once per step and waits, so a
   park still sees the previous step's weights and ``skip`` can drop the update.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 import sys
 import weakref
@@ -49,6 +53,7 @@ from breakpod._monitor.detect import Detector, ParamInfo, Slot
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
 from breakpod._monitor.stats import (
     Entry,
+    SlotTable,
     StepRecord,
     by_device,
     copy_events,
@@ -234,6 +239,7 @@ class Monitor:
     def _install(self, optimizer: Any) -> None:
         batchnorm: dict[str, frozenset[str]] = {}
         self._bn_modules: list[tuple[str, Any]] = []
+        self._slots: list[Slot] = []
         for name, module in self.model.named_modules():
             self._watch_module(name, module)
             bn = self._rules_for(("batchnorm",), name, module)
@@ -244,6 +250,7 @@ class Monitor:
         self._state_params = [
             (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
         ]
+        self._table = SlotTable(self._slots)
         self._install_grad_hooks()
         if optimizer is not None:  # before the update, so a bad step can still be dropped
             hook = self._guarded("optimizer step hook", self._before_update)
@@ -278,19 +285,36 @@ class Monitor:
         self._module_checks = True
         by_name = {r.name: r for r in self.rules}
         watched = [by_name[n] for n in fwd]
-        slot = Slot(
-            name,
-            "forward",
-            fwd,
-            total=any(r.check == "nonfinite" for r in watched),
-            mean_abs=any(r.check == "activation" for r in watched),
-            zeros=any(r.check == "dead_units" for r in watched),
-            nonnegative=type(module).__name__ in ("ReLU", "ReLU6"),
-            retain=any(r.parks for r in watched),
-        )
-        back = Slot(name, "backward", bwd, retain=any(by_name[n].parks for n in bwd))
-        hook = self._forward_hook(name, slot if fwd else None, back if bwd else None, shapes)
+        slot = back = None
+        if fwd:
+            slot = self._new_slot(
+                name,
+                "forward",
+                fwd,
+                total=any(r.check == "nonfinite" for r in watched),
+                mean_abs=any(r.check == "activation" for r in watched),
+                zeros=any(r.check == "dead_units" for r in watched),
+                retain=any(r.parks for r in watched),
+                abs_limit=min(
+                    (r["max_mean_abs"] for r in watched if r.check == "activation"),
+                    default=math.inf,
+                ),
+                zero_limit=min(
+                    (r["max_zero_fraction"] for r in watched if r.check == "dead_units"),
+                    default=math.inf,
+                ),
+            )
+        if bwd:
+            back = self._new_slot(name, "backward", bwd, retain=any(by_name[n].parks for n in bwd))
+        hook = self._forward_hook(name, slot, back, shapes)
         self._handles.append(module.register_forward_hook(hook))
+
+    def _new_slot(self, name: str, phase: str, rules: frozenset[str], **flags: Any) -> Slot:
+        """A slot with its columns after the previous slots' in the per-step buffer."""
+        base = sum(s.width for s in self._slots)
+        slot = Slot(name, phase, rules, index=len(self._slots), base=base, **flags)
+        self._slots.append(slot)
+        return slot
 
     def _install_grad_hooks(self) -> None:
         """One hook on the model's output queues the end-of-backward gradient norms.
@@ -312,8 +336,10 @@ class Monitor:
     def _guarded(self, where: str, fn: Callable[..., None]) -> Callable[..., None]:
         """Wrap a hook: a failure is reported once and swallowed; only ``stop`` raises."""
 
+        compiling = _is_compiling()
+
         def hook(*args: Any) -> None:
-            if _compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
+            if compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
                 return
             if replaying():  # timetravel: a replayed step is not a new step
                 return
@@ -375,32 +401,48 @@ class Monitor:
             self._hook_inputs(name, grad_hook, inputs)
 
     def _record_output(self, slot: Slot, out: Any) -> None:
-        stats = checks.activation_stats(
-            out,
-            total=slot.total,
-            mean_abs=slot.mean_abs,
-            zeros=slot.zeros,
-            nonnegative=slot.nonnegative,
-        )
-        kept = out.detach() if slot.retain else None  # the value, not the autograd graph
-        self._current.entries.append(Entry("forward", stats, slot, out.numel(), tensor=kept))
+        self._write_stats(slot, out.detach())  # the value, not the autograd graph
+
+    def _write_stats(self, slot: Slot, x: Any) -> None:
+        """The slot's statistics into this step's buffer; the host notes that it ran."""
+        record, device = self._current, x.device
+        ran = record.ran.get(device)
+        if ran is None:
+            ran = record.ran[device] = {}
+        if slot.index in ran:  # a second call in this step (micro-batches): the sums add
+            scratch = x.new_zeros(slot.width, dtype=_float32())
+            checks.write_stats(x, scratch.unbind(), 0, *slot.flags)
+            self._table.add_into(device, slot, scratch)
+            ran[slot.index] += x.numel()
+        else:
+            checks.write_stats(x, self._table.cells(device), slot.base, *slot.flags)
+            ran[slot.index] = x.numel()
+        if slot.retain:
+            record.kept[slot.index] = x
 
     def _hook_inputs(
         self, name: str, grad_hook: Callable[[Any], None], inputs: tuple[Any, ...]
     ) -> None:
-        """The gradient w.r.t. a module's input is what its backward produced: check it there."""
+        """The gradient w.r.t. a module's input is what its backward produced: check it there.
+
+        A pre-hook on the node that produced the input sees that gradient (all
+        consumers' sum, as a tensor hook would) for about half the cost of
+        ``Tensor.register_hook``; a leaf input has no node, so it gets a tensor hook.
+        """
         import torch
 
         if not torch.is_grad_enabled():
             return
         for x in inputs:
             if isinstance(x, torch.Tensor) and x.requires_grad and _first_claim(x, name):
-                x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
+                node = x.grad_fn
+                if node is None:
+                    x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
+                else:
+                    node.register_prehook(_output_grad(grad_hook, x.output_nr))
 
     def _on_grad(self, slot: Slot, grad: Any) -> None:
-        stats = checks.activation_stats(grad)
-        tensor = grad.detach() if slot.retain else None
-        self._current.entries.append(Entry("backward", stats, slot, grad.numel(), tensor=tensor))
+        self._write_stats(slot, grad.detach())
         self._queue_backward_end()
 
     def _queue_backward_end(self, *_: Any) -> None:
@@ -487,6 +529,7 @@ class Monitor:
         if not self._current.grads_done and self._params:
             self._collect_grads()  # no backward ran through the model's output hook
         done, self._current = self._current, StepRecord(self.step_count + 1)
+        self._table.snapshot(done)
         self.step_count += 1
         self._pending.append(done)
         self._say_if_compiled(done)
@@ -494,7 +537,7 @@ class Monitor:
             self._read(done)
             self._evaluate_landed(wait=True, frame=frame)
             self._apply_skip(done.step)
-        elif self.step_count % self.check_every == 0 or _keeps_tensors(done):
+        elif self.step_count % self.check_every == 0 or done.kept:
             self._read(done)  # kept tensors (break/snapshot rules) live one step, not check_every
         self._evaluate_landed(wait=False)
 
@@ -503,7 +546,7 @@ class Monitor:
         kinds = {e.kind for e in done.entries}
         if self._said_compiled or not self._module_checks or "grads" not in kinds:
             return
-        if kinds & {"forward", "backward"}:
+        if done.ran:
             return
         self._said_compiled = True
         announce(
@@ -578,12 +621,17 @@ class Monitor:
                 return  # not landed yet: the next boundary looks again
             self._inflight.pop(0)
             values = {device: host.tolist() for device, host in copies.items()}
-            decoded = [decode(step, values) for step in steps]
-            # exporters (breakpod.export): host floats already read, before a stop can raise
-            events.emit_local(
-                events.STEP_STATS, monitor=self, steps=decoded, params=self._detector.params
-            )
-            for data in decoded:
+            for i, step in enumerate(steps):
+                data = decode(step, values, copies)
+                self._table.expand(data, self._detector.hot_modules())
+                # exporters (breakpod.export): host floats already read, before a stop can raise
+                events.emit_local(
+                    events.STEP_STATS,
+                    monitor=self,
+                    steps=[data],
+                    params=self._detector.params,
+                    read_done=i == len(steps) - 1,
+                )
                 self._report(self._detector.run(data), frame)
 
     def _report(self, found: list[tuple[Anomaly, Rule]], frame: FrameType | None = None) -> None:
@@ -645,10 +693,16 @@ def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
     return [tuple(x.shape) for x in inputs if hasattr(x, "shape")]
 
 
-def _compiling() -> bool:
-    """Inside a torch.compile trace (constant there, so the hook traces to nothing)."""
+def _is_compiling() -> Callable[[], bool]:
+    """True inside a torch.compile trace (constant there, so the hook traces to nothing);
+    looked up once per hook, not per call."""
     compiler = getattr(sys.modules.get("torch"), "compiler", None)
-    return compiler is not None and bool(compiler.is_compiling())
+    check = getattr(compiler, "is_compiling", None)
+    return check if check is not None else _never
+
+
+def _never() -> bool:
+    return False
 
 
 def _optimizer_params(optimizer: Any) -> list[Any]:
@@ -657,8 +711,21 @@ def _optimizer_params(optimizer: Any) -> list[Any]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _keeps_tensors(step: StepRecord) -> bool:
-    return any(e.tensor is not None for e in step.entries if e.kind in ("forward", "backward"))
+def _output_grad(grad_hook: Callable[[Any], None], index: int) -> Callable[[Any], None]:
+    """A node pre-hook handing ``grad_hook`` the gradient of the node's output ``index``."""
+
+    def pre_hook(grad_outputs: Any) -> None:
+        grad = grad_outputs[index]
+        if grad is not None:  # an output no loss depends on has no gradient
+            grad_hook(grad)
+
+    return pre_hook
+
+
+def _float32() -> Any:
+    import torch
+
+    return torch.float32
 
 
 def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:

@@ -1,17 +1,26 @@
 """The per-step stats buffer: small device tensors in, host floats out.
 
-Hooks append :class:`Entry` objects holding 0-d results (or a small vector)
-on the tensor's device. At a read, :func:`pack` stacks every pending step's
-results into one tensor per device (one or two kernels), :func:`to_host`
-starts the copy (non-blocking, into pinned memory on CUDA), :func:`copy_event`
-marks when it lands, and :func:`decode` turns the floats back into one
-:class:`~breakpod._monitor.detect.StepData` per step.
+Module hooks write their statistics into :class:`SlotTable`'s preallocated
+per-device buffer (a column per statistic, fixed at install, one kernel per
+statistic, nothing allocated) and note on the host which slots ran; the
+step's end snapshots that buffer (one copy per device). Gradient norms, the
+loss and state checks append :class:`Entry` objects holding small vectors.
+At a read, :func:`pack` stacks every pending step's results into one tensor
+per device (one or two kernels), :func:`to_host` starts the copy
+(non-blocking, into pinned memory on CUDA), :func:`copy_event` marks when it
+lands, and :func:`decode` turns the floats back into one
+:class:`~breakpod._monitor.detect.StepData` per step. There
+:meth:`SlotTable.expand` judges every slot at once on the host tensor
+(non-finite, mean |x| and zero fraction against per-slot limit vectors) and
+builds a :class:`~breakpod._monitor.detect.Sample` only for the few that are
+flagged or mid-streak.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from breakpod._monitor.detect import Sample, Slot, StepData
@@ -21,11 +30,11 @@ from breakpod._monitor.detect import Sample, Slot, StepData
 class Entry:
     """One small stats tensor produced during a step, and what it describes."""
 
-    kind: str  # forward | backward | grads | loss | params | batchnorm
+    kind: str  # slots | grads | loss | params | batchnorm
     vec: Any
     slot: Slot | None = None
     numel: int = 0
-    keys: Sequence[Any] = ()
+    keys: Sequence[Any] | dict[int, int] = ()  # a dict for slots: {slot index: numel}
     tensor: Any = None
 
 
@@ -37,6 +46,99 @@ class StepRecord:
     entries: list[Entry] = dataclasses.field(default_factory=list)
     grads_done: bool = False
     partial: bool = False  # a loss that arrived after the optimizer ended the step
+    # device -> {slot index: numel}, in execution order: the slots whose hooks ran
+    ran: dict[Any, dict[int, int]] = dataclasses.field(default_factory=dict)
+    kept: dict[int, Any] = dataclasses.field(default_factory=dict)  # for break/snapshot rules
+
+
+class SlotTable:
+    """Every watched tensor stream's columns in one per-device buffer, and their judgement.
+
+    Built once at install: the columns, the limit vectors and (lazily, per
+    device) the buffer with its 0-d views, so a hook only writes and the
+    host never walks the slots that are fine.
+    """
+
+    def __init__(self, slots: Sequence[Slot]) -> None:
+        import torch
+
+        self.slots = list(slots)
+        self.width = sum(s.width for s in slots)
+        self._buffers: dict[Any, tuple[Any, list[Any]]] = {}
+        self._by_module: dict[str, list[int]] = {}
+        for s in slots:
+            self._by_module.setdefault(s.module, []).append(s.index)
+        n, nan = len(slots), math.nan
+        self._total = torch.tensor([s.base if s.total else -1 for s in slots] or [0])
+        self._abs = torch.tensor([s.base + s.total if s.mean_abs else -1 for s in slots] or [0])
+        self._zeros = torch.tensor(
+            [s.base + s.total + s.mean_abs if s.zeros else -1 for s in slots] or [0]
+        )
+        self._abs_limit = torch.tensor([s.abs_limit for s in slots] or [nan], dtype=torch.float64)
+        self._zero_limit = torch.tensor([s.zero_limit for s in slots] or [nan], dtype=torch.float64)
+        self._any = n > 0
+
+    def cells(self, device: Any) -> list[Any]:
+        """The 0-d views hooks write into on ``device`` (the buffer is made on first use)."""
+        found = self._buffers.get(device)
+        if found is None:
+            import torch
+
+            buffer = torch.zeros(self.width, device=device)
+            found = self._buffers[device] = (buffer, list(buffer.unbind()))
+        return found[1]
+
+    def add_into(self, device: Any, slot: Slot, scratch: Any) -> None:
+        """A second call of a module in one step: its statistics add to the first's."""
+        buffer = self._buffers[device][0]
+        buffer[slot.base : slot.base + slot.width].add_(scratch)
+
+    def snapshot(self, record: StepRecord) -> None:
+        """The step's end: one copy of each device's buffer that some hook wrote."""
+        for device, ran in record.ran.items():
+            record.entries.append(
+                Entry("slots", self._buffers[device][0].clone(), keys=ran, tensor=record.kept)
+            )
+
+    def expand(self, data: StepData, hot: Collection[str]) -> None:
+        """Samples for the slots worth a look: flagged by a vector test, or mid-streak."""
+        for ran, values, kept in data.slot_groups:
+            for index, numel, row in self._flagged(ran, values, hot):
+                slot = self.slots[index]
+                sample = Sample(slot, row, numel, kept.get(index))
+                (data.forward if slot.phase == "forward" else data.backward).append(sample)
+        data.slot_groups = []
+
+    def _flagged(
+        self, ran: dict[int, int], values: Any, hot: Collection[str]
+    ) -> list[tuple[int, int, list[float]]]:
+        import torch
+
+        if not ran or not self._any:
+            return []
+        index = torch.tensor(list(ran), dtype=torch.long)
+        numel = torch.tensor(list(ran.values()), dtype=torch.float64)
+        vals = values.double()
+        total, absc, zeros = self._total[index], self._abs[index], self._zeros[index]
+        flag = (total >= 0) & ~torch.isfinite(vals[total.clamp(min=0)])
+        mean_abs = vals[absc.clamp(min=0)] / numel.clamp(min=1)
+        flag |= (absc >= 0) & (mean_abs > self._abs_limit[index])
+        count = numel - vals[zeros.clamp(min=0)]  # the column holds the non-zero count
+        zero_fraction = count / numel.clamp(min=1)
+        flag |= (zeros >= 0) & (zero_fraction >= self._zero_limit[index])
+        picked = set(flag.nonzero().flatten().tolist())
+        if hot:
+            position = {k: i for i, k in enumerate(ran)}
+            for module in hot:
+                picked.update(position[i] for i in self._by_module.get(module, ()) if i in position)
+        rows = []
+        for pos in sorted(picked):
+            slot = self.slots[int(index[pos])]
+            row = vals[slot.base : slot.base + slot.width].tolist()
+            if slot.zeros:
+                row[-1] = float(count[pos])
+            rows.append((slot.index, int(numel[pos]), row))
+        return rows
 
 
 def by_device(items: Sequence[Any], tensor_of: Callable[[Any], Any]) -> dict[Any, list[Any]]:
@@ -115,20 +217,24 @@ def landed(events: list[Any], *, wait: bool) -> bool:
     return all(event.query() for event in events)
 
 
-def decode(step: StepRecord, values: dict[Any, list[float]]) -> StepData:
-    """Split the host copy back into what each of the step's entries described."""
+def decode(step: StepRecord, values: dict[Any, list[float]], hosts: dict[Any, Any]) -> StepData:
+    """Split the host copy back into what each of the step's entries described.
+
+    ``values`` are the host copies as floats, ``hosts`` the same as tensors
+    (the slot columns are judged there, as vectors).
+    """
     data = StepData(step.step, partial=step.partial)
     for e in step.entries:
         device, offset, n = e.vec
-        _place(data, e, values[device][offset : offset + n])
+        if e.kind == "slots":
+            data.slot_groups.append((e.keys, hosts[device][offset : offset + n], e.tensor))
+        else:
+            _place(data, e, values[device][offset : offset + n])
     return data
 
 
 def _place(data: StepData, e: Entry, chunk: list[float]) -> None:
-    if e.kind in ("forward", "backward"):
-        assert e.slot is not None
-        getattr(data, e.kind).append(Sample(e.slot, chunk, e.numel, e.tensor))
-    elif e.kind == "grads":
+    if e.kind == "grads":
         data.grads.update(zip(e.keys, chunk, strict=True))
     elif e.kind == "params":
         data.params = {**(data.params or {}), **dict(zip(e.keys, chunk, strict=True))}

@@ -83,7 +83,7 @@ class Exporter:
         monitor, params = event.fields["monitor"], event.fields["params"]
         for data in event.fields["steps"]:
             self.log(data.step, self._named(_points.step_metrics(data, params)))
-        if event.fields["steps"]:
+        if event.fields["read_done"]:  # timings since the last read, at its last step
             self._log_phases(event.fields["steps"][-1].step)
         self._log_skipped(monitor)
 

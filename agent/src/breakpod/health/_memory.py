@@ -124,7 +124,7 @@ class MemoryGrowth:
         return fields
 
     def _on_stats(self, event: events.Event) -> None:
-        if event.kind == events.STEP_STATS and event.fields["steps"]:
+        if event.kind == events.STEP_STATS and event.fields["read_done"]:
             self.sample(event.fields["steps"][-1].step)
 
     def close(self) -> None:

@@ -1,0 +1,168 @@
+"""The slot table: one kernel per statistic into a reused buffer, vector judgement on the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import breakpod
+from breakpod._monitor import stats
+from tests.agent.nets import Net, batch, train
+
+
+@pytest.fixture(autouse=True)
+def _monitor_on(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+
+
+def mlp(modules: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(modules // 2):
+        layers += [nn.Linear(16, 16), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+# Ops that only make a view or metadata: no kernel on a GPU.
+NO_KERNEL = {
+    "aten::detach", "aten::alias", "aten::view", "aten::select", "aten::slice", "aten::unbind",
+    "aten::as_strided", "aten::expand", "aten::t", "aten::reshape", "aten::lift_fresh",
+    "aten::resolve_conj", "aten::resolve_neg", "aten::empty", "aten::detach_", "aten::flatten",
+}  # fmt: skip
+
+
+def launches(events: list) -> list:
+    """Outermost torch ops (forward, and backward under autograd's nodes) that run a kernel."""
+    return [
+        e
+        for e in events
+        if e.name.startswith("aten::")
+        and e.name not in NO_KERNEL
+        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+    ]
+
+
+def ops_per_step(model: nn.Module, monitor: object = None, steps: int = 2) -> float:
+    """Torch ops that launch a kernel (on a GPU), per training step."""
+    x = torch.randn(8, 16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step() -> None:
+        loss = model(x).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if monitor is not None:
+            monitor.step(loss)  # type: ignore[attr-defined]
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    top = launches(prof.events())
+    return len(top) / steps
+
+
+def test_the_default_rules_add_at_most_two_kernels_per_watched_module_per_step():
+    """Non-finite (Linear outputs and input gradients) and dead units (ReLU): a kernel each."""
+    torch.manual_seed(0)
+    plain = ops_per_step(mlp(200))
+    torch.manual_seed(0)
+    model = mlp(200)
+    monitor = breakpod.watch(model)
+    added = ops_per_step(model, monitor) - plain
+    assert monitor.errors == 0 and monitor.step_count == 3
+    assert added <= 2 * 200, f"{added:.0f} ops added per step for 200 modules"
+    monitor.close()
+
+
+def test_healthy_steps_build_no_per_module_sample(monkeypatch):
+    """Slots are judged as vectors: a Python sample is made only for what is flagged."""
+    made = []
+    real = stats.Sample
+
+    def counting(*args, **kwargs):
+        made.append(args[0].module)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(stats, "Sample", counting)
+    model = mlp(100)
+    monitor = breakpod.watch(model)
+    x = torch.randn(8, 16) + 0.5
+    for _ in range(5):
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        monitor.step(loss)
+    monitor.flush()
+    assert monitor.step_count == 5 and monitor.errors == 0
+    assert made == []
+    with torch.no_grad():
+        model[0].bias.fill_(float("nan"))
+    model(x).pow(2).mean().backward()
+    monitor.step()
+    monitor.flush()
+    assert made and set(made) <= {m for m, _ in model.named_children()}
+    (a,) = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert a.module == "0"
+    monitor.close()
+
+
+class Twice(nn.Module):
+    """Runs its layer twice per forward (as micro-batches do per step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.poison_first = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.fc(x * float("inf") if self.poison_first else x)
+        return self.fc(x) + first.detach() * 0
+
+
+def test_a_module_called_twice_in_a_step_keeps_the_first_calls_nonfinite():
+    model = Twice()
+    monitor = breakpod.watch(model)
+    x = torch.randn(4, 8)
+    for step in range(3):
+        model.poison_first = step == 2
+        model(x).sum().backward()
+        monitor.step()
+    monitor.flush()
+    bad = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert bad and (bad[0].step, bad[0].module) == (2, "fc")
+
+
+def test_a_dead_streak_that_breaks_is_cleared_though_the_slot_looks_fine():
+    """Mid-streak slots are examined even when healthy, so ``consecutive`` stays exact."""
+    model = Net()
+    rules = [{"name": "dead", "check": "dead_units", "modules": "act2", "consecutive": 3}]
+    monitor = breakpod.watch(model, {"rules": rules, "defaults": False})
+    dead_steps = {0, 1, 3, 4, 6, 7, 8}  # streaks of 2, 2, then 3
+
+    def before(step: int) -> None:
+        with torch.no_grad():
+            model.fc2.bias.fill_(-1e3 if step in dead_steps else 1e3)
+
+    train(model, monitor, 9, lr=0.0, before=before)
+    monitor.flush()
+    dead = [a.step for a in monitor.anomalies if a.check == "dead_units"]
+    assert dead == [8]
+    monitor.close()
+
+
+def test_check_every_reads_every_step_of_the_buffer():
+    """The buffer is reused each step; every step's values still reach the detector."""
+    model = Net()
+    monitor = breakpod.watch(model, check_every=5)
+    for step in range(10):
+        model.poison.mode = "forward" if step in (2, 7) else None
+        model.zero_grad()
+        model(batch(step)[0]).sum().backward()
+        monitor.step()
+    monitor.flush()
+    bad = [(a.step, a.module) for a in monitor.anomalies if a.check == "nonfinite"]
+    assert bad == [(2, "poison"), (7, "poison")]
+    monitor.close()
