@@ -281,6 +281,29 @@ def test_the_protocol_is_standard_library_only() -> None:
     assert tops <= set(sys.stdlib_module_names) | {"__future__"}
 
 
+HTTP_MODULES = frozenset({"http.client", "urllib.request", "httpx", "requests", "aiohttp"})
+
+
+def http_importers(root: Path) -> set[str]:
+    """Files under ``root`` that import an HTTP client library (a relative path each)."""
+    found = set()
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module:  # `from urllib import request` too
+                names |= {n.module, *(f"{n.module}.{a.name}" for a in n.names)}
+        if any(name == m or name.startswith(f"{m}.") for name in names for m in HTTP_MODULES):
+            found.add(path.relative_to(root.parent).as_posix())
+    return found
+
+
+def test_the_broker_client_is_the_only_http_code_in_the_agent(tmp_path: Path) -> None:
+    assert http_importers(AGENT_SRC) == {"breakpod/_broker/client.py"}
+    (tmp_path / "cli.py").write_text("from urllib import request\n")  # the scan can fail
+    assert http_importers(tmp_path) == {f"{tmp_path.name}/cli.py"}
+
+
 # -- protocol strings -----------------------------------------------------------
 
 
@@ -353,10 +376,6 @@ def _docstrings(tree: ast.AST) -> Iterator[ast.AST]:
 AGENT_STILL_SPELLING = {
     "breakpod/_monitor/anomaly.py",
     "breakpod/_monitor/rules.py",
-    "breakpod/_cli/broker.py",
-    "breakpod/_cli/main.py",
-    "breakpod/_cli/doctor.py",
-    "breakpod/_core/config.py",
 }
 
 

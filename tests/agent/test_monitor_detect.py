@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import random
+from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
 
 import breakpod
+from breakpod._monitor.detect import Detector, ParamInfo, StepData
 from tests.agent.nets import Net, batch, train
 
 
@@ -122,19 +126,17 @@ def test_vanishing_gradient_when_tanh_saturates():
 
 def test_the_gradient_baseline_follows_a_slow_decay_but_not_a_sudden_drop():
     """Norms shrink 2% a step (0.2% of the start after 300 steps): healthy, no alarm;
-    then a 1000x drop in one step is still reported."""
+    then a 1000x drop in one step is still reported. The steps are a real first step's
+    statistics, scaled (as a loss scaled without an update would scale them)."""
     model = Net()
-    monitor = breakpod.watch(model, check_every=10)
-    x, y = batch(0)
+    detector, step0 = synthetic(model)
+    found = []
     for step in range(310):
         scale = 0.98**step * (1e-3 if step >= 300 else 1.0)
-        loss = nn.functional.cross_entropy(model(x), y) * scale
-        model.zero_grad()
-        loss.backward()  # no update: the norms are the first step's, scaled
-        monitor.step(loss)
-    monitor.flush()
-    vanishing = [a for a in monitor.anomalies if a.details.get("kind") == "vanishing"]
+        found += detector.run(step0.scaled(step, scale))
+    vanishing = [a for a, _ in found if a.details.get("kind") == "vanishing"]
     assert {(a.step, a.module) for a in vanishing} == {(300, "fc1"), (300, "fc2"), (300, "fc3")}
+    assert len(found) == len(vanishing)
 
 
 def test_dead_relu_three_steps_in_a_row():
@@ -209,9 +211,9 @@ def test_nonfinite_parameter_is_reported_in_phase_param():
     assert params[0].details["param"] == "fc3.bias"
 
 
-def test_healthy_run_of_200_steps_reports_nothing():
+def healthy_model() -> nn.Sequential:
     torch.manual_seed(1)
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Linear(8, 16),
         nn.BatchNorm1d(16),
         nn.ReLU(),
@@ -219,13 +221,40 @@ def test_healthy_run_of_200_steps_reports_nothing():
         nn.ReLU(),
         nn.Linear(16, 4),
     )
+
+
+def test_healthy_run_reports_nothing():
+    """A short real run past the warm-ups (gradient baseline, loss window): no anomaly."""
+    model = healthy_model()
     monitor = breakpod.watch(model, expect={"0": "B,16", "5": (None, 4)})
-    train(model, monitor, 200)
+    train(model, monitor, 20)
     monitor.flush()
     assert monitor.anomalies == []
-    assert monitor.errors == 0 and monitor.step_count == 200 and monitor.reads == 200
+    assert monitor.errors == 0 and monitor.step_count == 20 and monitor.reads == 20
     assert set(monitor.shapes) == {name for name, _ in model.named_modules()}  # for tshape
     assert monitor.shapes["1"] == ([(32, 16)], (32, 16))
+
+
+def test_200_healthy_steps_of_noisy_statistics_raise_nothing_and_a_jump_still_does():
+    """The checks that carry state across steps (gradient baselines, the loss window,
+    batchnorm ranges) over 200 steps of a real first step's statistics with the
+    step-to-step noise of training (each norm and the loss within about 3x, drifting
+    down), then one layer's gradients 1000x their usual size."""
+    model = healthy_model()
+    detector, step0 = synthetic(model)
+    noise = random.Random(7)
+    found = []
+    for step in range(200):
+        drift = 0.995**step
+        data = step0.scaled(step, drift, jitter=lambda: math.exp(noise.gauss(0, 0.4)))
+        found += detector.run(data)
+    assert found == []
+    jump = step0.scaled(200, 0.995**200)
+    for i in (0, 1):  # the first layer's weight and bias
+        jump.grads[i] *= 1000
+    assert [(a.rule, a.module, a.details["kind"]) for a, _ in detector.run(jump)] == [
+        ("grad_norm", "0", "exploding")
+    ]
 
 
 def test_check_every_reads_the_host_once_per_n_steps():
@@ -265,3 +294,49 @@ def test_corrupt_parameter_of_a_skipped_layer_is_named_in_the_report():
     (a,) = [a for a in monitor.anomalies if a.check == "nonfinite"]
     assert (a.step, a.module, a.phase) == (0, "3", "forward")
     assert a.details["nonfinite_params"] == ["1.weight"]
+
+
+# -- synthetic steps: the statistics a real step produces, fed to the detector -------------
+
+
+@dataclasses.dataclass
+class FirstStep:
+    """One real step's host-side statistics: each parameter's gradient norm, the loss and
+    each BatchNorm's running-stat ranges (what the monitor reads off the device)."""
+
+    grads: dict[int, float]
+    loss: float
+    batchnorm: dict[str, list[float]]
+
+    def scaled(
+        self, step: int, scale: float, jitter: Callable[[], float] = lambda: 1.0
+    ) -> StepData:
+        grads = {i: norm * scale * jitter() for i, norm in self.grads.items()}
+        return StepData(
+            step, grads=grads, loss=self.loss * scale * jitter(), batchnorm=self.batchnorm
+        )
+
+
+def synthetic(model: nn.Module) -> tuple[Detector, FirstStep]:
+    """The rules ``watch()`` runs on ``model``, in a detector of their own, and one real
+    forward and backward's statistics (no update)."""
+    monitor = breakpod.watch(model)
+    rules = monitor.rules
+    monitor.close()
+    x, y = batch(0)
+    loss = nn.functional.cross_entropy(model(x), y)
+    loss.backward()
+    names = [name for name, _ in model.named_parameters()]
+    watching = frozenset(r.name for r in rules if r.check == "grad_norm")
+    params = [ParamInfo(name, name.rpartition(".")[0], watching) for name in names]
+    norms = {i: float(p.grad.norm()) for i, (_, p) in enumerate(model.named_parameters())}
+    bn_rules = frozenset(r.name for r in rules if r.check == "batchnorm")
+    bns = {n: m for n, m in model.named_modules() if getattr(m, "running_var", None) is not None}
+    ranges = {n: _ranges(m) for n, m in bns.items()}
+    detector = Detector(rules, params, {n: bn_rules for n in bns})
+    return detector, FirstStep(norms, float(loss.detach()), ranges)
+
+
+def _ranges(bn: nn.Module) -> list[float]:
+    mean, var = bn.running_mean, bn.running_var
+    return [float(mean.min()), float(mean.max()), float(var.min()), float(var.max())]

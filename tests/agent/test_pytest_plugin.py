@@ -1,16 +1,21 @@
-"""The pytest plugin, run as a real pytest in a child process with stdin closed."""
+"""The pytest plugin, run by pytest's own ``pytester`` in a child pytest with stdin closed."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import subprocess
 import sys
 import time
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 
 from breakpod._core import hosting, notice
+from tests.conftest import Child
+
+pytest_plugins = ["pytester"]
 
 TESTS = """
 def test_passes():
@@ -34,28 +39,66 @@ def test_second():
     pytest.fail("second failure")
 """
 
-PYTEST = "import sys, pytest\nraise SystemExit(pytest.main(sys.argv[1:]))\n"
 NOT_CI = {"CI": "", "GITHUB_ACTIONS": "", "GITLAB_CI": "", "BUILDKITE": "", "JENKINS_URL": ""}
 TIMING = re.compile(r" in [\d.]+s")
+# fd 0 closed before Python starts (sys.stdin is None): a CI runner's stdin at its barest
+STDIN_CLOSED = ("/bin/sh", "-c", 'exec "$@" <&-', "sh")
 
 
 @pytest.fixture
-def run_pytest(spawn, tmp_path: Path):
-    """run_pytest(source, *args, env=...) -> Child running pytest on a test file."""
+def job(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    """pytester's folder as a job's project: no breakpod setting and no CI inherited."""
+    for name in [n for n in os.environ if n.startswith("BREAKPOD_")]:
+        monkeypatch.delenv(name)
+    for name, value in {**NOT_CI, "PYTHONUNBUFFERED": "1", "BREAKPOD_PORT": "0"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("PYTHONBREAKPOINT", "breakpod.set_trace")
+    pytester.makeini("[pytest]\n")
+    return pytester
 
-    def _run(source: str, *args: str, env: dict[str, str] | None = None):
-        project = tmp_path / "project"
-        project.mkdir(exist_ok=True)
-        (project / "pytest.ini").write_text("[pytest]\n")
-        (project / "test_job.py").write_text(source)
-        argv = ["-p", "no:cacheprovider", "--rootdir", str(project), str(project), *args]
-        return spawn(PYTEST, args=argv, env={**NOT_CI, **(env or {})}, stdin="closed")
+
+def _argv(pytester: pytest.Pytester, args: tuple[str, ...]) -> list[str]:
+    basetemp = pytester.path / "basetemp"
+    pytest_argv = [sys.executable, "-m", "pytest", f"--basetemp={basetemp}", "test_job.py"]
+    return [*STDIN_CLOSED, *pytest_argv, *args]
+
+
+@pytest.fixture
+def run_pytest(job: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+    """run_pytest(source, *args, env=...) -> RunResult: a child pytest on test_job.py, ended."""
+
+    def _run(source: str, *args: str, env: dict[str, str] | None = None) -> pytest.RunResult:
+        (job.path / "test_job.py").write_text(source)  # as given: the tests name its lines
+        with monkeypatch.context() as m:
+            for name, value in (env or {}).items():
+                m.setenv(name, value)
+            return job.run(*_argv(job, args), timeout=50)
 
     return _run
 
 
-def test_failing_test_is_attachable_then_reported_as_usual(run_pytest, pdb_client):
-    child = run_pytest(TESTS, "--breakpod", "--breakpod-hold", "30")
+@pytest.fixture
+def start_pytest(job: pytest.Pytester) -> Iterator[object]:
+    """start_pytest(source, *args) -> Child: a child pytest to attach to while it runs."""
+    children: list[Child] = []
+
+    def _start(source: str, *args: str) -> Child:
+        (job.path / "test_job.py").write_text(source)  # as given: the tests name its lines
+        stderr_path = job.path / f"pytest{len(children)}.err"
+        with open(stderr_path, "wb") as err:
+            proc = job.popen(_argv(job, args), stdout=subprocess.PIPE, stderr=err)
+        children.append(Child(proc, stderr_path))
+        return children[-1]
+
+    yield _start
+    for child in children:
+        if child.proc.poll() is None:
+            child.proc.kill()
+            child.proc.wait(timeout=10)
+
+
+def test_failing_test_is_attachable_then_reported_as_usual(start_pytest, pdb_client):
+    child = start_pytest(TESTS, "--breakpod", "--breakpod-hold", "30")
     port = child.park_port()
     client = pdb_client(port)
     banner = client.read_until()
@@ -73,18 +116,18 @@ def test_failing_test_is_attachable_then_reported_as_usual(run_pytest, pdb_clien
 
 def test_nobody_attaching_finishes_after_the_hold_and_holds_once(run_pytest):
     started = time.monotonic()
-    child = run_pytest(TWO_FAILURES, "--breakpod", "--breakpod-hold", "1")
-    assert child.wait() == 1
+    run = run_pytest(TWO_FAILURES, "--breakpod", "--breakpod-hold", "1")
+    assert run.ret == 1
     assert time.monotonic() - started >= 1
-    assert "2 failed" in child.stdout()
-    assert child.stderr.count("waiting up to 1s") == 1  # nobody watches: no second hold
-    assert "nobody attached within 1s" in child.stderr
+    assert "2 failed" in run.stdout.str()
+    assert run.stderr.str().count("waiting up to 1s") == 1  # nobody watches: no second hold
+    assert "nobody attached within 1s" in run.stderr.str()
 
 
 @pytest.mark.parametrize("first", [False, True])
-def test_after_an_attach_later_failures_hold_unless_first(run_pytest, pdb_client, first):
+def test_after_an_attach_later_failures_hold_unless_first(start_pytest, pdb_client, first):
     flags = ["--breakpod-first"] if first else []
-    child = run_pytest(TWO_FAILURES, "--breakpod", "--breakpod-hold", "1.5", *flags)
+    child = start_pytest(TWO_FAILURES, "--breakpod", "--breakpod-hold", "1.5", *flags)
     client = pdb_client(child.park_port())
     client.read_until()
     assert client.command("p step").strip() == "1"
@@ -99,10 +142,9 @@ def test_after_an_attach_later_failures_hold_unless_first(run_pytest, pdb_client
 
 def test_without_breakpod_the_plugin_changes_nothing(run_pytest):
     def outcome(*args: str) -> tuple[int, str, str]:
-        child = run_pytest(TESTS, *args)
-        status = child.wait()
-        lines = [ln for ln in child.stdout().splitlines() if not ln.startswith("plugins:")]
-        return status, TIMING.sub("", "\n".join(lines)), child.stderr
+        run = run_pytest(TESTS, *args)
+        lines = [ln for ln in run.stdout.str().splitlines() if not ln.startswith("plugins:")]
+        return run.ret, TIMING.sub("", "\n".join(lines)), run.stderr.str()
 
     installed = outcome()
     removed = outcome("-p", "no:breakpod")
@@ -121,47 +163,51 @@ def test_inactive_plugin_loads_no_debugger_code(run_pytest):
         "    }\n"
         "    assert not loaded & set(sys.modules)\n"
     )
-    child = run_pytest(probe)
-    assert child.wait() == 1
-    assert "1 failed, 2 passed" in child.stdout()
+    run = run_pytest(probe)
+    assert run.ret == 1
+    assert "1 failed, 2 passed" in run.stdout.str()
 
 
 def test_breakpod_ci_env_enables_it_and_ci_holds_600s(run_pytest):
-    child = run_pytest(TESTS, "--co", env={"BREAKPOD_CI": "1", "GITHUB_ACTIONS": "true"})
-    assert child.wait() == 0
-    assert "breakpod: failures are held 600s" in child.stdout()
+    ci = run_pytest(TESTS, "--co", env={"BREAKPOD_CI": "1", "GITHUB_ACTIONS": "true"})
+    assert ci.ret == 0
+    assert "breakpod: failures are held 600s" in ci.stdout.str()
     local = run_pytest(TESTS, "--co", "--breakpod")
-    assert local.wait() == 0
-    assert "breakpod: failures are not held" in local.stdout()
+    assert local.ret == 0
+    assert "breakpod: failures are not held" in local.stdout.str()
 
 
-def test_github_actions_gets_an_error_annotation(run_pytest, tmp_path):
-    github = {"BREAKPOD_CI": "1", "GITHUB_ACTIONS": "1", "GITHUB_WORKSPACE": str(tmp_path)}
-    child = run_pytest(TESTS, "--breakpod-hold", "0.2", env=github)
-    assert child.wait() == 1
-    line = next(ln for ln in child.stdout().splitlines() if ln.startswith("::error "))
-    assert re.match(r"::error file=project/test_job\.py,line=8,title=breakpod%3A test held::", line)
+def test_github_actions_gets_an_error_annotation(run_pytest, job):
+    workspace = str(job.path.parent)  # the job's folder inside it, as a checkout's subfolder
+    github = {"BREAKPOD_CI": "1", "GITHUB_ACTIONS": "1", "GITHUB_WORKSPACE": workspace}
+    run = run_pytest(TESTS, "--breakpod-hold", "0.2", env=github)
+    assert run.ret == 1
+    line = next(ln for ln in run.stdout.str().splitlines() if ln.startswith("::error "))
+    file = re.escape(f"{job.path.name}/test_job.py")
+    assert re.match(rf"::error file={file},line=8,title=breakpod%3A test held::", line)
     assert "test_job.py::test_loss failed" in line and "breakpod attach 127.0.0.1:" in line
 
 
 def test_gitlab_gets_a_collapsible_section(run_pytest):
-    child = run_pytest(TESTS, "--breakpod", "--breakpod-hold", "0.2", env={"GITLAB_CI": "true"})
-    assert child.wait() == 1
-    assert re.search(r"section_start:\d+:breakpod_held_failure\[collapsed=false\]", child.stderr)
-    assert "section_end:" in child.stderr
+    run = run_pytest(TESTS, "--breakpod", "--breakpod-hold", "0.2", env={"GITLAB_CI": "true"})
+    assert run.ret == 1
+    assert re.search(
+        r"section_start:\d+:breakpod_held_failure\[collapsed=false\]", run.stderr.str()
+    )
+    assert "section_end:" in run.stderr.str()
 
 
 def test_collection_error_is_held_at_the_failing_import(run_pytest):
-    child = run_pytest("import no_such_module_xyz\n", "--breakpod", "--breakpod-hold", "0.2")
-    assert child.wait() == 2  # pytest's status for a collection error
-    assert "error   ModuleNotFoundError: No module named 'no_such_module_xyz'" in child.stderr
-    assert re.search(r"where\s+\S*test_job\.py:1\n", child.stderr)
+    run = run_pytest("import no_such_module_xyz\n", "--breakpod", "--breakpod-hold", "0.2")
+    assert run.ret == 2  # pytest's status for a collection error
+    assert "error   ModuleNotFoundError: No module named 'no_such_module_xyz'" in run.stderr.str()
+    assert re.search(r"where\s+\S*test_job\.py:1\n", run.stderr.str())
 
 
 def test_bad_hold_value_is_a_usage_error(run_pytest):
-    child = run_pytest(TESTS, "--breakpod", "--breakpod-hold", "soon")
-    assert child.wait() == 4
-    assert "--breakpod-hold='soon' is not a number of seconds" in child.stderr
+    run = run_pytest(TESTS, "--breakpod", "--breakpod-hold", "soon")
+    assert run.ret == 4
+    assert "--breakpod-hold='soon' is not a number of seconds" in run.stderr.str()
 
 
 def test_xdist_workers_get_distinct_ports(run_pytest):
@@ -170,23 +216,25 @@ def test_xdist_workers_get_distinct_ports(run_pytest):
     two = TESTS.replace(
         "def test_passes():\n    assert True", "def test_other():\n    x = 1\n    assert x == 2"
     )
-    child = run_pytest(
+    run = run_pytest(
         two, "-n", "2", "--breakpod", "--breakpod-hold", "1", env={"BREAKPOD_PORT": str(base)}
     )
-    assert child.wait(timeout=45) == 1
+    assert run.ret == 1
     ports = {
         int(p)
-        for p in re.findall(r"waiting up to 1s for a debugger on 127\.0\.0\.1:(\d+)", child.stderr)
+        for p in re.findall(
+            r"waiting up to 1s for a debugger on 127\.0\.0\.1:(\d+)", run.stderr.str()
+        )
     }
     assert ports == {base, base + 1}
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="DAP test runs on Linux")
-def test_debugpy_backend_shows_the_failure_to_a_dap_client(run_pytest):
+def test_debugpy_backend_shows_the_failure_to_a_dap_client(start_pytest):
     pytest.importorskip("debugpy")
     from tests.dap import DapClient
 
-    child = run_pytest(
+    child = start_pytest(
         TESTS, "--breakpod", "--breakpod-backend", "debugpy", "--breakpod-hold", "30"
     )
     port = int(child.wait_for(r"waiting up to 30s for a DAP client on 127\.0\.0\.1:(\d+)").group(1))

@@ -83,9 +83,8 @@ def test_a_cursor_that_is_not_one_is_refused_in_one_line(broker, cursor):
 
 def test_the_cli_pages_through_every_session_the_broker_selects(broker):
     from breakpod._broker.client import BrokerClient
-    from breakpod._cli.broker import list_sessions
 
     register_many(broker, [f"j{i}" for i in range(12)], job="big")
     register_many(broker, ["other"], job="small")
-    found = list_sessions(BrokerClient(broker.url, VIEWER), limit=5, job="big")
+    found = BrokerClient(broker.url, VIEWER).sessions(limit=5, job="big")
     assert [s["id"] for s in found] == [f"j{i}" for i in range(12)][::-1]

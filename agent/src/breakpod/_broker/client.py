@@ -67,20 +67,32 @@ class BrokerClient:
         """Queue a command for a session; its id."""
         return str(self.request("POST", protocol.commands_path(session_id), command)["id"])
 
-    def sessions(self, query: str = "") -> list[dict[str, Any]]:
-        path = f"{protocol.SESSIONS}?{query}" if query else protocol.SESSIONS
-        return list(self.request("GET", path)["sessions"])
+    def session(self, session_id: str) -> dict[str, Any]:
+        return dict(self.request("GET", protocol.session_path(session_id)))
 
-    def events(self, query: str = "") -> list[dict[str, Any]]:
-        path = f"{protocol.EVENTS}?{query}" if query else protocol.EVENTS
-        return list(self.request("GET", path)["events"])
+    def sessions(self, *, limit: int = 1000, **filters: Any) -> list[dict[str, Any]]:
+        """Every session the filters select (the broker applies them; ``None`` and empty
+        ones are left out), page by page."""
+        params = {"limit": limit, **{k: v for k, v in filters.items() if v}}
+        found: list[dict[str, Any]] = []
+        while True:
+            page = self.request("GET", _with_query(protocol.SESSIONS, **params))
+            found += page["sessions"]
+            if not page.get("next"):  # an older broker sends one page without `next`
+                return found
+            params["cursor"] = page["next"]
 
-    def event_stream(self, query: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
-        path = f"{protocol.EVENTS_STREAM}?{query}" if query else protocol.EVENTS_STREAM
-        return self.stream(path)
+    def events(self, **params: Any) -> list[dict[str, Any]]:
+        """Recent events; ``params``: session, kind (a list repeats it), limit, since."""
+        return list(self.request("GET", _with_query(protocol.EVENTS, **params))["events"])
+
+    def event_stream(self, **params: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+        """New events as they come (see :meth:`stream`), filtered as :meth:`events`."""
+        return self.stream(_with_query(protocol.EVENTS_STREAM, **params))
 
     def attach_info(self, session_id: str, local_port: int) -> dict[str, Any]:
-        path = f"{protocol.attach_path(session_id)}?local_port={local_port}"
+        """How to reach the session's listener from here, forwarding to ``local_port``."""
+        path = _with_query(protocol.attach_path(session_id), local_port=local_port)
         return dict(self.request("GET", path))
 
     def whoami(self) -> dict[str, Any]:
@@ -193,6 +205,19 @@ class BrokerClient:
         if status < 400:
             return body
         raise BrokerError(_explain(method, path, status, body, self.url), status)
+
+
+def _with_query(path: str, **params: Any) -> str:
+    """``path?a=1&b=2``: ``None`` values left out, a list repeats its name."""
+    pairs = [(k, v) for k, value in params.items() for v in _values(value)]
+    query = urllib.parse.urlencode(pairs)
+    return f"{path}?{query}" if query else path
+
+
+def _values(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _encode(body: Any) -> bytes:

@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.parse
 from typing import Any
 
 from breakpod import protocol
@@ -37,21 +36,9 @@ def client(args: argparse.Namespace) -> BrokerClient:
     return BrokerClient(url, args.broker_token or token_value(ENV_TOKEN))
 
 
-def list_sessions(broker: BrokerClient, limit: int = 1000, **filters: Any) -> list[dict[str, Any]]:
-    """Every session the filters select (the broker applies them), page by page."""
-    params = {"limit": limit, **{k: v for k, v in filters.items() if v}}
-    found: list[dict[str, Any]] = []
-    while True:
-        page = broker.request("GET", f"/v1/sessions?{_query(**params)}".rstrip("?"))
-        found += page["sessions"]
-        if not page.get("next"):  # an older broker sends one page without `next`
-            return found
-        params["cursor"] = page["next"]
-
-
 def run_sessions(args: argparse.Namespace) -> int:
     job = getattr(args, "job", None)
-    sessions = list_sessions(client(args), state=args.state, job=job)
+    sessions = client(args).sessions(state=args.state, job=job)
     sessions = [s for s in sessions if not job or s.get("job") == job]  # older brokers
     if args.json:
         print(json.dumps(sessions, indent=2))
@@ -81,11 +68,9 @@ def job_lines(sessions: list[dict[str, Any]]) -> list[str]:
 def run_stacks(args: argparse.Namespace) -> int:
     """``breakpod stacks SESSION|JOB``: every thread's stack of one rank or of each rank."""
     broker = client(args)
-    targets = job_sessions(list_sessions(broker), args.target)
-    body = {"command": "dump-stacks", "reason": "breakpod stacks"}
-    sent = [
-        (s, broker.request("POST", f"/v1/sessions/{s['id']}/commands", body)["id"]) for s in targets
-    ]
+    targets = job_sessions(broker.sessions(), args.target)
+    body = {"command": protocol.DUMP_STACKS, "reason": "breakpod stacks"}
+    sent = [(s, broker.send_command(s["id"], body)) for s in targets]
     for session, command_id in sent:
         rank = "" if session.get("rank") is None else f"rank {session['rank']} "
         print(f"=== {rank}{session['id']} ===", flush=True)
@@ -99,7 +84,9 @@ def job_sessions(sessions: list[dict[str, Any]], target: str) -> list[dict[str, 
     if exact:
         return exact
     live = [
-        s for s in sessions if s.get("job") == target and s["state"] not in ("lost", "finished")
+        s
+        for s in sessions
+        if s.get("job") == target and s["state"] not in (protocol.LOST, protocol.FINAL_STATE)
     ]
     if not live:
         jobs = sorted({s["job"] for s in sessions if s.get("job")})
@@ -111,9 +98,8 @@ def job_sessions(sessions: list[dict[str, Any]], target: str) -> list[dict[str, 
 
 def _await_ack(broker: BrokerClient, session: str, command_id: str, timeout: float) -> str:
     deadline = time.monotonic() + timeout
-    query = _query(session=session, kind="command", limit=100)
     while time.monotonic() < deadline:
-        for event in broker.request("GET", f"/v1/events?{query}")["events"]:
+        for event in broker.events(session=session, kind=protocol.COMMAND_KIND, limit=100):
             fields = event.get("fields", {})
             if fields.get("command_id") == command_id and fields.get("state") in ("done", "failed"):
                 return str(fields.get("detail") or fields["state"])
@@ -152,27 +138,14 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def run_events(args: argparse.Namespace) -> int:
-    query = _query(session=args.session, kind=args.kind)
     broker = client(args)
     if not args.follow:
-        page = broker.request("GET", f"/v1/events?{_query(limit=args.limit)}&{query}".rstrip("&?"))
-        for event in page["events"]:
+        for event in broker.events(limit=args.limit, session=args.session, kind=args.kind):
             print(format_event(event), flush=True)
         return 0
-    for _, event in broker.stream(f"/v1/events/stream?{query}".rstrip("?")):
+    for _, event in broker.event_stream(session=args.session, kind=args.kind):
         print(format_event(event), flush=True)
     return 0
-
-
-def _query(**params: Any) -> str:
-    pairs = [(k, v) for k, value in params.items() for v in _values(value)]
-    return urllib.parse.urlencode(pairs)
-
-
-def _values(value: Any) -> list[Any]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list) else [value]
 
 
 def format_event(event: dict[str, Any]) -> str:
@@ -196,17 +169,16 @@ def run_send(args: argparse.Namespace) -> int:
     body = {"command": args.command, "reason": args.reason}
     targets = [args.session]
     if not _is_session(broker, args.session):
-        sessions = list_sessions(broker)
-        targets = [s["id"] for s in job_sessions(sessions, args.session)]
+        targets = [s["id"] for s in job_sessions(broker.sessions(), args.session)]
     for target in targets:
-        sent = broker.request("POST", f"/v1/sessions/{target}/commands", body)
-        print(f"queued {sent['command']} for {target} (command {sent['id']})")
+        command_id = broker.send_command(target, body)
+        print(f"queued {args.command} for {target} (command {command_id})")
     return 0
 
 
 def _is_session(broker: BrokerClient, target: str) -> bool:
     try:
-        broker.request("GET", f"/v1/sessions/{target}")
+        broker.session(target)
     except BrokerError:
         return False
     return True
@@ -229,9 +201,8 @@ def attach_session(args: argparse.Namespace) -> int:
     broker = client(args)
     target = args.target
     if getattr(args, "rank", None) is not None:
-        sessions = list_sessions(broker)
-        target = rank_session(sessions, args.target, args.rank)
-    info = broker.request("GET", f"/v1/sessions/{target}/attach?local_port={_free_port()}")
+        target = rank_session(broker.sessions(), args.target, args.rank)
+    info = broker.attach_info(target, _free_port())
     _check_attachable(target, info)
     host, port = net.parse_address(info["connect"])
     if args.vscode or info["listener"] == protocol.DAP_LISTENER:

@@ -16,6 +16,7 @@ import socket
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from breakpod import protocol
 from breakpod._broker.client import BrokerClient
 from breakpod._core import hosting, net
 from breakpod._core.config import (
@@ -32,6 +33,7 @@ from breakpod._core.errors import BreakpodError, BrokerError
 from breakpod._debug import debugger, shim
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
+DEBUGPY = "debugpy"  # not protocol: the package (and its check), not the listener kind
 HTTP_TIMEOUT = 3.0
 
 
@@ -155,11 +157,11 @@ def check_post_mortem(ctx: Context) -> Iterator[Check]:
 
 
 def check_debugpy(ctx: Context) -> Iterator[Check]:
-    wants = ctx.settings.backend == "debugpy"
-    if importlib.util.find_spec("debugpy") is None:
+    wants = ctx.settings.backend == protocol.DAP_LISTENER
+    if importlib.util.find_spec(DEBUGPY) is None:
         status = FAIL if wants else INFO
         yield Check(
-            "debugpy",
+            DEBUGPY,
             status,
             "not installed: the remote pdb backend is used",
             "pip install debugpy",
@@ -169,7 +171,7 @@ def check_debugpy(ctx: Context) -> Iterator[Check]:
 
     post_mortem = hasattr(debugpy, "trigger_exception_handler")
     note = "" if post_mortem else " (no post-mortem before 1.8.21: crashes use pdb)"
-    yield Check("debugpy", OK, f"{debugpy.__version__} importable{note}")
+    yield Check(DEBUGPY, OK, f"{debugpy.__version__} importable{note}")
 
 
 def check_bind(ctx: Context) -> Iterator[Check]:
@@ -183,12 +185,13 @@ def check_bind(ctx: Context) -> Iterator[Check]:
         )
         return
     chosen = debugger.choose_backend(s.backend)  # what init_remote_debugger() would start
-    for backend in dict.fromkeys(["pdb", chosen]):
+    pdb = protocol.DEFAULT_LISTENER
+    for backend in dict.fromkeys([pdb, chosen]):
         try:
             net.check_bind(s.host, backend=backend, token=s.token, allow_insecure=s.allow_insecure)
         except BreakpodError:
             found, fix = BIND_FIXES[backend]
-            if backend == "pdb" or s.backend == "debugpy":
+            if backend == pdb or s.backend == protocol.DAP_LISTENER:
                 yield Check("bind", FAIL, f"{s.host} is {found}", fix)
                 return
             yield Check(
@@ -347,13 +350,13 @@ def check_hosting(ctx: Context) -> Iterator[Check]:
     if where.kubernetes:
         if where.pod and where.namespace:
             yield Check(
-                "kubernetes",
+                protocol.KUBERNETES,
                 OK,
                 f"pod {where.namespace}/{where.pod}: kubectl port-forward reaches it",
             )
         else:
             yield Check(
-                "kubernetes",
+                protocol.KUBERNETES,
                 WARN,
                 "in a pod, but POD_NAME / POD_NAMESPACE are not set: attach hints guess the pod",
                 "add downward-API env POD_NAME (metadata.name), POD_NAMESPACE (metadata.namespace)",

@@ -7,7 +7,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from breakpod import __version__
+from breakpod import __version__, protocol
 from breakpod._core.config import BACKENDS, BROKER_TOKEN_ENV, LISTENER_TOKEN_ENV
 from breakpod._core.errors import BreakpodError
 
@@ -126,7 +126,11 @@ def add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--broker", metavar="URL", help="broker to register sessions with")
     p.add_argument("--backend", choices=BACKENDS, help="debugger backend")
     p.add_argument("--keep-compile", action="store_true", help="leave torch.compile enabled")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- PROGRAM [ARGS...]")
+    p.add_argument(
+        "command",  # not protocol: argparse's name for the program to run
+        nargs=argparse.REMAINDER,
+        help="-- PROGRAM [ARGS...]",
+    )
     p.set_defaults(func=run_run)
 
 
@@ -201,7 +205,7 @@ def add_send(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "`break` parks them all at one step boundary, `resume` continues them all.",
     )
     p.add_argument("session", metavar="SESSION_ID|JOB")
-    p.add_argument("command", choices=["break", "resume", "dump-stacks", "detach"])
+    p.add_argument("command", choices=protocol.COMMANDS)  # not protocol: argparse's name
     p.add_argument("--reason", help="recorded with the command")
     broker_cli.add_broker_flags(p)
     p.set_defaults(func=broker_cli.run_send)

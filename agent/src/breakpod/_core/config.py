@@ -21,12 +21,13 @@ import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from breakpod import protocol
 from breakpod._core.errors import ConfigError
 
 DEFAULT_PORT = 5678
 SHIM = "breakpod.set_trace"  # the PYTHONBREAKPOINT value
 DISABLE_COMPILE_ENV = "BREAKPOD_DISABLE_COMPILE"
-BACKENDS = ("auto", "pdb", "debugpy")  # auto: debugpy when importable, else pdb
+BACKENDS = ("auto", *protocol.LISTENERS)  # auto: debugpy when importable, else pdb
 BROKER_URL_ENV = "BREAKPOD_BROKER_URL"  # read by the emitter, the CLI, run and doctor
 # Three secrets, three names: who may attach to this process's listener, what the
 # job's agent shows the broker (role agent), what the engineer's CLI shows it
@@ -222,7 +223,7 @@ PARSERS: dict[str, Callable[[str, str], Any]] = {
     "allow_insecure": parse_bool,
     "backend": parse_choice(*BACKENDS),
     "on_detach": parse_choice("continue", "wait"),
-    "quit_mode": parse_choice("detach", "exit"),
+    "quit_mode": parse_choice("detach", "exit"),  # not protocol: pdb's q, not the command
     "wait_timeout": parse_seconds,
     "hold_seconds": parse_seconds,
     "post_mortem": parse_bool,
@@ -243,7 +244,7 @@ class Settings:
     allow_insecure: bool = False
     backend: str = "auto"
     on_detach: str = "continue"
-    quit_mode: str = "detach"
+    quit_mode: str = "detach"  # not protocol: pdb's q leaves the job running
     wait_timeout: float = 300.0
     hold_seconds: float = 300.0
     post_mortem: bool = False
