@@ -5,8 +5,9 @@ engineer attaches from the host through the 127.0.0.1-published port, looks
 at a tensor, continues, and the container exits 0. A second job, stopped
 while parked (`compose stop`: SIGTERM through dumb-init), is listed as
 `finished (signal 15)`. The stack has its own project name and free host
-ports, so it runs beside any other stack; compose builds both images on the
-local base images. Run by `make e2e-docker` (scripts/e2e-docker.sh starts
+ports, and a second stack runs beside it with its own broker and Redis;
+compose builds both images on the local base images. The overlay gives `train`
+a TTY, and `breakpoint()` still parks on the socket (ENABLE_REMOTE_DEBUG=1). Run by `make e2e-docker` (scripts/e2e-docker.sh starts
 dockerd and builds the local base images); deselected from `make test`.
 """
 
@@ -55,11 +56,13 @@ ENV = {
 }
 
 
-def run(*cmd: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess[str]:
+def run(
+    *cmd: str, timeout: float = 300, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
         cmd,
         cwd=ROOT,
-        env=ENV,
+        env=env or ENV,
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -71,11 +74,11 @@ def run(*cmd: str, timeout: float = 300, check: bool = True) -> subprocess.Compl
 
 
 def compose(
-    *args: str, timeout: float = 300, check: bool = True
+    *args: str, timeout: float = 300, check: bool = True, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     command = compose_command()
     assert command is not None
-    return run(*command, *FILES, *args, timeout=timeout, check=check)
+    return run(*command, *FILES, *args, timeout=timeout, check=check, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +109,8 @@ def wait_for_log(service: str, pattern: str, timeout: float = 240) -> re.Match[s
     raise AssertionError(f"{pattern!r} not in {service} logs:\n{logs[-3000:]}")
 
 
-def sessions() -> list[dict[str, Any]]:
-    out = run(BREAKPOD, "sessions", "--json", "--broker", BROKER, "--broker-token", VIEWER_TOKEN)
+def sessions(broker: str = BROKER) -> list[dict[str, Any]]:
+    out = run(BREAKPOD, "sessions", "--json", "--broker", broker, "--broker-token", VIEWER_TOKEN)
     return list(json.loads(out.stdout))
 
 
@@ -158,3 +161,29 @@ def test_a_container_stopped_while_parked_is_finished_by_signal_15(stack):
     assert exit_code.strip() == "143"  # died of SIGTERM, as without breakpod
     finished = wait_for_session(lambda s: s["id"] == parked["id"] and s["state"] == "finished")
     assert finished["reason"] == "finished (signal 15)"
+
+
+def test_a_second_stack_runs_beside_the_first(stack):
+    """Another project name and other host ports: its own broker, Redis and sessions."""
+    second_broker = free_port()
+    second = {**ENV, "COMPOSE_PROJECT_NAME": f"{ENV['COMPOSE_PROJECT_NAME']}-b"}
+    second["BREAKPOD_BROKER_PUBLISH"] = str(second_broker)
+    second["BREAKPOD_LISTENER_PUBLISH"] = str(free_port())
+    try:
+        compose("up", "-d", "--no-build", "broker", env=second)  # its Redis comes with it
+        url = f"http://127.0.0.1:{second_broker}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not answers(url):
+            time.sleep(1)
+        assert answers(url), compose("logs", "--no-color", env=second, check=False).stdout
+        assert sessions(url) == [], "the second broker lists its own (no) sessions"
+        assert sessions(), "the first stack still answers on its own port"
+    finally:
+        compose("down", "-v", "--remove-orphans", env=second, check=False, timeout=120)
+
+
+def answers(broker: str) -> bool:
+    listed = run(
+        BREAKPOD, "sessions", "--broker", broker, "--broker-token", VIEWER_TOKEN, check=False
+    )
+    return listed.returncode == 0
