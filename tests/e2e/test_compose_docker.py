@@ -7,8 +7,9 @@ while parked (`compose stop`: SIGTERM through dumb-init), is listed as
 `finished (signal 15)`. The stack has its own project name and free host
 ports, and a second stack runs beside it with its own broker and Redis;
 compose builds both images on the local base images. The overlay gives `train`
-a TTY, and `breakpoint()` still parks on the socket (ENABLE_REMOTE_DEBUG=1). Run by `make e2e-docker` (scripts/e2e-docker.sh starts
-dockerd and builds the local base images); deselected from `make test`.
+a TTY, and `breakpoint()` still parks on the socket (ENABLE_REMOTE_DEBUG=1).
+Run by `make e2e-docker` (scripts/e2e-docker.sh starts dockerd and builds the
+local base images); deselected from `make test`.
 """
 
 from __future__ import annotations
