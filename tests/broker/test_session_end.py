@@ -1,16 +1,19 @@
 """Sessions end with what happened: exit status, SIGTERM while parked, late events,
-and command long-polls that end cleanly when the broker shuts down."""
+and command long-polls that end cleanly when the broker shuts down. ``finished``
+is final: no stale event or heartbeat reopens a session."""
 
 from __future__ import annotations
 
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
-from tests.broker.test_flow import SCRIPT, agent_env, only_session
+from tests.broker.test_flow import SCRIPT, agent_env, kinds, only_session
 from tests.brokerkit import AGENT, post_events, register, wait_until
+from tests.conftest import PdbClient
 
 EXITS_3 = """
     import sys
@@ -96,3 +99,114 @@ def test_a_command_long_poll_ends_with_503_when_the_broker_shuts_down(start_brok
             raise AssertionError("the broker still answers")
         except httpx.HTTPError:
             pass
+
+
+STALE = [  # what an earlier, delayed batch of the same process could carry
+    {"kind": "parked", "fields": {"address": "127.0.0.1:5678", "backend": "pdb"}},
+    {"kind": "attached", "fields": {}},
+    {"kind": "resumed", "fields": {}},
+    {"kind": "stall", "fields": {"reason": "no step for 60s"}},
+]
+
+
+def test_a_stale_event_after_finished_never_reopens_the_session(broker):
+    register(broker, "s1")
+    final = {"id": "f", "session": "s1", "kind": "finished", "fields": {"signal": 15}}
+    assert post_events(broker, final).json()["accepted"] == 1
+    for n, stale in enumerate(STALE):
+        reply = post_events(broker, {"id": f"late{n}", "session": "s1", **stale})
+        assert reply.status_code == 200 and reply.json()["accepted"] == 1, reply.text  # stored
+        session = only_session(broker)
+        assert session["state"] == "finished", (stale, session)
+        assert session["reason"] == "finished (signal 15)", (stale, session)
+        assert session.get("address") is None, (stale, session)
+    assert kinds(broker, "s1").count("parked") == 1  # the history keeps them all
+
+
+def test_a_later_final_event_still_tells_how_it_ended(broker):
+    """An anomaly's expired hold says finished first; the exit status follows."""
+    register(broker, "s1")
+    said = {"id": "a", "session": "s1", "kind": "finished", "fields": {"why": "hold expired"}}
+    post_events(broker, said)
+    assert only_session(broker)["reason"] == "hold expired"
+    post_events(broker, {"id": "r", "session": "s1", "kind": "resumed"})
+    post_events(broker, {"id": "x", "session": "s1", "kind": "finished", "fields": {"exit": 3}})
+    assert only_session(broker)["state"] == "finished"
+    assert only_session(broker)["reason"] == "finished (exit 3)"
+
+
+def test_finished_stays_final_within_one_batch(broker):
+    register(broker, "s1")
+    batch = [
+        {"id": "p", "session": "s1", "kind": "parked"},
+        {"id": "f", "session": "s1", "kind": "finished", "fields": {"exit": 3}},
+        {"id": "r", "session": "s1", "kind": "resumed"},
+        {"id": "l", "session": "s1", "kind": "listening", "fields": {"address": "0.0.0.0:1"}},
+    ]
+    assert post_events(broker, *batch).json()["accepted"] == 4
+    assert only_session(broker)["state"] == "finished"
+    assert only_session(broker)["reason"] == "finished (exit 3)"
+    assert only_session(broker)["address"] is None
+
+
+def test_a_stale_heartbeat_after_finished_keeps_it_finished(broker):
+    register(broker, "s1")
+    post_events(broker, {"id": "f", "session": "s1", "kind": "finished", "fields": {"exit": 0}})
+    before = only_session(broker)["last_seen"]
+    with broker.client(AGENT) as c:
+        reply = c.post("/v1/sessions/s1/heartbeat", json={"state": "running", "reason": "again"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["state"] == "finished" and reply.json()["reason"] == "finished (exit 0)"
+    session = only_session(broker)
+    assert session["state"] == "finished" and session["reason"] == "finished (exit 0)"
+    assert session["last_seen"] >= before  # the heartbeat itself still counts
+
+
+def test_a_heartbeat_still_changes_the_state_of_a_live_session(broker):
+    """The other side of the rule: only ``finished`` is sticky."""
+    register(broker, "s1")
+    with broker.client(AGENT) as c:
+        reply = c.post("/v1/sessions/s1/heartbeat", json={"state": "stalled", "reason": "slow"})
+    assert reply.json()["state"] == "stalled"
+
+
+WAITS_FOR_GO = """
+    import os, sys, time
+    x = 41
+    breakpoint()
+    while not os.path.exists({go!r}):
+        time.sleep(0.05)
+    sys.exit(3)
+"""
+
+
+def test_events_queued_during_an_outage_arrive_late_and_close_the_session(
+    start_broker, spawn, tmp_path: Path
+):
+    """A real agent parks; the broker goes away; the engineer continues over the
+    socket meanwhile; the broker returns on its port (same Redis) and reads the
+    session as lost; the queued events arrive, and the exit closes the session."""
+    broker = start_broker(BREAKPOD_HEARTBEAT_TTL_SECONDS="2")
+    go = tmp_path / "go"
+    child = spawn(WAITS_FOR_GO.format(go=str(go)), env=agent_env(broker), stdin="closed")
+    port = child.park_port()
+    session = wait_until(lambda: only_session(broker, "parked"), timeout=20)
+    broker.stop()
+
+    client = PdbClient(port)  # the listener needs no broker
+    try:
+        client.read_until()
+        client.send("c")
+        client.read_all()
+    finally:
+        client.close()
+    broker.start()  # same port, same Redis: the agent's sender finds it again
+    wait_until(lambda: "resumed" in kinds(broker, session["id"]), timeout=20)  # late
+    wait_until(lambda: only_session(broker, "lost"), timeout=20)  # no heartbeat for 2s
+
+    go.touch()
+    assert child.wait() == 3
+    finished = wait_until(lambda: only_session(broker, "finished"), timeout=20)
+    assert finished["reason"] == "finished (exit 3)"
+    post_events(broker, {"id": "stale", "session": session["id"], "kind": "parked"})
+    assert only_session(broker)["state"] == "finished"

@@ -1,5 +1,6 @@
-"""compose.yml + compose.debug.yml as merged by a real compose implementation,
-and both Dockerfiles through hadolint."""
+"""compose.yml + compose.debug.yml as merged by a real compose implementation
+(`docker compose` v2 where the docker CLI has it, else Debian's `docker-compose`
+v1), and both Dockerfiles through hadolint."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import yaml
 
 from breakpod_broker.redis_server import free_port
 from tests.deploy.conftest import ROOT
+from tests.e2e.compose_cli import compose_command
 
-COMPOSE = shutil.which("docker-compose")
+COMPOSE = compose_command()
 HADOLINT = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
 needs_compose = pytest.mark.skipif(
-    COMPOSE is None, reason="docker-compose not installed (apt-get install -y docker-compose)"
+    COMPOSE is None,
+    reason="no docker compose nor docker-compose (apt-get install -y docker-compose)",
 )
 
 
@@ -35,8 +38,13 @@ TOKENS = {
 
 
 def run_config(files: tuple[str, ...], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    args = [str(COMPOSE)] + [a for f in files for a in ("-f", f)] + ["config"]
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BREAKPOD_", "NVIDIA_"))}
+    assert COMPOSE is not None
+    args = [*COMPOSE] + [a for f in files for a in ("-f", f)] + ["config"]
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("BREAKPOD_", "NVIDIA_", "COMPOSE_"))
+    }
     return subprocess.run(
         args, cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=30
     )
@@ -119,6 +127,68 @@ def test_ports_only_on_loopback(files: tuple[str, ...]) -> None:
     assert all(p.startswith("127.0.0.1:") for p in ports), ports
     if "compose.debug.yml" in files:
         assert any(p.startswith("127.0.0.1:5678:5678") for p in ports), ports
+
+
+@needs_compose
+def test_host_ports_move_by_environment_and_stay_on_loopback() -> None:
+    moved = {"BREAKPOD_BROKER_PUBLISH": "18765", "BREAKPOD_LISTENER_PUBLISH": "15678"}
+    ports = bindings(compose_config("compose.yml", "compose.debug.yml", env=moved))
+    assert sorted(p.split("/")[0] for p in ports) == [
+        "127.0.0.1:15678:5678",
+        "127.0.0.1:18765:8765",
+    ], ports
+    defaults = bindings(compose_config("compose.yml", "compose.debug.yml"))
+    assert sorted(p.split("/")[0] for p in defaults) == [
+        "127.0.0.1:5678:5678",
+        "127.0.0.1:8765:8765",
+    ], defaults
+
+
+@needs_compose
+def test_two_stacks_can_coexist() -> None:
+    """Nothing but the (movable) host ports is global: no container names, no
+    fixed volume or network names; the project name follows COMPOSE_PROJECT_NAME."""
+    config = compose_config(
+        "compose.yml", "compose.debug.yml", env={"COMPOSE_PROJECT_NAME": "second-stack"}
+    )
+    assert not [s for s in config["services"].values() if "container_name" in s]
+    for kind in ("volumes", "networks"):
+        for name, spec in (config.get(kind) or {}).items():
+            fixed = (spec or {}).get("name", "")
+            assert not fixed or fixed.startswith("second-stack"), (kind, name, spec)
+            assert not (spec or {}).get("external"), (kind, name, spec)
+    assert config.get("name", "second-stack") == "second-stack"  # v2 prints it, v1 does not
+
+
+@needs_compose
+def test_both_images_build_from_local_base_images() -> None:
+    """An offline host builds through compose: base images and build network by variable."""
+    services = compose_config("compose.yml")["services"]
+    broker, train = services["broker"]["build"], services["train"]["build"]
+    assert broker["args"]["PYTHON_IMAGE"] == "python:3.11-slim-bookworm"  # the Dockerfile's
+    assert train["args"]["BASE_IMAGE"].startswith("pytorch/pytorch:")
+    local = {
+        "BREAKPOD_BROKER_BASE_IMAGE": "breakpod-python:local",
+        "BREAKPOD_TRAIN_BASE_IMAGE": "breakpod-torch:local",
+        "BREAKPOD_BUILD_NETWORK": "host",
+    }
+    services = compose_config("compose.yml", env=local)["services"]
+    broker, train = services["broker"]["build"], services["train"]["build"]
+    assert broker["args"]["PYTHON_IMAGE"] == "breakpod-python:local"
+    assert train["args"]["BASE_IMAGE"] == "breakpod-torch:local"
+    assert broker["network"] == train["network"] == "host"
+
+
+def test_compose_defaults_match_the_dockerfiles() -> None:
+    """compose.yml's default base images are the Dockerfiles' own ARG defaults."""
+    text = (ROOT / "compose.yml").read_text()
+    for dockerfile, arg in (
+        ("broker.Dockerfile", "PYTHON_IMAGE"),
+        ("debug.Dockerfile", "BASE_IMAGE"),
+    ):
+        default = re.search(rf"^ARG {arg}=(\S+)$", (ROOT / "docker" / dockerfile).read_text(), re.M)
+        assert default and f"{arg}: ${{BREAKPOD_" in text, dockerfile
+        assert f":-{default.group(1)}}}" in text, (dockerfile, default.group(1))
 
 
 @needs_compose

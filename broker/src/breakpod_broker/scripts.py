@@ -10,6 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from breakpod import protocol
+
+# The final state is sticky: once a session reads finished, no later non-final
+# event or heartbeat (a stale one, delivered after an outage) reopens it.
+_FINAL = f"local final = '{protocol.FINAL_STATE}'\n"
+
 # KEYS: session hash, alive key, then the session indexes (all, its namespace's,
 # its job's): each scores the session by its first registration. ARGV: token id, namespace ("" for
 # none), now, retention, heartbeat ttl, session id, n fields to clear, the n
@@ -39,18 +45,30 @@ return ''
 # KEYS: session hash, alive key. ARGV: token id, now, retention, heartbeat ttl,
 # then field/value pairs to set. The whole heartbeat, O(1): returns {'missing'},
 # {'owner', namespace} (another token's session: nothing written), or {'ok',
-# then the hash's field/value pairs as written}.
-HEARTBEAT_LUA = """
+# then the hash's field/value pairs as written}. A finished session keeps its
+# state and reason.
+HEARTBEAT_LUA = (
+    _FINAL
+    + """
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner then return {'missing'} end
 if owner ~= ARGV[1] then return {'owner', redis.call('HGET', KEYS[1], 'namespace') or ''} end
-redis.call('HSET', KEYS[1], 'last_seen', ARGV[2], unpack(ARGV, 5))
+local ended = redis.call('HGET', KEYS[1], 'state') == final
+local fields = {'last_seen', ARGV[2]}
+for i = 5, #ARGV - 1, 2 do
+  if not (ended and (ARGV[i] == 'state' or ARGV[i] == 'reason')) then
+    table.insert(fields, ARGV[i])
+    table.insert(fields, ARGV[i + 1])
+  end
+end
+redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
 local out = redis.call('HGETALL', KEYS[1])
 table.insert(out, 1, 'ok')
 return out
 """
+)
 
 # KEYS: session hashes. ARGV: their ids. Drops from the index only ids whose
 # hash is still gone (another replica may have re-registered one meanwhile).
@@ -67,7 +85,11 @@ return 0
 #       address, listener. Returns the cursors joined by "," ("" = duplicate):
 #       one bulk reply and two arguments per event keep redis-py's share small.
 # A session hash that expired meanwhile is not recreated (without TTL or owner).
-INGEST_LUA = """
+# A finished session's address no longer changes, and its state and reason only
+# by another final event (the exit status after an earlier final word).
+INGEST_LUA = (
+    _FINAL
+    + """
 local n = tonumber(ARGV[6])
 local out = {}
 for i = 1, n do
@@ -80,12 +102,15 @@ for i = 1, n do
   end
 end
 local live = redis.call('EXISTS', KEYS[3]) == 1
+local ended = live and redis.call('HGET', KEYS[3], 'state') == final
 for b = 7 + 2 * n, #ARGV - 1, 5 do
   if live and out[tonumber(ARGV[b])] ~= '' then
-    if ARGV[b + 1] ~= '' then
-      redis.call('HSET', KEYS[3], 'state', ARGV[b + 1], 'reason', ARGV[b + 2])
+    local state = ARGV[b + 1]
+    if state ~= '' and (not ended or state == final) then
+      redis.call('HSET', KEYS[3], 'state', state, 'reason', ARGV[b + 2])
+      ended = state == final
     end
-    if ARGV[b + 3] ~= '' then
+    if ARGV[b + 3] ~= '' and not ended then
       redis.call('HSET', KEYS[3], 'address', ARGV[b + 3], 'listener', ARGV[b + 4])
     end
   end
@@ -94,6 +119,7 @@ redis.call('EXPIRE', KEYS[2], ARGV[4])
 if live then redis.call('EXPIRE', KEYS[3], ARGV[4]) end
 return table.concat(out, ',')
 """
+)
 
 
 @dataclasses.dataclass(frozen=True)
