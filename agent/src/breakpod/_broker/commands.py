@@ -1,7 +1,7 @@
 """What the agent does with each command the broker delivers.
 
     break        park at the next step boundary (breakpod.break_if_requested()); in a
-                 job in debug mode every rank parks at one agreed step (job_pause.py)
+                 job in debug mode every rank parks at one agreed step (_job/pause.py)
     resume       stop waiting for a debugger, or hang up on the attached one; continue
     detach       hang up on the attached debugger (the program follows BREAKPOD_ON_DETACH)
     dump-stacks  send every thread's stack as a ``log`` event

@@ -11,7 +11,7 @@ and, while stalled, ``stacks``. States: ``collective`` (inside collective #N),
 ``user`` (in user code), ``parked`` (held by a debugger), ``waiting-for-peer``
 (paused because another rank is parked).
 
-Pauses (``job_pause.py``) use the same prefix: a counter ``.../parked`` (how many
+Pauses (``_job/pause.py``) use the same prefix: a counter ``.../parked`` (how many
 ranks a debugger holds now), ``.../park/<N>`` (where and why rank N parked) and
 ``.../break`` (a job-wide break: the step every rank parks at, and whether it is
 over).

@@ -1,14 +1,14 @@
 """One parked rank pauses the whole job; the job resumes when it does.
 
 Ticked from the stall watchdog's thread (debug mode, distributed jobs only),
-through the rank board in the job's own store (``job.py``):
+through the rank board in the job's own store (``_job/board.py``):
 
 * this rank parks (a debugger holds it): it adds 1 to ``.../parked`` and writes
   where and why under ``.../park/<rank>``; when it resumes it takes the 1 back;
 * another rank parks: this rank says so once on its stderr, emits ``waiting``,
   and its next ``breakpod.step()`` waits until no rank is parked; a rank inside
   a collective simply keeps waiting there (the process group's timeout is
-  long in debug mode, see ``job_timeouts.py``);
+  long in debug mode, see ``_job/timeouts.py``);
 * a job-wide break (``breakpod send JOB break``): the first rank that gets the
   command writes ``.../break`` with a step a little ahead of every rank's; each
   rank parks at that step boundary; the first rank to resume marks it over and

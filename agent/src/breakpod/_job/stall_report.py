@@ -1,6 +1,6 @@
 """Stall reports: who the culprit is, and the text every rank and the broker get.
 
-Pure functions over the rank board's records (see ``job.py``). The culprit is
+Pure functions over the rank board's records (see ``_job/board.py``). The culprit is
 the rank(s) that did not enter the collective the others wait in; when no rank
 waits in one, the rank(s) with the lowest step counter; when every rank is
 level, nobody is blamed (a healthy rank is never named).

@@ -12,13 +12,13 @@ main thread has released the GIL, and spinning in Python it hands it over
 every switch interval. Past the timeout the thread prints this rank's stacks,
 emits a ``stall`` event, and (``action="inspect"``) opens a remote pdb on the
 main thread's frame. In a distributed job each rank also publishes its status
-on the job's rank board (``job.py``) and rank 0 prints one job-wide report
+on the job's rank board (``_job/board.py``) and rank 0 prints one job-wide report
 naming the culprit rank (``stall_report.py``). A stall is reported once; when
 steps resume, a ``resumed`` event and one line follow.
 
 In debug mode a distributed job's watchdog also runs the job pause
-(``job_pause.py``): a parked peer pauses this rank at its next step boundary,
-and the process group's own timeout (``job_timeouts.py``) is enforced here
+(``_job/pause.py``): a parked peer pauses this rank at its next step boundary,
+and the process group's own timeout (``_job/timeouts.py``) is enforced here
 while no rank is parked: a collective that makes no progress for that long is
 a stall, reported, then this rank exits with status 1 as torch would have.
 """

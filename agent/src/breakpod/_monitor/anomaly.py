@@ -37,6 +37,7 @@ ON_EXPIRE = ("continue", "skip", "exit")
 EXPIRED_STATUS = 75
 
 log = logging.getLogger(__name__)
+LOCAL = "anomaly"  # not protocol: the name the park frame gets for the anomaly
 
 
 @dataclasses.dataclass
@@ -182,16 +183,16 @@ def park(anomaly: Anomaly, ctx: ActionContext) -> None:
     the hold expires, ``BREAKPOD_ON_EXPIRE`` says whether to continue, skip or exit.
     """
     frame = ctx.frame if ctx.frame is not None else _caller_frame()
-    added = "anomaly" not in frame.f_locals
+    added = LOCAL not in frame.f_locals
     if added:
-        frame.f_locals["anomaly"] = anomaly
+        frame.f_locals[LOCAL] = anomaly
     _PARKED.append(ctx)
     try:
         attached = shim.hold(frame, header=f"anomaly: {anomaly}")
     finally:
         _PARKED.pop()
         if added:
-            frame.f_locals.pop("anomaly", None)
+            frame.f_locals.pop(LOCAL, None)
     anomaly.held = attached
     if not attached:
         _expired(anomaly, ctx)
