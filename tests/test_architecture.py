@@ -42,7 +42,9 @@ BROKER_LAYERS = (
     grimp.Layer("auth"),  # FastAPI dependencies: token and role checks
     grimp.Layer("context"),  # what every request handler gets
     grimp.Layer(
-        *("notifiers", "metrics", "redis_server", "overlay", "fanout", "wakeups"), independent=False
+        *("notifiers", "metrics", "redis_server", "overlay", "fanout", "wakeups"),
+        *("redis_clients", "sharded"),
+        independent=False,
     ),
     grimp.Layer(
         *("models", "scripts", "tokens", "settings", "limits", "keys", "errors"),

@@ -13,7 +13,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ValidationError
 
 from breakpod import protocol
-from breakpod_broker import keys
+from breakpod_broker import keys, sharded
 from breakpod_broker.auth import Agent, Viewer
 from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.models import Heartbeat, SessionId, SessionIn, SessionOut
@@ -37,8 +37,13 @@ async def register(
     fields = {**_strings(body), "updated": str(now), "last_seen": str(now)}
     cleared = [k for k, v in body.model_dump().items() if v is None]
     s = broker.settings
+    indexes = _indexes(body)
     refused = await broker.scripts.register(
-        keys=[keys.session(session_id), keys.alive(session_id), *_indexes(body)],
+        keys=[
+            keys.session(session_id),
+            keys.alive(session_id),
+            *([] if broker.cluster else indexes),
+        ],
         args=[
             *(who.token_id, body.namespace or "", now, s.retention_seconds),
             *(s.heartbeat_ttl_seconds, session_id, len(cleared), *cleared),
@@ -46,6 +51,8 @@ async def register(
         ],
     )
     _refuse_registration(session_id, refused)
+    if broker.cluster:  # the indexes live in other slots: added after the script
+        await sharded.add_to_indexes(broker.redis, session_id, float(refused[1:]), indexes)
     return await load(broker, session_id)
 
 
@@ -165,7 +172,10 @@ async def read_many(
     gone = [i for i, s in zip(session_ids, found, strict=True) if s is None]
     if gone:  # expired: prune the index
         for listed in {keys.SESSIONS, index}:
-            await broker.scripts.prune(keys=[*map(keys.session, gone)], args=[*gone, listed])
+            if broker.cluster:
+                await sharded.prune(broker.redis, gone, listed)
+            else:
+                await broker.scripts.prune(keys=[*map(keys.session, gone)], args=[*gone, listed])
     return found
 
 
