@@ -35,6 +35,7 @@ BROKER_LAYERS = (
     grimp.Layer("cli"),
     grimp.Layer("serving"),  # uvicorn: TLS, shutdown
     grimp.Layer("app", "admission"),  # the two ASGI apps
+    grimp.Layer("fastpath"),  # the heartbeat served below FastAPI's routing
     grimp.Layer(
         *("admin", "attach", "commands", "dashboard", "events", "listing", "sessions"),
         independent=False,

@@ -39,6 +39,7 @@ from breakpod_broker import (
 from breakpod_broker.context import Broker
 from breakpod_broker.events import _decode
 from breakpod_broker.fanout import EventFanout
+from breakpod_broker.fastpath import HeartbeatFastPath
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
 from breakpod_broker.redis_server import EmbeddedRedis
@@ -72,6 +73,7 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
         app.include_router(module.router)
     _add_error_handlers(app)
     app.add_middleware(BodyLimit)
+    app.add_middleware(HeartbeatFastPath)  # outside BodyLimit: it reads the few bytes itself
     return app
 
 

@@ -60,26 +60,36 @@ async def register(
 async def heartbeat(
     session_id: SessionId, body: Heartbeat, who: Agent, broker: BrokerDep
 ) -> SessionOut:
-    """Keep a session alive (and optionally change its state): one Lua call."""
+    """Keep a session alive (and optionally change its state): one Lua call.
+    (fastpath.py serves the common case of this route below FastAPI, the same way.)"""
+    return _heartbeaten(who, session_id, await beat(broker, who, session_id, body))
+
+
+async def beat(broker: Broker, who: Principal, session_id: str, body: Heartbeat) -> list[str]:
+    """The heartbeat script's reply: written when ``ok``, else nothing written."""
     s = broker.settings
-    reply = await broker.scripts.heartbeat(
+    reply: list[str] = await broker.scripts.heartbeat(
         keys=[keys.session(session_id), keys.alive(session_id)],
         args=[
             *(who.token_id, time.time(), s.retention_seconds, s.heartbeat_ttl_seconds),
             *(x for pair in _strings(body).items() for x in pair),
         ],
     )
-    return _heartbeaten(who, session_id, reply)
+    return reply
+
+
+def heartbeat_session(session_id: str, reply: list[str]) -> SessionOut | None:
+    """The session as the heartbeat script left it; None when it wrote nothing."""
+    if reply[0] != "ok":
+        return None
+    return _decode(session_id, dict(zip(reply[1::2], reply[2::2], strict=True)), 1)
 
 
 def _heartbeaten(who: Principal, session_id: str, reply: list[str]) -> SessionOut:
     """The session as the heartbeat script left it; 404 or 403 as ``owned`` answers."""
     if reply[0] == "owner" and who.may_see(reply[1] or None):
         raise _not_owner(session_id)
-    ok = reply[0] == "ok"
-    session = (
-        _decode(session_id, dict(zip(reply[1::2], reply[2::2], strict=True)), 1) if ok else None
-    )
+    session = heartbeat_session(session_id, reply)
     if session is None:
         raise HTTPException(
             404,
