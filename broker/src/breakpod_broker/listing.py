@@ -108,8 +108,9 @@ async def _page(
     """Up to ``limit`` matching sessions after ``position``, and where to go on (None: end)."""
     found: list[SessionOut] = []
     read = 0
+    chunk = min(CHUNK, limit)  # a first page of 100 reads 100 hashes, not CHUNK
     while read < SCAN_BUDGET:
-        entries = await _entries_after(broker, scope.index, position, CHUNK)
+        entries = await _entries_after(broker, scope.index, position, chunk)
         if not entries:
             return found, None
         sessions = await read_many(broker, [i for i, _ in entries], scope.index)
@@ -120,8 +121,9 @@ async def _page(
                 found.append(s)
                 if len(found) == limit:
                     return found, position
-        if len(entries) < CHUNK:
+        if len(entries) < chunk:
             return found, None
+        chunk = CHUNK  # the filters dropped some: read on in full chunks
     return found, position
 
 
