@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import reprlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -49,6 +50,7 @@ from breakpod_broker.tokens import Principal, TokenStore, load_tokens_file, pars
 from breakpod_broker.wakeups import CommandWakeups
 
 log = logging.getLogger(__name__)
+REDIS_ERROR_LOG_SECONDS = 5.0  # 10,000 polls failing at once logged 74,000 lines
 
 
 def create_app(settings: BrokerSettings | None = None) -> FastAPI:
@@ -151,8 +153,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         log.info("Redis refused %s %s: %s", request.method, request.url.path, exc)
         return JSONResponse({"detail": f"Redis refused the request: {exc}"}, 400)
 
+    quiet = Throttle(REDIS_ERROR_LOG_SECONDS)
+
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
-        log.warning("Redis error on %s %s: %s", request.method, request.url.path, exc)
+        if (more := quiet.due()) is not None:  # under overload, one line per period
+            also = f" (and {more} more since the last such line)" if more else ""
+            log.warning("Redis error on %s %s: %s%s", request.method, request.url.path, exc, also)
         return JSONResponse(
             {"detail": f"Redis is unavailable ({type(exc).__name__}); retry later"}, 503
         )
@@ -160,6 +166,24 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(redis.exceptions.ResponseError, redis_refused)
     app.add_exception_handler(redis.exceptions.RedisError, redis_down)
+
+
+class Throttle:
+    """``due()``: the number of calls it swallowed since the last time it said yes, once
+    per ``seconds``; None in between."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.last = -seconds
+        self.swallowed = 0
+
+    def due(self) -> int | None:
+        now = time.monotonic()
+        if now - self.last < self.seconds:
+            self.swallowed += 1
+            return None
+        self.last, swallowed, self.swallowed = now, self.swallowed, 0
+        return swallowed
 
 
 def _describe(error: Any) -> str:

@@ -20,6 +20,9 @@ from breakpod_broker.fanout import BLOCK_MS
 from breakpod_broker.settings import BrokerSettings
 
 REDIS_TIMEOUT = 5.0  # seconds, for every non-blocking command and connection
+# connections per replica for ordinary commands: a burst of thousands of long polls
+# (every agent of a job at once) waited past REDIS_TIMEOUT for one of 64
+POOL = 256
 CLUSTER_CONNECTIONS = 1000  # per node; RedisCluster fails (not waits) past it
 
 
@@ -58,7 +61,7 @@ async def connect(url: str, settings: BrokerSettings) -> Clients:
         )
     common["health_check_interval"] = 30
     ordinary = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=64, timeout=REDIS_TIMEOUT, socket_timeout=REDIS_TIMEOUT, **common
+        url, max_connections=POOL, timeout=REDIS_TIMEOUT, socket_timeout=REDIS_TIMEOUT, **common
     )
     blocking = aioredis.BlockingConnectionPool.from_url(
         url,
