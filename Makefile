@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
 TORCH  := torch==2.13.0
 
-.PHONY: install test lint demo bench clean chaos
+.PHONY: install test lint demo bench clean chaos scale
 .PHONY: deploy-test helm-lint e2e-kind e2e-docker gpu-check screenshots
 
 $(STAMP): agent/pyproject.toml broker/pyproject.toml requirements-dev.txt
@@ -41,6 +41,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+# The broker at scale, the whole grid (1k/5k/10k sessions, 0/20/100 followers,
+# one and three replicas); long. `make bench` runs one small row of each kind.
+scale: $(STAMP)
+	$(PY) bench/scale.py --full
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

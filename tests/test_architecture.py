@@ -35,6 +35,7 @@ BROKER_LAYERS = (
     grimp.Layer("cli"),
     grimp.Layer("serving"),  # uvicorn: TLS, shutdown
     grimp.Layer("app", "admission"),  # the two ASGI apps
+    grimp.Layer("fastpath"),  # the heartbeat served below FastAPI's routing
     grimp.Layer(
         *("admin", "attach", "commands", "dashboard", "events", "listing", "sessions"),
         independent=False,
@@ -42,7 +43,9 @@ BROKER_LAYERS = (
     grimp.Layer("auth"),  # FastAPI dependencies: token and role checks
     grimp.Layer("context"),  # what every request handler gets
     grimp.Layer(
-        *("notifiers", "metrics", "redis_server", "overlay", "fanout", "wakeups"), independent=False
+        *("notifiers", "metrics", "redis_server", "overlay", "fanout", "wakeups"),
+        *("redis_clients", "sharded"),
+        independent=False,
     ),
     grimp.Layer(
         *("models", "scripts", "tokens", "settings", "limits", "keys", "errors"),

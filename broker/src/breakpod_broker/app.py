@@ -14,10 +14,10 @@ import contextlib
 import json
 import logging
 import reprlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import redis.asyncio as aioredis
 import redis.exceptions
 from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
@@ -34,11 +34,13 @@ from breakpod_broker import (
     dashboard,
     events,
     listing,
+    redis_clients,
     sessions,
 )
 from breakpod_broker.context import Broker
 from breakpod_broker.events import _decode
-from breakpod_broker.fanout import BLOCK_MS, EventFanout
+from breakpod_broker.fanout import EventFanout
+from breakpod_broker.fastpath import HeartbeatFastPath
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
 from breakpod_broker.redis_server import EmbeddedRedis
@@ -48,7 +50,7 @@ from breakpod_broker.tokens import Principal, TokenStore, load_tokens_file, pars
 from breakpod_broker.wakeups import CommandWakeups
 
 log = logging.getLogger(__name__)
-REDIS_TIMEOUT = 5.0  # seconds, for every non-blocking command and connection
+REDIS_ERROR_LOG_SECONDS = 5.0  # 10,000 polls failing at once logged 74,000 lines
 
 
 def create_app(settings: BrokerSettings | None = None) -> FastAPI:
@@ -73,6 +75,7 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
         app.include_router(module.router)
     _add_error_handlers(app)
     app.add_middleware(BodyLimit)
+    app.add_middleware(HeartbeatFastPath)  # outside BodyLimit: it reads the few bytes itself
     return app
 
 
@@ -87,7 +90,8 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
             stack.push_async_callback(asyncio.to_thread, embedded.stop)
             settings = settings.model_copy(update={"redis_url": embedded.url})
         assert settings.redis_url is not None
-        client, blocking = _clients(settings.redis_url, settings)
+        clients = await redis_clients.connect(settings.redis_url, settings)
+        client, blocking = clients.ordinary, clients.blocking
         stack.push_async_callback(blocking.aclose)
         stack.push_async_callback(client.aclose)
         static = _static_tokens(settings)
@@ -102,11 +106,12 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
         )
         stack.push_async_callback(notifiers.close)
         await notifiers.start()
-        fanout = EventFanout(_own_client(settings.redis_url), settings.follower_queue, _decode)
+        reader = redis_clients.own_client(settings.redis_url, clients.cluster)
+        fanout = EventFanout(reader, settings.follower_queue, _decode)
         stack.push_async_callback(fanout.redis.aclose)
         stack.push_async_callback(fanout.close)
         await fanout.start()
-        wakeups = CommandWakeups(_own_client(settings.redis_url))
+        wakeups = CommandWakeups(redis_clients.subscriber(settings.redis_url))
         stack.push_async_callback(wakeups.close)
         await wakeups.start()
         yield Broker(
@@ -120,6 +125,7 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
             embedded=embedded,
             fanout=fanout,
             wakeups=wakeups,
+            cluster=clients.cluster,
         )
 
 
@@ -130,38 +136,6 @@ def _static_tokens(settings: BrokerSettings) -> dict[str, Principal]:
     if not static:
         log.warning("no tokens configured: only API-made tokens work (set BREAKPOD_BROKER_TOKENS)")
     return static
-
-
-def _clients(url: str, settings: BrokerSettings) -> tuple[Any, Any]:
-    """(ordinary, blocking) Redis clients. Ordinary commands time out after
-    REDIS_TIMEOUT and wait at most that long for a pooled connection; blocking
-    ones (BLMOVE, XREAD BLOCK) may take up to max_poll_seconds + SSE block, and
-    have a pool as large as the replica's cap on waiters (Broker.waiting)."""
-    common: dict[str, Any] = {"decode_responses": True, "health_check_interval": 30}
-    common["socket_connect_timeout"] = REDIS_TIMEOUT
-    ordinary = aioredis.BlockingConnectionPool.from_url(
-        url, max_connections=64, timeout=REDIS_TIMEOUT, socket_timeout=REDIS_TIMEOUT, **common
-    )
-    blocking = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=settings.max_waiters + 1,  # + the notifier queue's reader
-        timeout=REDIS_TIMEOUT,
-        socket_timeout=settings.max_poll_seconds + REDIS_TIMEOUT + 5,
-        **common,
-    )
-    return aioredis.Redis.from_pool(ordinary), aioredis.Redis.from_pool(blocking)
-
-
-def _own_client(url: str) -> Any:
-    """A client of its own for one long-lived reader (the fan-out's XREAD BLOCK, the
-    command subscription): never queued behind ordinary requests."""
-    return aioredis.Redis.from_url(
-        url,
-        decode_responses=True,
-        socket_connect_timeout=REDIS_TIMEOUT,
-        socket_timeout=REDIS_TIMEOUT + BLOCK_MS / 1000,
-        max_connections=2,
-    )
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -179,8 +153,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         log.info("Redis refused %s %s: %s", request.method, request.url.path, exc)
         return JSONResponse({"detail": f"Redis refused the request: {exc}"}, 400)
 
+    quiet = Throttle(REDIS_ERROR_LOG_SECONDS)
+
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
-        log.warning("Redis error on %s %s: %s", request.method, request.url.path, exc)
+        if (more := quiet.due()) is not None:  # under overload, one line per period
+            also = f" (and {more} more since the last such line)" if more else ""
+            log.warning("Redis error on %s %s: %s%s", request.method, request.url.path, exc, also)
         return JSONResponse(
             {"detail": f"Redis is unavailable ({type(exc).__name__}); retry later"}, 503
         )
@@ -188,6 +166,24 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, invalid)
     app.add_exception_handler(redis.exceptions.ResponseError, redis_refused)
     app.add_exception_handler(redis.exceptions.RedisError, redis_down)
+
+
+class Throttle:
+    """``due()``: the number of calls it swallowed since the last time it said yes, once
+    per ``seconds``; None in between."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.last = -seconds
+        self.swallowed = 0
+
+    def due(self) -> int | None:
+        now = time.monotonic()
+        if now - self.last < self.seconds:
+            self.swallowed += 1
+            return None
+        self.last, swallowed, self.swallowed = now, self.swallowed, 0
+        return swallowed
 
 
 def _describe(error: Any) -> str:

@@ -55,11 +55,16 @@ async def send(session_id: SessionId, body: CommandIn, who: Admin, broker: Broke
         created=time.time(),
         by=who.token_id,
     )
-    async with broker.redis.pipeline(transaction=True) as pipe:
+    # queued, then published: the wake-up never comes before the command (in a
+    # Redis Cluster the two go to different nodes, so not one transaction)
+    async with broker.redis.pipeline(transaction=not broker.cluster) as pipe:
         pipe.lpush(keys.commands(session_id), command.model_dump_json())
         pipe.expire(keys.commands(session_id), broker.settings.retention_seconds)
-        pipe.publish(keys.COMMANDS_QUEUED, session_id)
+        if not broker.cluster:
+            pipe.publish(keys.COMMANDS_QUEUED, session_id)
         await pipe.execute()
+    if broker.cluster:
+        await broker.redis.publish(keys.COMMANDS_QUEUED, session_id)
     await _record(broker, session, command, "queued")
     return command
 

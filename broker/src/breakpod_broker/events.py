@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from breakpod import protocol
 from breakpod.protocol import EventKind
-from breakpod_broker import fanout, keys
+from breakpod_broker import fanout, keys, sharded
 from breakpod_broker.auth import Agent, Credentials, Viewer
 from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.limits import MAX_DEPTH, MAX_FIELDS_BYTES, dotted, nonfinite, too_deep
@@ -101,14 +101,23 @@ async def ingest(
         by_session.setdefault(event.session, []).append(i)
     cursors: list[str | None] = [None] * len(events)
     started = time.perf_counter()
-    async with broker.redis.pipeline(transaction=False) as pipe:
-        for session_id, indexes in by_session.items():
-            await broker.scripts.ingest(
-                keys=_lua_keys(session_id),
-                args=_lua_args(broker, session_id, events, encoded, indexes),
-                client=pipe,
-            )
-        replies = await pipe.execute()
+    if broker.cluster:
+        replies = await sharded.ingest(
+            broker,
+            by_session,
+            events,
+            encoded,
+            lambda sid, ix, cursors: _session_lua_args(broker, events, encoded, ix, cursors),
+        )
+    else:
+        async with broker.redis.pipeline(transaction=False) as pipe:
+            for session_id, indexes in by_session.items():
+                await broker.scripts.ingest(
+                    keys=_lua_keys(session_id),
+                    args=_lua_args(broker, session_id, events, encoded, indexes),
+                    client=pipe,
+                )
+            replies = await pipe.execute()
     broker.metrics.redis_latency.labels("ingest").observe(time.perf_counter() - started)
     for indexes, reply in zip(by_session.values(), replies, strict=True):
         for i, cursor in zip(indexes, reply.split(","), strict=True):
@@ -148,16 +157,40 @@ def _lua_args(
     s = broker.settings
     args: list[Any] = [s.global_stream_maxlen, s.session_stream_maxlen, s.dedup_seconds]
     args += [s.retention_seconds, keys.seen(session_id, ""), len(indexes)]
+    for i in indexes:
+        args += [events[i].id, encoded[i]]
+    return args + _changes(events, indexes)
+
+
+def _session_lua_args(
+    broker: Broker,
+    events: list[EventIn],
+    encoded: list[str],
+    indexes: list[int],
+    cursors: dict[int, str],
+) -> list[Any]:
+    """INGEST_SESSION_LUA's arguments (Redis Cluster): as _lua_args, with each
+    event's cursor in the global stream."""
+    s = broker.settings
+    session_id = events[indexes[0]].session
+    args: list[Any] = [s.session_stream_maxlen, s.dedup_seconds, s.retention_seconds]
+    args += [keys.seen(session_id, ""), len(indexes)]
+    for i in indexes:
+        args += [events[i].id, encoded[i], cursors[i]]
+    return args + _changes(events, indexes)
+
+
+def _changes(events: list[EventIn], indexes: list[int]) -> list[Any]:
+    """Per event that changes its session: its place in the call, state, reason, listener."""
     changes: list[Any] = []
     for n, i in enumerate(indexes, start=1):
         event = events[i]
-        args += [event.id, encoded[i]]
         state = protocol.STATE_OF_KIND.get(event.kind, "")
         address, backend = _listener(event)
         if state or address:
             reason = _reason(event) if state else ""
             changes += [n, state, reason[:2000], address, backend]
-    return args + changes
+    return changes
 
 
 def _reason(event: EventIn) -> str:

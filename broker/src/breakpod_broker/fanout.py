@@ -32,6 +32,7 @@ READ_COUNT = 1000
 BLOCK_MS = 2000
 CATCH_UP_CHUNK = 500
 RETRY_SECONDS = 1.0
+DRAIN = 500  # queued events a stream writes at once
 
 Cursor = tuple[int, int]
 
@@ -181,10 +182,25 @@ async def stream(
         if follower.dropped and follower.queue.empty():
             return  # too slow: the client resumes with Last-Event-ID
         try:
-            position, text = await asyncio.wait_for(follower.queue.get(), keepalive_seconds)
+            first = await asyncio.wait_for(follower.queue.get(), keepalive_seconds)
         except asyncio.TimeoutError:
             yield ": keepalive\n\n"
             continue
-        if position > sent:
-            sent = position
-            yield text
+        parts = []
+        for position, text in _drain(follower.queue, first):
+            if position > sent:
+                sent = position
+                parts.append(text)
+        if parts:
+            yield "".join(parts)
+
+
+def _drain(
+    queue: asyncio.Queue[tuple[Cursor, str]], first: tuple[Cursor, str]
+) -> list[tuple[Cursor, str]]:
+    """``first`` and what else is queued already (up to DRAIN): one write to the
+    socket for them all, so a busy stream costs a send per burst, not per event."""
+    found = [first]
+    while len(found) < DRAIN and not queue.empty():
+        found.append(queue.get_nowait())
+    return found

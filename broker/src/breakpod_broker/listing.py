@@ -10,7 +10,10 @@ move a session in the index, so paging never skips or repeats one.
 ``counts`` holds, per state, the sessions the filters other than ``state``
 select. They are counted from every session in scope: exactly on each request
 while the scope holds fewer than ``COUNT_INLINE_BELOW``; above, from a per-replica
-cache refreshed in the background every ``COUNTS_SECONDS`` (a page never waits).
+cache refreshed in the background every ``COUNTS_SECONDS``, or one second per
+``COUNTS_PER_SECOND`` sessions in scope when more (a page never waits; the count
+shares the replica's loop with the pages, so 10,000 sessions recounted every 2 s
+would cost it 20,000 Redis replies each time).
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from breakpod_broker.tokens import Principal
 router = APIRouter(tags=["sessions"])
 CHUNK = 500  # index entries read per round trip
 SCAN_BUDGET = 20_000  # index entries one page may read; ``next`` continues after them
-COUNT_CHUNK = 2000
+COUNT_CHUNK = 500  # small round trips: the refresh shares the loop with requests
 COUNTS_SECONDS = 2.0
+COUNTS_PER_SECOND = 1000
 COUNT_INLINE_BELOW = 1000
 CURSOR = re.compile(r"^(\d{1,12}(?:\.\d{1,20})?):(" + protocol.SESSION_ID_PATTERN[1:-1] + ")$")
 
@@ -108,8 +112,9 @@ async def _page(
     """Up to ``limit`` matching sessions after ``position``, and where to go on (None: end)."""
     found: list[SessionOut] = []
     read = 0
+    chunk = min(CHUNK, limit)  # a first page of 100 reads 100 hashes, not CHUNK
     while read < SCAN_BUDGET:
-        entries = await _entries_after(broker, scope.index, position, CHUNK)
+        entries = await _entries_after(broker, scope.index, position, chunk)
         if not entries:
             return found, None
         sessions = await read_many(broker, [i for i, _ in entries], scope.index)
@@ -120,8 +125,9 @@ async def _page(
                 found.append(s)
                 if len(found) == limit:
                     return found, position
-        if len(entries) < CHUNK:
+        if len(entries) < chunk:
             return found, None
+        chunk = CHUNK  # the filters dropped some: read on in full chunks
     return found, position
 
 
@@ -174,9 +180,13 @@ async def counts_for(broker: Broker, scope: Scope) -> dict[str, int]:
     cached = cache.get(scope)
     if cached is None or sum(cached.counts.values()) < COUNT_INLINE_BELOW:
         cached = cache[scope] = _Counted(await _count(broker, scope), time.monotonic())
-    elif time.monotonic() - cached.at >= COUNTS_SECONDS and cached.refreshing is None:
+    elif time.monotonic() - cached.at >= _max_age(cached) and cached.refreshing is None:
         cached.refreshing = asyncio.create_task(_refresh(broker, scope, cached))
     return cached.counts
+
+
+def _max_age(cached: _Counted) -> float:
+    return max(COUNTS_SECONDS, sum(cached.counts.values()) / COUNTS_PER_SECOND)
 
 
 async def _refresh(broker: Broker, scope: Scope, cached: _Counted) -> None:

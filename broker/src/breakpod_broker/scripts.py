@@ -17,12 +17,15 @@ from breakpod import protocol
 _FINAL = f"local final = '{protocol.FINAL_STATE}'\n"
 
 # KEYS: session hash, alive key, then the session indexes (all, its namespace's,
-# its job's): each scores the session by its first registration. ARGV: token id, namespace ("" for
+# its job's): each scores the session by its first registration. With Redis
+# Cluster only the first two (one slot): the caller then adds the session to the
+# indexes itself, with the score returned. ARGV: token id, namespace ("" for
 # none), now, retention, heartbeat ttl, session id, n fields to clear, the n
-# names, then field/value pairs. Returns "" when written, else (nothing written)
-# "owner" when another token registered the session, or "namespace:NS" when it
-# was registered in another namespace NS. Owner and namespace never change once
-# set, whoever asks; one script, so two registrants of one new id get one owner.
+# names, then field/value pairs. Returns "+CREATED" when written, else (nothing
+# written) "owner" when another token registered the session, or "namespace:NS"
+# when it was registered in another namespace NS. Owner and namespace never
+# change once set, whoever asks; one script, so two registrants of one new id
+# get one owner.
 REGISTER_LUA = """
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if owner and owner ~= ARGV[1] then return 'owner' end
@@ -39,7 +42,7 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[5])
 local created = redis.call('HGET', KEYS[1], 'created')
 for i = 3, #KEYS do redis.call('ZADD', KEYS[i], created, ARGV[6]) end
-return ''
+return '+' .. created
 """
 
 # KEYS: session hash, alive key. ARGV: token id, now, retention, heartbeat ttl,
@@ -122,6 +125,47 @@ return table.concat(out, ',')
 )
 
 
+# Redis Cluster: the per-session half of INGEST_LUA (one slot); the broker has
+# appended the new events to the global stream first and passes their ids, so
+# both streams hold each event under one cursor.
+# KEYS: session stream, session hash. ARGV: session maxlen, dedup ttl, retention,
+# seen-key prefix, n, n x (event id, document, global cursor), then the state
+# changes as in INGEST_LUA. Returns the cursors joined by "," ("" = duplicate:
+# the caller deletes its global copy). A cursor not above the session stream's
+# last (two requests for one session crossed) is replaced by a new one there.
+INGEST_SESSION_LUA = """
+local n = tonumber(ARGV[5])
+local out = {}
+for i = 1, n do
+  local at = 3 + 3 * i
+  if redis.call('SET', ARGV[4] .. ARGV[at], '1', 'NX', 'EX', ARGV[2]) then
+    local doc = ARGV[at + 1]
+    local ok = redis.pcall('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], ARGV[at + 2], 'event', doc)
+    if type(ok) == 'table' and ok.err then
+      redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'event', doc)
+    end
+    out[i] = ARGV[at + 2]
+  else
+    out[i] = ''
+  end
+end
+local live = redis.call('EXISTS', KEYS[2]) == 1
+for b = 6 + 3 * n, #ARGV - 1, 5 do
+  if live and out[tonumber(ARGV[b])] ~= '' then
+    if ARGV[b + 1] ~= '' then
+      redis.call('HSET', KEYS[2], 'state', ARGV[b + 1], 'reason', ARGV[b + 2])
+    end
+    if ARGV[b + 3] ~= '' then
+      redis.call('HSET', KEYS[2], 'address', ARGV[b + 3], 'listener', ARGV[b + 4])
+    end
+  end
+end
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+if live then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
+return table.concat(out, ',')
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class Scripts:
     """The scripts, registered with one client (call them with ``client=pipe`` in a pipeline)."""
@@ -130,6 +174,7 @@ class Scripts:
     prune: Any
     ingest: Any
     heartbeat: Any
+    ingest_session: Any
 
     @classmethod
     def register_with(cls, redis: Any) -> Scripts:
@@ -138,4 +183,5 @@ class Scripts:
             redis.register_script(PRUNE_LUA),
             redis.register_script(INGEST_LUA),
             redis.register_script(HEARTBEAT_LUA),
+            redis.register_script(INGEST_SESSION_LUA),
         )

@@ -13,7 +13,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ValidationError
 
 from breakpod import protocol
-from breakpod_broker import keys
+from breakpod_broker import keys, sharded
 from breakpod_broker.auth import Agent, Viewer
 from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.models import Heartbeat, SessionId, SessionIn, SessionOut
@@ -37,8 +37,13 @@ async def register(
     fields = {**_strings(body), "updated": str(now), "last_seen": str(now)}
     cleared = [k for k, v in body.model_dump().items() if v is None]
     s = broker.settings
+    indexes = _indexes(body)
     refused = await broker.scripts.register(
-        keys=[keys.session(session_id), keys.alive(session_id), *_indexes(body)],
+        keys=[
+            keys.session(session_id),
+            keys.alive(session_id),
+            *([] if broker.cluster else indexes),
+        ],
         args=[
             *(who.token_id, body.namespace or "", now, s.retention_seconds),
             *(s.heartbeat_ttl_seconds, session_id, len(cleared), *cleared),
@@ -46,6 +51,8 @@ async def register(
         ],
     )
     _refuse_registration(session_id, refused)
+    if broker.cluster:  # the indexes live in other slots: added after the script
+        await sharded.add_to_indexes(broker.redis, session_id, float(refused[1:]), indexes)
     return await load(broker, session_id)
 
 
@@ -53,26 +60,36 @@ async def register(
 async def heartbeat(
     session_id: SessionId, body: Heartbeat, who: Agent, broker: BrokerDep
 ) -> SessionOut:
-    """Keep a session alive (and optionally change its state): one Lua call."""
+    """Keep a session alive (and optionally change its state): one Lua call.
+    (fastpath.py serves the common case of this route below FastAPI, the same way.)"""
+    return _heartbeaten(who, session_id, await beat(broker, who, session_id, body))
+
+
+async def beat(broker: Broker, who: Principal, session_id: str, body: Heartbeat) -> list[str]:
+    """The heartbeat script's reply: written when ``ok``, else nothing written."""
     s = broker.settings
-    reply = await broker.scripts.heartbeat(
+    reply: list[str] = await broker.scripts.heartbeat(
         keys=[keys.session(session_id), keys.alive(session_id)],
         args=[
             *(who.token_id, time.time(), s.retention_seconds, s.heartbeat_ttl_seconds),
             *(x for pair in _strings(body).items() for x in pair),
         ],
     )
-    return _heartbeaten(who, session_id, reply)
+    return reply
+
+
+def heartbeat_session(session_id: str, reply: list[str]) -> SessionOut | None:
+    """The session as the heartbeat script left it; None when it wrote nothing."""
+    if reply[0] != "ok":
+        return None
+    return _decode(session_id, dict(zip(reply[1::2], reply[2::2], strict=True)), 1)
 
 
 def _heartbeaten(who: Principal, session_id: str, reply: list[str]) -> SessionOut:
     """The session as the heartbeat script left it; 404 or 403 as ``owned`` answers."""
     if reply[0] == "owner" and who.may_see(reply[1] or None):
         raise _not_owner(session_id)
-    ok = reply[0] == "ok"
-    session = (
-        _decode(session_id, dict(zip(reply[1::2], reply[2::2], strict=True)), 1) if ok else None
-    )
+    session = heartbeat_session(session_id, reply)
     if session is None:
         raise HTTPException(
             404,
@@ -165,7 +182,10 @@ async def read_many(
     gone = [i for i, s in zip(session_ids, found, strict=True) if s is None]
     if gone:  # expired: prune the index
         for listed in {keys.SESSIONS, index}:
-            await broker.scripts.prune(keys=[*map(keys.session, gone)], args=[*gone, listed])
+            if broker.cluster:
+                await sharded.prune(broker.redis, gone, listed)
+            else:
+                await broker.scripts.prune(keys=[*map(keys.session, gone)], args=[*gone, listed])
     return found
 
 

@@ -41,6 +41,8 @@ class BrokerSettings(BaseSettings):
     broker_host: str = "127.0.0.1"
     broker_port: int = Field(default=8765, ge=0, le=65535)
     redis_url: str | None = None  # None: start an embedded redis-server
+    # a Redis Cluster at redis_url (any node)? None: ask the server (INFO cluster)
+    redis_cluster: bool | None = None
     data_dir: Path = Path(".breakpod/broker")
     broker_tokens: str = ""  # "role:token,role:token"
     tokens_file: Path | None = None
