@@ -25,12 +25,20 @@ from tests.brokerkit import ADMIN, AGENT, VIEWER, BrokerProcess, wait_until
 NODES = 3
 
 
+MAX_CLUSTER_PORT = 55535  # a node's bus listens on port + 10000
+
+
+def cluster_port() -> int:
+    """A free port low enough for the node's cluster bus port to exist too."""
+    return wait_until(lambda: (port := free_port()) <= MAX_CLUSTER_PORT and port, timeout=5)
+
+
 class RedisClusterNodes:
     """Three loopback redis-server processes in cluster mode, each in its own folder."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.ports = [free_port() for _ in range(NODES)]
+        self.ports = [cluster_port() for _ in range(NODES)]
         self.procs: list[subprocess.Popen[bytes]] = []
 
     @property

@@ -16,6 +16,27 @@ from breakpod import protocol
 # event or heartbeat (a stale one, delivered after an outage) reopens it.
 _FINAL = f"local final = '{protocol.FINAL_STATE}'\n"
 
+
+def _state_changes(session_hash: str, first: str) -> str:
+    """Lua: apply the state changes from ARGV[first] on (index, state, reason, address,
+    listener) for events that were stored; ``finished`` stays finished (see above)."""
+    return f"""
+local live = redis.call('EXISTS', {session_hash}) == 1
+local ended = live and redis.call('HGET', {session_hash}, 'state') == final
+for b = {first}, #ARGV - 1, 5 do
+  if live and out[tonumber(ARGV[b])] ~= '' then
+    local state = ARGV[b + 1]
+    if state ~= '' and (not ended or state == final) then
+      redis.call('HSET', {session_hash}, 'state', state, 'reason', ARGV[b + 2])
+      ended = state == final
+    end
+    if ARGV[b + 3] ~= '' and not ended then
+      redis.call('HSET', {session_hash}, 'address', ARGV[b + 3], 'listener', ARGV[b + 4])
+    end
+  end
+end"""
+
+
 # KEYS: session hash, alive key, then the session indexes (all, its namespace's,
 # its job's): each scores the session by its first registration. With Redis
 # Cluster only the first two (one slot): the caller then adds the session to the
@@ -104,20 +125,9 @@ for i = 1, n do
     out[i] = ''
   end
 end
-local live = redis.call('EXISTS', KEYS[3]) == 1
-local ended = live and redis.call('HGET', KEYS[3], 'state') == final
-for b = 7 + 2 * n, #ARGV - 1, 5 do
-  if live and out[tonumber(ARGV[b])] ~= '' then
-    local state = ARGV[b + 1]
-    if state ~= '' and (not ended or state == final) then
-      redis.call('HSET', KEYS[3], 'state', state, 'reason', ARGV[b + 2])
-      ended = state == final
-    end
-    if ARGV[b + 3] ~= '' and not ended then
-      redis.call('HSET', KEYS[3], 'address', ARGV[b + 3], 'listener', ARGV[b + 4])
-    end
-  end
-end
+"""
+    + _state_changes("KEYS[3]", "7 + 2 * n")
+    + """
 redis.call('EXPIRE', KEYS[2], ARGV[4])
 if live then redis.call('EXPIRE', KEYS[3], ARGV[4]) end
 return table.concat(out, ',')
@@ -133,7 +143,9 @@ return table.concat(out, ',')
 # changes as in INGEST_LUA. Returns the cursors joined by "," ("" = duplicate:
 # the caller deletes its global copy). A cursor not above the session stream's
 # last (two requests for one session crossed) is replaced by a new one there.
-INGEST_SESSION_LUA = """
+INGEST_SESSION_LUA = (
+    _FINAL
+    + """
 local n = tonumber(ARGV[5])
 local out = {}
 for i = 1, n do
@@ -149,21 +161,14 @@ for i = 1, n do
     out[i] = ''
   end
 end
-local live = redis.call('EXISTS', KEYS[2]) == 1
-for b = 6 + 3 * n, #ARGV - 1, 5 do
-  if live and out[tonumber(ARGV[b])] ~= '' then
-    if ARGV[b + 1] ~= '' then
-      redis.call('HSET', KEYS[2], 'state', ARGV[b + 1], 'reason', ARGV[b + 2])
-    end
-    if ARGV[b + 3] ~= '' then
-      redis.call('HSET', KEYS[2], 'address', ARGV[b + 3], 'listener', ARGV[b + 4])
-    end
-  end
-end
+"""
+    + _state_changes("KEYS[2]", "6 + 3 * n")
+    + """
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 if live then redis.call('EXPIRE', KEYS[2], ARGV[3]) end
 return table.concat(out, ',')
 """
+)
 
 
 @dataclasses.dataclass(frozen=True)
