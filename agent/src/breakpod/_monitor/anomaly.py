@@ -70,7 +70,9 @@ class Anomaly:
         return fields
 
     def same_tensor(self) -> tuple[Any, ...]:
-        return (self.step, self.phase, self.module, self.details.get("param"))
+        """Rules that fired on the same tensor: a parameter or grad_norm group is its own."""
+        param = self.details.get("param", self.details.get("group"))
+        return (self.step, self.phase, self.module, param)
 
 
 @dataclasses.dataclass
