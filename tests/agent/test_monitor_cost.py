@@ -213,7 +213,7 @@ def test_a_model_split_over_two_gpus_is_read_from_both(monkeypatch):
 def test_compiled_module_warns_and_watches_the_original(monkeypatch):
     monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
     monkeypatch.setenv("BREAKPOD_DISABLE_COMPILE", "1")
-    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")  # restored after: watch() sets it to 1
     model = Net()
     compiled = torch.compile(model)
     with pytest.warns(RuntimeWarning, match="hooks added after compilation are ignored"):

@@ -70,7 +70,9 @@ class Anomaly:
         return fields
 
     def same_tensor(self) -> tuple[Any, ...]:
-        return (self.step, self.phase, self.module, self.details.get("param"))
+        """Rules that fired on the same tensor: a parameter or grad_norm group is its own."""
+        param = self.details.get("param", self.details.get("group"))
+        return (self.step, self.phase, self.module, param)
 
 
 @dataclasses.dataclass
@@ -151,18 +153,47 @@ def _snapshot(anomaly: Anomaly, ctx: ActionContext) -> None:
     import torch
 
     ctx.snapshot_dir.mkdir(parents=True, exist_ok=True)
-    name = re.sub(
-        r"[^A-Za-z0-9_.-]+",
-        "_",
-        f"step{anomaly.step:07d}-{anomaly.rule}-{anomaly.module or 'model'}",
-    )
-    path = ctx.snapshot_dir / f"{name}.pt"
+    path = _snapshot_path(anomaly, ctx.snapshot_dir)
     module = find_module(ctx.model, anomaly.module)
     tensor = anomaly.tensor.detach().cpu() if anomaly.tensor is not None else None
     state = module.state_dict() if module is not None else None
-    torch.save({"anomaly": anomaly.to_dict(), "tensor": tensor, "module_state": state}, path)
+    content = {"anomaly": anomaly.to_dict(), "tensor": tensor, "module_state": state}
+    if anomaly.phase in ("backward", "param") and module is not None:
+        content["grads"] = _grads(module, anomaly)
+    torch.save(content, path)
     anomaly.details["snapshot"] = str(path)
     announce(f"anomaly snapshot: {path}")
+
+
+def _snapshot_path(anomaly: Anomaly, folder: Path) -> Path:
+    """``step0000012-<rule>-<module>[-<param>].pt``; never over another anomaly's file."""
+    param = _param_of(anomaly)
+    leaf = f"-{param.rpartition('.')[2]}" if param and param != anomaly.module else ""
+    stem = f"step{anomaly.step:07d}-{anomaly.rule}-{anomaly.module or 'model'}{leaf}"
+    stem = re.sub(r"[^A-Za-z0-9_.-]+", "_", stem)
+    path, n = folder / f"{stem}.pt", 1
+    while path.exists():
+        n += 1
+        path = folder / f"{stem}-{n}.pt"
+    return path
+
+
+def _param_of(anomaly: Anomaly) -> str | None:
+    """The parameter (or grad_norm group) an anomaly names; None for a module or all."""
+    param = anomaly.details.get("param") or anomaly.details.get("group")
+    return None if param in (None, "", "<total>") else str(param)
+
+
+def _grads(module: Any, anomaly: Anomaly) -> dict[str, Any]:
+    """The gradients the anomaly is about (its parameter's, or its module's), on the CPU,
+    as they are when the action runs (before the update when a rule needs the verdict)."""
+    param = _param_of(anomaly)
+    prefix = f"{anomaly.module}." if anomaly.module else ""
+    return {
+        name: p.grad.detach().cpu()
+        for name, p in module.named_parameters()
+        if p.grad is not None and (not param or param in (prefix + name, anomaly.module))
+    }
 
 
 def find_module(model: Any, name: str) -> Any:

@@ -11,8 +11,9 @@ cheaper than ``aminmax``, far cheaper than ``isnan(x).any()``) and is
 non-finite exactly when the tensor holds a NaN or an Inf (or, for float32,
 values near 1e38 whose sum overflows: an anomaly too). NaN vs +Inf vs -Inf
 is read from the sum's value; exact counts are taken later from kept
-tensors. ``sum |x|`` (the L1 norm, one pass) and the non-zero count (the
-L0 norm) run only where a rule needs them.
+tensors. ``sum |x|`` (the L1 norm, one pass) and the count of live units
+(two kernels: a per-unit max over the batch dims, then the count of its
+non-zeros) run only where a rule needs them.
 Each statistic is written with ``out=`` into a 0-d view of the monitor's
 per-step buffer: one kernel, no allocation, and no stacking at the step's
 end (the buffer is the stack).
@@ -21,6 +22,7 @@ end (the buffer is the stack).
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
     import torch
 
 ANY = ("*", "_", "?", "")
+# Names that stand for the batch: a last, smaller batch is no anomaly, so they do not carry.
+BATCH_NAMES = ("B", "N")
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 
 
@@ -39,8 +43,9 @@ def write_stats(
     total: bool = True,
     mean_abs: bool = False,
     zeros: bool = False,
+    pre_relu: bool = False,
 ) -> None:
-    """Write ``[sum x, sum |x|, count of non-zeros]`` into ``cells[base:]`` on ``x``'s device.
+    """Write ``[sum x, sum |x|, live units]`` into ``cells[base:]`` on ``x``'s device.
 
     ``cells`` are 0-d views of the monitor's per-step buffer, so each statistic
     is one kernel writing into preallocated memory (no result allocated per
@@ -56,8 +61,42 @@ def write_stats(
     if mean_abs:
         torch.linalg.vector_norm(x, 1, dtype=torch.float32, out=cells[i])
         i += 1
-    if zeros:  # the count of non-zero values
-        torch.linalg.vector_norm(x, 0, dtype=torch.float32, out=cells[i])
+    if zeros:
+        write_live_units(x, cells[i], pre_relu)
+
+
+def unit_count(shape: Sequence[int]) -> int:
+    """How many units a tensor of ``shape`` has (see :func:`batch_dims`)."""
+    if len(shape) <= 1:
+        return int(shape[0]) if shape else 1
+    return int(shape[-1] if len(shape) == 3 else shape[1])
+
+
+def batch_dims(ndim: int) -> tuple[int, ...]:
+    """The dims a unit spans: all but the features (2-d), channels (4-d, 5-d: N,C,H,W)
+    or the last dim (3-d, taken as B,T,D); a 1-d tensor is one value per unit."""
+    if ndim == 3:
+        return (0, 1)
+    return tuple(d for d in range(ndim) if d != 1)
+
+
+def write_live_units(x: torch.Tensor, cell: torch.Tensor, pre_relu: bool) -> None:
+    """The count of units that are non-zero somewhere in the batch, into ``cell``.
+
+    A dead unit is zero over the whole batch (a dead ReLU), so the count is
+    taken over per-unit maxima: ``max |x|`` for an activation's output, or,
+    with ``pre_relu``, ``max(x, 0)`` of the output that a functional ``F.relu``
+    consumes (its unit is dead when it is <= 0 for every sample).
+    """
+    import torch
+
+    if x.dim() <= 1:
+        per_unit = x.clamp(min=0) if pre_relu else x
+    elif pre_relu:
+        per_unit = torch.amax(x, dim=batch_dims(x.dim())).clamp_(min=0)
+    else:
+        per_unit = torch.linalg.vector_norm(x, math.inf, dim=batch_dims(x.dim()))
+    torch.linalg.vector_norm(per_unit, 0, dtype=torch.float32, out=cell)
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -128,6 +167,23 @@ class ShapeContract:
             if isinstance(want, str) and bound.setdefault(want, got) != got:
                 return f"dim {i} is {got}, but {want}={bound[want]} earlier in the shape"
         return None
+
+    def carried_mismatch(self, shape: Sequence[int], carried: dict[str, int]) -> str | None:
+        """Why ``shape`` breaks the sizes its names took in earlier calls (a T change, a
+        (T,B,D) transpose), or ``None``. Batch names (``B``, ``N``) may change."""
+        for i, (want, got) in enumerate(zip(self._expand(len(shape)) or (), shape, strict=True)):
+            if isinstance(want, str) and want in carried and carried[want] != got:
+                return f"dim {i} is {got}, but {want}={carried[want]} in earlier steps"
+        return None
+
+    def names(self, shape: Sequence[int]) -> dict[str, int]:
+        """The sizes the contract's names take in ``shape`` (batch names left out)."""
+        dims = self._expand(len(shape)) or ()
+        return {
+            want: got
+            for want, got in zip(dims, shape, strict=True)
+            if isinstance(want, str) and want not in BATCH_NAMES and want != "..."
+        }
 
     def _expand(self, ndim: int) -> tuple[int | str | None, ...] | None:
         if "..." not in self.dims:

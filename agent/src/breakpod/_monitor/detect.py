@@ -29,7 +29,8 @@ class Slot:
     rules: frozenset[str]
     total: bool = True  # the values start with sum(x): the non-finite signal
     mean_abs: bool = False
-    zeros: bool = False
+    zeros: bool = False  # the live-unit count, for dead_units
+    pre_relu: bool = False  # units are dead when <= 0 (the output feeds a functional relu)
     retain: bool = False
     index: int = -1  # in the monitor's slot table
     base: int = -1  # first column in the per-step buffer
@@ -41,9 +42,9 @@ class Slot:
         return int(self.total) + int(self.mean_abs) + int(self.zeros)
 
     @property
-    def flags(self) -> tuple[bool, bool, bool]:
-        """``(total, mean_abs, zeros)``: the columns :func:`.checks.write_stats` writes."""
-        return self.total, self.mean_abs, self.zeros
+    def flags(self) -> tuple[bool, bool, bool, bool]:
+        """``(total, mean_abs, zeros, pre_relu)``: what :func:`.checks.write_stats` writes."""
+        return self.total, self.mean_abs, self.zeros, self.pre_relu
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +60,8 @@ class Sample:
     values: list[float]
     numel: int
     tensor: Any = None
+    units: int = 0  # for dead_units: values[-1] is then the count of dead units
+    consumer: str = ""  # for the batch (phase "input"): the first watched module that ran
 
     @property
     def nonfinite(self) -> bool:
@@ -69,8 +72,8 @@ class Sample:
         return self.values[int(self.slot.total)] / max(self.numel, 1)
 
     @property
-    def zero_fraction(self) -> float:
-        return self.values[-1] / max(self.numel, 1)
+    def dead_fraction(self) -> float:
+        return self.values[-1] / max(self.units, 1)
 
 
 @dataclasses.dataclass
@@ -84,8 +87,8 @@ class StepData:
     params: dict[int, float] | None = None
     batchnorm: dict[str, list[float]] | None = None
     partial: bool = False  # only a loss, reported after the optimizer ended its step
-    # (ran slots, host values, kept tensors) per device, until expanded into samples
-    slot_groups: list[tuple[Any, Any, Any]] = dataclasses.field(default_factory=list)
+    # (ran slots, host values, kept tensors, units) per device, until expanded into samples
+    slot_groups: list[tuple[Any, Any, Any, Any]] = dataclasses.field(default_factory=list)
 
 
 Found = tuple[Anomaly, Rule]
@@ -194,16 +197,26 @@ class Detector:
         limit = rule["max_zero_fraction"]
         for s in data.forward:
             if _watched(rule, s) and self._fires(
-                (rule.name, s.slot.module), s.zero_fraction >= limit, rule
+                (rule.name, s.slot.module), s.dead_fraction >= limit, rule
             ):
                 times = f", {rule.consecutive} steps in a row" if rule.consecutive > 1 else ""
-                summary = f"{s.zero_fraction:.1%} of the output is exactly zero{times}"
-                yield (
-                    _anomaly(
-                        rule, data, s.slot.module, "forward", summary, s.zero_fraction, s.tensor
-                    ),
-                    rule,
+                what = "<= 0 (before relu)" if s.slot.pre_relu else "zero"
+                summary = (
+                    f"{s.values[-1]:.0f} of {s.units} units ({s.dead_fraction:.1%}) are {what} "
+                    f"over the whole batch{times}"
                 )
+                details = {"dead_units": int(s.values[-1]), "units": s.units}
+                anomaly = _anomaly(
+                    rule,
+                    data,
+                    s.slot.module,
+                    "forward",
+                    summary,
+                    s.dead_fraction,
+                    s.tensor,
+                    details,
+                )
+                yield anomaly, rule
 
     def _grad_norm(self, rule: Rule, data: StepData) -> Iterator[Found]:
         for group, norm in self._groups(rule, data.grads).items():
@@ -313,12 +326,18 @@ def _nonfinite_sample(rule: Rule, step: int, s: Sample) -> Anomaly | None:
     if not s.nonfinite:
         return None
     details = _nonfinite_kinds(s)
-    what = "output" if s.slot.phase == "forward" else "gradient w.r.t. the input"
     counts = " ".join(f"{k}={v}" for k, v in details.items())
-    summary = f"{what} of {s.slot.module or '<model>'} has non-finite values ({counts})"
     value = float(sum(details.values())) if s.tensor is not None else math.nan
+    module = s.consumer if s.slot.phase == "input" else s.slot.module
+    what = {
+        "input": f"input of {module or '<model>'} (the batch)",
+        "forward": f"output of {module or '<model>'}",
+    }.get(s.slot.phase, f"gradient w.r.t. the input of {module or '<model>'}")
+    summary = f"{what} has non-finite values ({counts})"
+    if s.slot.phase == "input":
+        details["batch"] = True
     return Anomaly(
-        rule.name, rule.check, s.slot.module, step, s.slot.phase, summary, value, details, s.tensor
+        rule.name, rule.check, module, step, s.slot.phase, summary, value, details, s.tensor
     )
 
 

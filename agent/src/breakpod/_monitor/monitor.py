@@ -202,6 +202,7 @@ class Monitor:
         self._module_checks = False  # some forward/backward hook records stats
         self._said_compiled = False
         self._shape_active: set[tuple[str, str]] = set()
+        self._shape_names: dict[tuple[str, str], dict[str, int]] = {}
         self._failed: set[str] = set()
         self.capture: Capture | None = None  # timetravel: set by start_capture()
         if enabled:
@@ -250,6 +251,7 @@ class Monitor:
         self._state_params = [
             (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
         ]
+        self._install_input_hook()
         self._table = SlotTable(self._slots)
         self._install_grad_hooks()
         if optimizer is not None:  # before the update, so a bad step can still be dropped
@@ -294,6 +296,7 @@ class Monitor:
                 total=any(r.check == "nonfinite" for r in watched),
                 mean_abs=any(r.check == "activation" for r in watched),
                 zeros=any(r.check == "dead_units" for r in watched),
+                pre_relu=any(r.check == "dead_units" and r["pre_relu"] for r in watched),
                 retain=any(r.parks for r in watched),
                 abs_limit=min(
                     (r["max_mean_abs"] for r in watched if r.check == "activation"),
@@ -315,6 +318,52 @@ class Monitor:
         slot = Slot(name, phase, rules, index=len(self._slots), base=base, **flags)
         self._slots.append(slot)
         return slot
+
+    def _install_input_hook(self) -> None:
+        """A pre-hook on the model: the batch is checked (a non-finite batch is the data's
+        fault, not the first module's), and a no_grad pass never mixes into a training step."""
+        import torch
+
+        self._grad_enabled = torch.is_grad_enabled
+        self._ignore_pass = False
+        self._input_slot: Slot | None = None
+        if not self._module_checks:
+            return
+        batch_rules = frozenset(
+            r.name
+            for r in self.rules
+            if r.check == "nonfinite"
+            and "activation" in r["where"]
+            and any(r.name in s.rules for s in self._slots if s.phase == "forward")
+        )
+        if batch_rules:
+            parks = any(r.parks for r in self.rules if r.name in batch_rules)
+            self._input_slot = self._new_slot("", "input", batch_rules, retain=parks)
+        hook = self._guarded("model input hook", self._on_model_input)
+        self._handles.append(self.model.register_forward_pre_hook(hook))
+
+    def _on_model_input(self, module: Any, inputs: tuple[Any, ...]) -> None:
+        self._sort_pass(self._current)
+        slot = self._input_slot
+        x = checks.first_tensor(inputs) if slot is not None and not self._ignore_pass else None
+        if slot is not None and x is not None and x.is_floating_point():
+            self._write_stats(slot, x.detach())
+
+    def _sort_pass(self, record: StepRecord) -> None:
+        """Evaluation under no_grad is not the training step: a training pass drops the
+        stats of an evaluation pass before it, and an evaluation pass after training
+        stats in the same step records nothing. Only no_grad passes (inference) count."""
+        if self._grad_enabled():
+            self._ignore_pass = False
+            if record.eval_only:
+                record.ran.clear()
+                record.units.clear()
+                record.kept.clear()
+                record.eval_only = False
+        elif not record.ran:
+            self._ignore_pass, record.eval_only = False, True
+        else:
+            self._ignore_pass = not record.eval_only
 
     def _install_grad_hooks(self) -> None:
         """One hook on the model's output queues the end-of-backward gradient norms.
@@ -395,6 +444,8 @@ class Monitor:
             return
         for rule, contract in shapes:
             self._check_shape(name, rule, contract, out)
+        if self._ignore_pass:
+            return  # an evaluation pass inside a training step
         if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
             self._record_output(slot, out)
         if grad_hook is not None:
@@ -409,14 +460,18 @@ class Monitor:
         ran = record.ran.get(device)
         if ran is None:
             ran = record.ran[device] = {}
+            record.units[device] = {}
+        units = checks.unit_count(x.shape) if slot.zeros else 0
         if slot.index in ran:  # a second call in this step (micro-batches): the sums add
             scratch = x.new_zeros(slot.width, dtype=_float32())
             checks.write_stats(x, scratch.unbind(), 0, *slot.flags)
             self._table.add_into(device, slot, scratch)
             ran[slot.index] += x.numel()
+            record.units[device][slot.index] += units
         else:
             checks.write_stats(x, self._table.cells(device), slot.base, *slot.flags)
             ran[slot.index] = x.numel()
+            record.units[device][slot.index] = units
         if slot.retain:
             record.kept[slot.index] = x
 
@@ -469,9 +524,12 @@ class Monitor:
             )
 
     def _check_shape(self, name: str, rule: Rule, contract: checks.ShapeContract, out: Any) -> None:
-        why = contract.mismatch(tuple(out.shape))
         key = (rule.name, name)
+        carried = self._shape_names.setdefault(key, {})  # names keep their size across steps
+        shape = tuple(out.shape)
+        why = contract.mismatch(shape) or contract.carried_mismatch(shape, carried)
         if why is None:
+            carried.update(contract.names(shape))
             self._shape_active.discard(key)
             return
         if key in self._shape_active:
@@ -529,6 +587,7 @@ class Monitor:
         if not self._current.grads_done and self._params:
             self._collect_grads()  # no backward ran through the model's output hook
         done, self._current = self._current, StepRecord(self.step_count + 1)
+        self._ignore_pass = False
         self._table.snapshot(done)
         self.step_count += 1
         self._pending.append(done)
@@ -671,14 +730,20 @@ class Monitor:
         self.close()
 
     def summary_line(self) -> str:
-        """``breakpod.summary(monitor)``: the counts, then the rules (cut at 120 characters)."""
+        """``breakpod.summary(monitor)``: the counts, then as many rule names as fit in about
+        120 characters, never cutting a count (``+3 more`` says how many are left out)."""
         state = "on" if self.enabled else "off"
         line = (
             f"monitor {state}: step {self.step_count}, {len(self.anomalies)} anomalies, "
-            f"{self.skipped_steps} skipped steps, {self.errors} errors; "
-            f"rules {', '.join(r.name for r in self.rules)}"
+            f"{self.skipped_steps} skipped steps, {self.errors} errors; {len(self.rules)} rules: "
         )
-        return line if len(line) <= 120 else line[:117] + "..."
+        names = [r.name for r in self.rules]
+        for shown in range(len(names), 0, -1):
+            more = f" +{len(names) - shown} more" if shown < len(names) else ""
+            listed = line + ", ".join(names[:shown]) + more
+            if len(listed) <= 120:
+                return listed
+        return line + f"+{len(names)} more" if names else line.rstrip(": ")
 
     def __repr__(self) -> str:
         state = "on" if self.enabled else "off"

@@ -55,9 +55,11 @@ CHECKS: dict[str, dict[str, Any]] = {
         "min_norm": None,
         "group": "module",
     },
-    "dead_units": {"max_zero_fraction": 0.99},
+    # a unit is dead when zero over the whole batch (pre_relu: <= 0, F.relu comes after)
+    "dead_units": {"max_zero_fraction": 0.9, "pre_relu": False},
     "activation": {"max_mean_abs": 1e4},
-    "batchnorm": {"mean_range": [-1e4, 1e4], "var_range": [0.0, 1e6]},
+    # a running variance under 1e-6 has collapsed (a constant channel)
+    "batchnorm": {"mean_range": [-1e4, 1e4], "var_range": [1e-6, 1e6]},
     "loss_spike": {"factor": 10.0, "window": 50, "min_history": 10},
 }
 
@@ -316,6 +318,12 @@ def _fraction(label: str, field: str, value: Any) -> float:
     return float(value)
 
 
+def _flag(label: str, field: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _field(label, field, f"expected true or false, got {value!r}")
+    return value
+
+
 def _type_names(label: str, field: str, value: Any) -> frozenset[str]:
     return frozenset(_globs(label, field, value)) if value else frozenset()
 
@@ -356,6 +364,7 @@ _VALIDATORS: dict[str, Callable[[str, str, Any], Any]] = {
     "window": _positive_int,
     "min_history": _positive_int,
     "max_zero_fraction": _fraction,
+    "pre_relu": _flag,
 }
 
 

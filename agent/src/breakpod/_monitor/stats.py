@@ -36,6 +36,7 @@ class Entry:
     numel: int = 0
     keys: Sequence[Any] | dict[int, int] = ()  # a dict for slots: {slot index: numel}
     tensor: Any = None
+    units: dict[int, int] | None = None  # slots: {slot index: units}, in the order of keys
 
 
 @dataclasses.dataclass
@@ -46,8 +47,11 @@ class StepRecord:
     entries: list[Entry] = dataclasses.field(default_factory=list)
     grads_done: bool = False
     partial: bool = False  # a loss that arrived after the optimizer ended the step
+    eval_only: bool = False  # its stats so far come from no_grad passes (evaluation)
     # device -> {slot index: numel}, in execution order: the slots whose hooks ran
     ran: dict[Any, dict[int, int]] = dataclasses.field(default_factory=dict)
+    # device -> {slot index: units (0 without a dead_units column)}, in the same order as ran
+    units: dict[Any, dict[int, int]] = dataclasses.field(default_factory=dict)
     kept: dict[int, Any] = dataclasses.field(default_factory=dict)  # for break/snapshot rules
 
 
@@ -96,36 +100,43 @@ class SlotTable:
     def snapshot(self, record: StepRecord) -> None:
         """The step's end: one copy of each device's buffer that some hook wrote."""
         for device, ran in record.ran.items():
-            record.entries.append(
-                Entry("slots", self._buffers[device][0].clone(), keys=ran, tensor=record.kept)
-            )
+            buffer = self._buffers[device][0].clone()
+            units = record.units[device]
+            record.entries.append(Entry("slots", buffer, keys=ran, tensor=record.kept, units=units))
 
     def expand(self, data: StepData, hot: Collection[str]) -> None:
         """Samples for the slots worth a look: flagged by a vector test, or mid-streak."""
-        for ran, values, kept in data.slot_groups:
-            for index, numel, row in self._flagged(ran, values, hot):
-                slot = self.slots[index]
-                sample = Sample(slot, row, numel, kept.get(index))
-                (data.forward if slot.phase == "forward" else data.backward).append(sample)
+        for ran, values, kept, units in data.slot_groups:
+            order = list(ran)
+            for pos, row, numel, n_units in self._flagged(ran, values, hot, units):
+                slot = self.slots[order[pos]]
+                sample = Sample(slot, row, numel, kept.get(slot.index), n_units)
+                if slot.phase == "input":  # the batch: named after the first module that ran
+                    sample.consumer = self._first_module(order[pos + 1 :])
+                (data.backward if slot.phase == "backward" else data.forward).append(sample)
         data.slot_groups = []
 
+    def _first_module(self, after: Sequence[int]) -> str:
+        return next((self.slots[i].module for i in after if self.slots[i].phase == "forward"), "")
+
     def _flagged(
-        self, ran: dict[int, int], values: Any, hot: Collection[str]
-    ) -> list[tuple[int, int, list[float]]]:
+        self, ran: dict[int, int], values: Any, hot: Collection[str], units: dict[int, int]
+    ) -> list[tuple[int, list[float], int, int]]:
+        """``(position in ran, values, numel, units)`` of each slot worth a look."""
         import torch
 
         if not ran or not self._any:
             return []
         index = torch.tensor(list(ran), dtype=torch.long)
         numel = torch.tensor(list(ran.values()), dtype=torch.float64)
+        unit = torch.tensor(list(units.values()), dtype=torch.float64)
         vals = values.double()
         total, absc, zeros = self._total[index], self._abs[index], self._zeros[index]
         flag = (total >= 0) & ~torch.isfinite(vals[total.clamp(min=0)])
         mean_abs = vals[absc.clamp(min=0)] / numel.clamp(min=1)
         flag |= (absc >= 0) & (mean_abs > self._abs_limit[index])
-        count = numel - vals[zeros.clamp(min=0)]  # the column holds the non-zero count
-        zero_fraction = count / numel.clamp(min=1)
-        flag |= (zeros >= 0) & (zero_fraction >= self._zero_limit[index])
+        dead = unit - vals[zeros.clamp(min=0)]  # the column holds the count of live units
+        flag |= (zeros >= 0) & (dead / unit.clamp(min=1) >= self._zero_limit[index])
         picked = set(flag.nonzero().flatten().tolist())
         if hot:
             position = {k: i for i, k in enumerate(ran)}
@@ -136,8 +147,8 @@ class SlotTable:
             slot = self.slots[int(index[pos])]
             row = vals[slot.base : slot.base + slot.width].tolist()
             if slot.zeros:
-                row[-1] = float(count[pos])
-            rows.append((slot.index, int(numel[pos]), row))
+                row[-1] = float(dead[pos])
+            rows.append((pos, row, int(numel[pos]), int(unit[pos])))
         return rows
 
 
@@ -227,7 +238,8 @@ def decode(step: StepRecord, values: dict[Any, list[float]], hosts: dict[Any, An
     for e in step.entries:
         device, offset, n = e.vec
         if e.kind == "slots":
-            data.slot_groups.append((e.keys, hosts[device][offset : offset + n], e.tensor))
+            columns = hosts[device][offset : offset + n]
+            data.slot_groups.append((e.keys, columns, e.tensor, e.units or {}))
         else:
             _place(data, e, values[device][offset : offset + n])
     return data
