@@ -78,6 +78,7 @@ HELP: dict[str, str] = {
     "broker_host": "bind address (plain `BREAKPOD_HOST` is the agent's listener)",
     "broker_port": "port",
     "redis_url": "Redis to use; unset: an embedded redis-server in the data directory",
+    "redis_cluster": "Redis Cluster client (true) or a single Redis (false); unset: ask the server",
     "data_dir": "embedded Redis data (AOF, `lock`, `redis.pid`) and `serve --dev` tokens",
     "broker_tokens": "static tokens, `role:token,role:token` (roles agent, viewer, admin)",
     "tokens_file": "YAML/JSON `tokens: {TOKEN: ROLE}` or `{TOKEN: {role, namespaces, name}}`",
