@@ -314,19 +314,22 @@ class Listener:
             self._end_handshake(h, f"no token within {HANDSHAKE_SECONDS:g}s")
 
     def _judge(self) -> None:
-        """Compare every token line whose wait is over; the failures then delay the next."""
+        """Compare every token line: a right one is admitted at once; of the wrong ones,
+        one whose wait is over is refused per pass, so each failure delays the next
+        refusal (and with it the next guess), however many connections guess at once."""
         assert self._token is not None or not self._pending
         now = time.monotonic()
-        due = [h for h in self._pending.values() if h.line is not None]
-        due = [h for h in due if self._throttle.wait(h.peer, now) <= 0]
-        for h in due:
-            del self._pending[h.conn]
+        refused = False
+        for h in [h for h in self._pending.values() if h.line is not None]:
             assert h.line is not None and self._token is not None
             if hmac.compare_digest(h.line.strip(), self._token):
+                del self._pending[h.conn]
                 self._throttle.succeeded(h.peer)
                 h.conn.setblocking(True)
                 self._admit(h.conn)
-            else:
+            elif not refused and self._throttle.wait(h.peer, now) <= 0:
+                del self._pending[h.conn]
+                refused = True
                 self._throttle.failed(h.peer, now)
                 _refuse(h.conn, "wrong or missing token; set BREAKPOD_LISTENER_TOKEN to the job's")
 
