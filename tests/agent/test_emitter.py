@@ -217,3 +217,83 @@ def test_delivery_resumes_within_seconds_after_a_broker_outage(start_broker):
     finally:
         e.close()
     assert recovery < 4.0, f"delivery resumed {recovery:.2f}s after the broker came back"
+
+
+EMITS_UNTIL_GO = """
+    import os, socket, sys, time
+    from breakpod._broker import emitter
+    from breakpod._core import events
+    emitter.ensure_started()
+    n = 0
+    while not os.path.exists({go!r}):  # keeps the sender busy: through the outage it backs off
+        events.emit("log", n=n)
+        n += 1
+        time.sleep(0.1)
+    while {await_broker}:  # exit the moment the broker's port is back: the sender still waits
+        try:
+            socket.create_connection(("127.0.0.1", {port}), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.01)
+    print("exiting", time.monotonic(), flush=True)
+    sys.exit(3)
+"""
+
+
+def registered(broker, session_id: str):
+    from tests.brokerkit import VIEWER
+
+    with broker.client(VIEWER) as c:
+        reply = c.get(f"/v1/sessions/{session_id}")
+    return reply.json() if reply.status_code == 200 else None
+
+
+def job_in_an_outage(start_broker, spawn, go, session_id: str, *, await_broker: bool):
+    """A job reporting to a real broker; the broker is stopped and the sender has
+    been backing off for a while (its waits reach a second or two)."""
+    from tests.brokerkit import AGENT, wait_until
+
+    broker = start_broker()
+    script = EMITS_UNTIL_GO.format(go=str(go), await_broker=await_broker, port=broker.port)
+    env = {"BREAKPOD_BROKER_URL": broker.url, "BREAKPOD_AGENT_TOKEN": AGENT}
+    child = spawn(script, env={**env, "BREAKPOD_SESSION_ID": session_id})
+    wait_until(lambda: registered(broker, session_id), timeout=20)
+    broker.stop()
+    child.wait_for("broker unreachable, events queued", timeout=20)
+    time.sleep(3)  # the backoff doubles to its cap: 0.25, 0.5, 1, 2 s
+    return broker, child
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_ends_as_the_broker_returns_still_shows_finished(start_broker, spawn, tmp_path):
+    """The job exits the moment the broker is back, its sender asleep in a backoff
+    wait: finish() wakes it, and the final event arrives."""
+    from tests.brokerkit import wait_until
+
+    go = tmp_path / "go"
+    broker, child = job_in_an_outage(start_broker, spawn, go, "on-return", await_broker=True)
+    go.touch()
+    broker.start()  # same port, same Redis
+    assert child.wait() == 3, child.stderr
+    session = wait_until(lambda: registered(broker, "on-return"), timeout=20)
+    assert (session["state"], session["reason"]) == ("finished", "finished (exit 3)")
+    assert "did not get" not in child.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_job_that_ends_while_the_broker_is_down_says_so_and_exits_promptly(
+    start_broker, spawn, tmp_path
+):
+    go = tmp_path / "go"
+    broker, child = job_in_an_outage(start_broker, spawn, go, "in-outage", await_broker=False)
+    go.touch()
+    assert child.wait() == 3, child.stderr
+    took = time.monotonic() - float(child.stdout().split()[1])
+    assert took < 2.5, f"the exit waited {took:.2f}s for a broker that is down"
+    said = [line for line in child.stderr.splitlines() if "did not get" in line]
+    assert said == [
+        f"breakpod: the broker at {broker.url} did not get this process's exit (exit 3); "
+        "session in-outage will read as lost there"
+    ]
+    broker.start()  # back, it never heard of the exit: the session is not finished
+    assert registered(broker, "in-outage")["state"] != "finished"

@@ -221,3 +221,36 @@ def test_every_format_says_rule_module_step_summary_state_and_attach(start_broke
         assert part in anomaly_text
     for part in ("state: `parked`", "address: `127.0.0.1:5678`", "breakpod attach s1"):
         assert part in parked_text
+
+
+def test_a_stale_state_event_after_finished_is_not_notified(start_broker, receiver, redis_url):
+    """``finished`` is sticky for notifiers as for the session: a late ``parked`` or
+    ``stall`` (after an outage) would invite someone to attach to a process that is gone."""
+    notify = ["parked", "stall", "finished", "anomaly"]
+    broker = start_broker(
+        BREAKPOD_NOTIFIERS=json.dumps(
+            [{"name": "ops", "url": f"{receiver.url}/ok", "kinds": notify}]
+        )
+    )
+    for session in ("gone", "live", "ends"):
+        register(broker, session)
+    post_events(broker, {"id": "f", "session": "gone", "kind": "finished", "fields": {"exit": 0}})
+    response = post_events(
+        broker,
+        {"id": "p", "session": "gone", "kind": "parked", "fields": {"address": "127.0.0.1:1"}},
+        {"id": "s", "session": "gone", "kind": "stall", "fields": {"reason": "no step"}},
+        {"id": "a", "session": "gone", "kind": "anomaly", "fields": {"reason": "NaN"}},
+        {"id": "p", "session": "live", "kind": "parked", "fields": {"address": "127.0.0.1:2"}},
+        {"id": "f", "session": "ends", "kind": "finished", "fields": {"exit": 1}},
+        {"id": "p", "session": "ends", "kind": "parked", "fields": {"address": "127.0.0.1:3"}},
+    )
+    assert response.json()["accepted"] == 6  # stored all the same; only not notified
+    with redis.Redis.from_url(redis_url) as r:  # every queued job delivered and removed
+        wait_until(lambda: r.xlen(keys.NOTIFY) == 0 and len(receiver.bodies.get("/ok", [])) >= 4)
+    told = sorted((b["event"]["session"], b["event"]["kind"]) for b in receiver.bodies["/ok"])
+    assert told == [
+        ("ends", "finished"),
+        ("gone", "anomaly"),
+        ("gone", "finished"),
+        ("live", "parked"),
+    ]

@@ -136,7 +136,9 @@ class Dispatcher:
     async def enqueue(
         self, events: list[dict[str, Any]], sessions: Mapping[str, SessionOut]
     ) -> None:
-        """One job per (notifier, matching event), in one round trip."""
+        """One job per (notifier, matching event), in one round trip; none for a
+        stale event (see :func:`current`)."""
+        events = current(events, sessions)
         jobs = [
             {
                 "notifier": n.name,
@@ -346,6 +348,25 @@ class Dispatcher:
         for task in tasks:
             task.cancel()
         await self.client.aclose()
+
+
+def current(
+    events: list[dict[str, Any]], sessions: Mapping[str, SessionOut]
+) -> list[dict[str, Any]]:
+    """The events without the stale ones: a non-final state change (``parked``,
+    ``stall``, ...) for a session already finished, before this batch or earlier
+    in it. The ingest script keeps such a session finished; a notification would
+    invite someone to attach to a process that is gone."""
+    ended = {sid for sid, s in sessions.items() if s.state == protocol.FINAL_STATE}
+    kept = []
+    for event in events:
+        state = protocol.STATE_OF_KIND.get(event["kind"])
+        if state == protocol.FINAL_STATE:
+            ended.add(event["session"])
+        elif state is not None and event["session"] in ended:
+            continue
+        kept.append(event)
+    return kept
 
 
 def _enqueued(entry_id: str) -> float:

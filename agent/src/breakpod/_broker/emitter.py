@@ -55,6 +55,7 @@ HEARTBEAT_SECONDS = 15.0
 POLL_SECONDS = 20.0
 FIRST_BACKOFF = 0.25
 MAX_BACKOFF = 2.0
+FINAL_SECONDS = 3.0  # the longest an exit waits for its final event (a slow broker, not a dead one)
 
 # (ok, detail) for a command name; the detail goes back in the acknowledgement.
 CommandHandler = Callable[[str], tuple[bool, str]]
@@ -118,10 +119,13 @@ class Emitter:
         self._qlock = threading.Lock()
         self._seq = itertools.count(1)
         self._wake, self._stop, self._idle = threading.Event(), threading.Event(), threading.Event()
+        self._hurry = threading.Event()  # ends a backoff wait: finish() or close() wants a try now
+        self._tries = threading.Condition()  # the sender's tries, counted: finish() waits for one
+        self._tries_started = self._tries_ended = 0
         self._registered = threading.Event()
         self._next_beat = 0.0
-        self._reachable = False  # the last call reached the broker (none has yet)
         self._warned: set[str] = set()
+        self.url = url
         self._client = BrokerClient(url, token, timeout=5.0)
         self._poller = (
             BrokerClient(url, token, timeout=POLL_SECONDS + 10) if poll_commands else None
@@ -189,18 +193,39 @@ class Emitter:
     def close(self, timeout: float = 2.0) -> None:
         events.remove_sink(self.sink)
         self._stop.set()
+        self._hurry.set()
         self._wake.set()
         for thread in self._threads:
             thread.join(timeout)
 
     def finish(self, how: dict[str, Any] | None = None) -> None:
         """At exit (or SIGTERM): report ``finished`` with its ``exit`` status or
-        ``signal``, and give the sender a moment to deliver it."""
+        ``signal``. The sender, woken even from a backoff wait, tries once more
+        right away; the exit waits for that one try only (a broker that is down
+        refuses at once), and one stderr line says so when the broker missed it."""
         if self._stop.is_set():
             return
-        self.emit(protocol.FINISHED, {"reason": "process exited", **(how or exit_report.status())})
-        self.flush(timeout=3.0 if self._reachable else 0.2)  # never hold up an exit for long
+        how = how or exit_report.status()
+        self.emit(protocol.FINISHED, {"reason": "process exited", **how})
+        delivered = self._try_now(FINAL_SECONDS)
         self.close(timeout=0.5)
+        if not delivered:
+            ended = ", ".join(f"{k} {v}" for k, v in how.items())
+            announce(
+                f"the broker at {self.url} did not get this process's exit ({ended}); "
+                f"session {self.session_id} will read as lost there"
+            )
+
+    def _try_now(self, timeout: float) -> bool:
+        """Wake the sender for a try that starts after this call and wait for its end
+        (at most ``timeout``); True when nothing is left to send."""
+        with self._tries:
+            wanted = self._tries_started + 1
+            self._hurry.set()
+            self._wake.set()
+            self._tries.wait_for(lambda: self._tries_ended >= wanted, timeout)
+        with self._qlock:
+            return not self._queue and not self.in_flight
 
     # -- the sender thread --------------------------------------------------------------
 
@@ -209,25 +234,44 @@ class Emitter:
         while not self._stop.is_set():
             self._wake.wait(timeout=HEARTBEAT_SECONDS / 3)
             self._wake.clear()
-            try:
-                self._register_or_beat()
-                while self._send_batch():
-                    pass
-                backoff, self._reachable = FIRST_BACKOFF, True
-            except BrokerError as e:
-                self._reachable = e.status is not None
-                if e.status == 422 and not self._registered.is_set():  # retrying cannot help
-                    announce(f"the broker refused this session, not reporting to it: {e}")
-                    self._stop.set()
-                    return
-                self._warn_once("send", f"broker unreachable, events queued ({e})")
-            except Exception as e:  # a bug here must not kill reporting, nor the job
-                self._warn_once("send-bug", f"reporting failed ({type(e).__name__}: {e})")
-            else:
+            self._hurry.clear()
+            if self._counted_try():
+                backoff = FIRST_BACKOFF
                 continue
-            self._stop.wait(jittered(backoff))
-            backoff = min(backoff * 2, MAX_BACKOFF)
+            if self._stop.is_set():
+                return
+            hurried = self._hurry.wait(jittered(backoff))
+            backoff = FIRST_BACKOFF if hurried else min(backoff * 2, MAX_BACKOFF)
             self._wake.set()
+
+    def _counted_try(self) -> bool:
+        """One try, counted for :meth:`_try_now`."""
+        with self._tries:
+            self._tries_started += 1
+            number = self._tries_started
+        try:
+            return self._try()
+        finally:
+            with self._tries:
+                self._tries_ended = number
+                self._tries.notify_all()
+
+    def _try(self) -> bool:
+        """Register (or beat) and send everything queued; False when that failed."""
+        try:
+            self._register_or_beat()
+            while self._send_batch():
+                pass
+            return True
+        except BrokerError as e:
+            if e.status == 422 and not self._registered.is_set():  # retrying cannot help
+                announce(f"the broker refused this session, not reporting to it: {e}")
+                self._stop.set()
+                return False
+            self._warn_once("send", f"broker unreachable, events queued ({e})")
+        except Exception as e:  # a bug here must not kill reporting, nor the job
+            self._warn_once("send-bug", f"reporting failed ({type(e).__name__}: {e})")
+        return False
 
     def _register_or_beat(self) -> None:
         now = time.monotonic()

@@ -12,21 +12,19 @@ never import it.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):  # not a dataclass: a tenth of its cost on a cold breakpoint()
     kind: str
     fields: dict[str, Any]
-    time: float = dataclasses.field(default_factory=time.time)
+    time: float
 
 
 Sink = Callable[[Event], None]
@@ -44,7 +42,7 @@ def remove_sink(sink: Sink) -> None:
 
 def emit(kind: str, **fields: Any) -> None:
     if _sinks:
-        _deliver(_sinks, Event(kind, fields))
+        _deliver(_sinks, Event(kind, fields, time.time()))
 
 
 # Local topics never leave the process (the broker link is a plain sink and never
@@ -64,7 +62,7 @@ def remove_local_sink(sink: Sink) -> None:
 def emit_local(kind: str, **fields: Any) -> None:
     """Like :func:`emit`, to local sinks only; with none it costs one empty-list check."""
     if _local_sinks:
-        _deliver(_local_sinks, Event(kind, fields))
+        _deliver(_local_sinks, Event(kind, fields, time.time()))
 
 
 def _add(sinks: list[Sink], sink: Sink) -> None:

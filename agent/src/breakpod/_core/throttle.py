@@ -11,7 +11,6 @@ someone else guesses. A quiet period or a right token resets a counter.
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 
 BASE_DELAY = 0.05
@@ -21,13 +20,13 @@ FORGET_AFTER = 60.0  # seconds without a failure reset a counter
 MAX_PEERS = 1024
 
 
-@dataclasses.dataclass
 class Backoff:
     """Failures in a row and when the last one happened."""
 
-    cap: float
-    failures: int = 0
-    last: float = 0.0
+    __slots__ = ("cap", "failures", "last")  # a plain class: every listener imports this cheaply
+
+    def __init__(self, cap: float, failures: int = 0, last: float = 0.0) -> None:
+        self.cap, self.failures, self.last = cap, failures, last
 
     def wait(self, now: float) -> float:
         """Seconds until the next token may be judged (0: now)."""

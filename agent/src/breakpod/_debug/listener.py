@@ -17,8 +17,6 @@ nothing for BREAKPOD_ATTACH_IDLE is dropped so the hold time applies again.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import hmac
 import logging
 import math
 import os
@@ -135,15 +133,15 @@ class ClientIO:
         self.idled = True
 
 
-@dataclasses.dataclass(eq=False)
 class _Handshake:
-    """A client that still has to send the token line."""
+    """A client that still has to send the token line (a plain class: no import cost)."""
 
-    conn: socket.socket
-    peer: str
-    deadline: float
-    data: bytearray = dataclasses.field(default_factory=bytearray)
-    line: bytes | None = None  # the complete token line, once it arrived
+    __slots__ = ("conn", "data", "deadline", "line", "peer")
+
+    def __init__(self, conn: socket.socket, peer: str, deadline: float) -> None:
+        self.conn, self.peer, self.deadline = conn, peer, deadline
+        self.data = bytearray()
+        self.line: bytes | None = None  # the complete token line, once it arrived
 
 
 class Listener:
@@ -322,6 +320,8 @@ class Listener:
         refused = False
         for h in [h for h in self._pending.values() if h.line is not None]:
             assert h.line is not None and self._token is not None
+            import hmac  # only a listener with a token needs it
+
             if hmac.compare_digest(h.line.strip(), self._token):
                 del self._pending[h.conn]
                 self._throttle.succeeded(h.peer)
