@@ -317,11 +317,14 @@ class Listener:
         refusal (and with it the next guess), however many connections guess at once."""
         assert self._token is not None or not self._pending
         now = time.monotonic()
-        refused = False
-        for h in [h for h in self._pending.values() if h.line is not None]:
-            assert h.line is not None and self._token is not None
-            import hmac  # only a listener with a token needs it
+        due = [h for h in self._pending.values() if h.line is not None]
+        if not due:
+            return
+        import hmac  # only a listener with a token needs it
 
+        refused = False
+        for h in due:
+            assert h.line is not None and self._token is not None
             if hmac.compare_digest(h.line.strip(), self._token):
                 del self._pending[h.conn]
                 self._throttle.succeeded(h.peer)
