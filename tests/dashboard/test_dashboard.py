@@ -166,10 +166,17 @@ def _check_states_it_does_not_know(page, session_id):
     cell = f".rank[data-session='{session_id}']"
     colours = {}
     for state in ("waiting", "teleported"):
-        page.evaluate(f"app.sessions.get('{session_id}').state = '{state}'; render()")
-        page.wait_for_selector(f"{cell}[data-state='{state}']")
-        assert state in page.get_attribute(cell, "title")
-        colours[state] = page.eval_on_selector(cell, "e => getComputedStyle(e).backgroundColor")
+        # one JS turn: a live re-render (the agent keeps beating) cannot come in between
+        shown, title, colour = page.evaluate(
+            f"""() => {{
+                app.sessions.get('{session_id}').state = '{state}';
+                render();
+                const e = document.querySelector("{cell}");
+                return [e.dataset.state, e.title, getComputedStyle(e).backgroundColor];
+            }}"""
+        )
+        assert shown == state and state in title
+        colours[state] = colour
     assert colours == {"waiting": "rgb(161, 98, 7)", "teleported": "rgb(139, 92, 246)"}
 
 
