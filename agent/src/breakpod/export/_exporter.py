@@ -17,8 +17,8 @@ from typing import Any, Protocol
 from breakpod import protocol
 from breakpod._core import events
 from breakpod._core.announce import announce
-from breakpod.export import _points
-from breakpod.health import _phases
+from breakpod.export._points import MODEL, PREFIX, encode, step_metrics
+from breakpod.health._phases import timers
 
 
 class Writer(Protocol):
@@ -55,7 +55,7 @@ class Exporter:
         """Write your own values with the same rules (a non-finite one becomes its flags)."""
         if self.writer is None:
             return
-        encoded = _points.encode(values, self.writer.sep)
+        encoded = encode(values, self.writer.sep)
         self._guard(lambda w: w.scalars(step, encoded))
         self.points += len(encoded)
 
@@ -82,7 +82,7 @@ class Exporter:
             return
         monitor, params = event.fields["monitor"], event.fields["params"]
         for data in event.fields["steps"]:
-            self.log(data.step, self._named(_points.step_metrics(data, params)))
+            self.log(data.step, self._named(step_metrics(data, params)))
         if event.fields["read_done"]:  # timings since the last read, at its last step
             self._log_phases(event.fields["steps"][-1].step)
         self._log_skipped(monitor)
@@ -93,27 +93,27 @@ class Exporter:
         fields = event.fields
         step = int(fields.get("step", 0))
         rule = str(fields.get("rule", "rule"))
-        where = fields.get("module") or _points.MODEL
+        where = fields.get("module") or MODEL
         line = f"step {step} {fields.get('phase', '')} {where}: [{rule}] {fields.get('summary')}"
-        self.log(step, self._named({f"{_points.PREFIX}/anomaly/{rule}": 1.0}))
-        self._guard(lambda w: w.text(step, f"{_points.PREFIX}/anomalies", line))
+        self.log(step, self._named({f"{PREFIX}/anomaly/{rule}": 1.0}))
+        self._guard(lambda w: w.text(step, f"{PREFIX}/anomalies", line))
 
     def _log_phases(self, step: int) -> None:
         """``breakpod.phase`` timings since the last read: mean host (and CUDA) ms per phase."""
-        _phases.timers.resolve()
+        timers.resolve()
         now = {
             name: (s.count, s.host_s, s.device_count, s.device_ms)
-            for name, s in _phases.timers.phases.items()
+            for name, s in timers.phases.items()
         }
         values = {}
         for name, (count, host_s, dev_count, dev_ms) in now.items():
             count0, host0, dev_count0, dev0 = self._phases_seen.get(name, (0, 0.0, 0, 0.0))
             if count > count0:
-                values[f"{_points.PREFIX}/phase/{name}/host_ms"] = (
+                values[f"{PREFIX}/phase/{name}/host_ms"] = (
                     1000 * (host_s - host0) / (count - count0)
                 )
             if dev_count > dev_count0:
-                values[f"{_points.PREFIX}/phase/{name}/device_ms"] = (dev_ms - dev0) / (
+                values[f"{PREFIX}/phase/{name}/device_ms"] = (dev_ms - dev0) / (
                     dev_count - dev_count0
                 )
         self._phases_seen = now
@@ -128,7 +128,7 @@ class Exporter:
             key = (id(monitor), anomaly.step)
             if anomaly.skipped and key not in self._skipped_seen:
                 self._skipped_seen.add(key)
-                self.log(anomaly.step, self._named({f"{_points.PREFIX}/skipped": 1.0}))
+                self.log(anomaly.step, self._named({f"{PREFIX}/skipped": 1.0}))
 
     def _named(self, values: Mapping[str, float]) -> dict[str, float]:
         sep = self.writer.sep if self.writer is not None else "/"

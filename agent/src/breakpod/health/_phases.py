@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from breakpod._core.config import parse_bool
-from breakpod.health import _memory
+from breakpod.health._memory import peak_bytes, reset_peak
 
 MAX_PENDING = 256  # CUDA event pairs waiting to complete; beyond this a phase goes untimed
 
@@ -111,7 +111,7 @@ class phase:
             return self
         self._cuda = _cuda_start()
         if self._timers.memory:
-            _memory.reset_peak()
+            reset_peak()
         self._t0 = time.perf_counter()
         return self
 
@@ -121,7 +121,7 @@ class phase:
         host = time.perf_counter() - self._t0
         if self._cuda is not None:
             self._cuda[1].record()
-        peak = _memory.peak_bytes() if self._timers.memory else 0
+        peak = peak_bytes() if self._timers.memory else 0
         self._timers.add(self.name, host, self._cuda, peak)
 
 
