@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from breakpod import protocol
 from breakpod_broker import (
@@ -40,7 +40,7 @@ from breakpod_broker import (
 from breakpod_broker.context import Broker
 from breakpod_broker.events import _decode
 from breakpod_broker.fanout import EventFanout
-from breakpod_broker.fastpath import HeartbeatFastPath
+from breakpod_broker.fastpath import HeartbeatFastPath, replay_body
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
 from breakpod_broker.redis_server import EmbeddedRedis
@@ -228,20 +228,7 @@ class BodyLimit:
             if len(body) > limit:
                 await _too_large(limit, send)
                 return
-        await self.app(scope, _replay(body, receive), send)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if sent:
-            return await receive()
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return replay
+        await self.app(scope, replay_body(body, True, receive), send)
 
 
 async def _too_large(limit: int, send: Send) -> None:

@@ -43,7 +43,7 @@ class HeartbeatFastPath:
         small = complete and len(body) <= MAX_BODY
         answer = await _serve(scope, match.group(1), body) if small else None
         if answer is None:  # the ordinary path decides, and says why
-            await self.app(scope, _replay(body, complete, receive), send)
+            await self.app(scope, replay_body(body, complete, receive), send)
             return
         headers = [(b"content-type", b"application/json")]
         headers.append((b"content-length", str(len(answer)).encode()))
@@ -94,7 +94,8 @@ async def _read(receive: Receive) -> tuple[bytes, bool]:
     return body, True
 
 
-def _replay(body: bytes, complete: bool, receive: Receive) -> Receive:
+def replay_body(body: bytes, complete: bool, receive: Receive) -> Receive:
+    """``receive`` for the app behind a middleware that already read ``body``."""
     sent = False
 
     async def replay() -> Message:
