@@ -47,7 +47,13 @@ class Child:
         return int(self.wait_for(PARK_LINE, timeout).group(2))
 
     def wait(self, timeout: float = 20.0) -> int:
-        return self.proc.wait(timeout=timeout)
+        """The exit status; on timeout, fail with what the child printed on stderr."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"still running after {timeout}s; stderr:\n{self.stderr}"
+            ) from None
 
     def stdout(self) -> str:
         assert self.proc.stdout is not None

@@ -47,3 +47,21 @@ def test_breakpoint_with_debugpy_and_no_client_continues_after_hold(spawn):
     child = spawn(SCRIPT, env={"BREAKPOD_HOLD_SECONDS": "1"})
     assert child.wait(timeout=30) == 0
     assert "nobody attached within 1s" in child.stderr
+
+
+def test_a_hold_shorter_than_the_wait_s_start_still_ends(spawn):
+    """The hold's timer can fire before debugpy's wait has begun (cancel() then raises):
+    a short hold, many times over, must still end every wait."""
+    child = spawn(
+        """
+        import breakpod
+        breakpod.init_remote_debugger(port=0, backend="debugpy", enable=True)
+        for _ in range(30):
+            breakpoint()
+        print("all 30 ended", flush=True)
+        """,
+        env={"BREAKPOD_HOLD_SECONDS": "0.000001"},
+        stdin="closed",
+    )
+    assert child.wait(timeout=60) == 0
+    assert "all 30 ended" in child.stdout()

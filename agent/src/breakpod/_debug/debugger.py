@@ -51,7 +51,7 @@ class _State:
     lock = threading.RLock()
     pdb: Listener | None = None
     debugpy: Endpoint | None = None
-    debugpy_waiting = False
+    debugpy_wait_ended: threading.Event | None = None  # present while wait_for_client() runs
 
     @classmethod
     def forget_parent_listener(cls) -> None:
@@ -184,26 +184,34 @@ def wait_for_debugpy_client(timeout: float) -> bool:
 
     if debugpy.is_client_connected():
         return True
-    timer = threading.Timer(timeout, _cancel_debugpy_wait) if timeout != float("inf") else None
-    if timer is not None:
-        timer.daemon = True
-        timer.start()
-    _State.debugpy_waiting = True
+    if timeout <= 0:
+        return False
+    ended = _State.debugpy_wait_ended = threading.Event()
+    if timeout != float("inf"):
+        _end_debugpy_wait_soon(ended, after=timeout)
     try:
         debugpy.wait_for_client()
     finally:
-        _State.debugpy_waiting = False
-        if timer is not None:
-            timer.cancel()
+        ended.set()
+        _State.debugpy_wait_ended = None
     time.sleep(0)  # let pydevd settle its attach state
     return bool(debugpy.is_client_connected())
 
 
-def _cancel_debugpy_wait() -> None:
-    import debugpy
+def _end_debugpy_wait_soon(ended: threading.Event, after: float = 0.0) -> None:
+    def cancel_until_ended() -> None:
+        import debugpy
 
-    with contextlib.suppress(RuntimeError):  # not waiting (any more)
-        debugpy.wait_for_client.cancel()
+        if ended.wait(after):
+            return
+        # cancel() raises until wait_for_client() has begun (a loaded machine, a short
+        # hold): one try could come too early and leave the job waiting for ever
+        while not ended.is_set():
+            with contextlib.suppress(RuntimeError):
+                debugpy.wait_for_client.cancel()
+            ended.wait(0.02)
+
+    threading.Thread(target=cancel_until_ended, name="breakpod-debugpy-wait", daemon=True).start()
 
 
 def debugpy_post_mortem(exc: BaseException | None, tb: TracebackType) -> None:
@@ -220,9 +228,10 @@ def debugpy_post_mortem(exc: BaseException | None, tb: TracebackType) -> None:
 
 def cancel_debugpy_wait() -> bool:
     """End a wait for a DAP client (a broker ``resume``); False when none waits."""
-    if _State.debugpy is None or not _State.debugpy_waiting:
+    ended = _State.debugpy_wait_ended
+    if _State.debugpy is None or ended is None:
         return False
-    _cancel_debugpy_wait()
+    _end_debugpy_wait_soon(ended)
     return True
 
 
