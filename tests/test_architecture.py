@@ -97,8 +97,14 @@ AGENT_LAYERS = (
     grimp.Layer(
         "breakpod._monitor.monitor", "breakpod._monitor.tensor_commands", independent=False
     ),
-    # time travel: replay and whatif over the per-step capture and the op instrumentation
-    grimp.Layer("breakpod._monitor.replay", "breakpod._monitor.whatif", independent=False),
+    # time travel: replay and whatif over the per-step capture and the op instrumentation,
+    # and the flight recorder's rings over the slot table
+    grimp.Layer(
+        "breakpod._monitor.replay",
+        "breakpod._monitor.whatif",
+        "breakpod._monitor.flight",
+        independent=False,
+    ),
     grimp.Layer(
         "breakpod._monitor.anomaly",
         "breakpod._monitor.detect",
@@ -113,6 +119,7 @@ AGENT_LAYERS = (
             "breakpod._monitor.checks",
             "breakpod._monitor.compiled",
             "breakpod._monitor.summaries",
+            "breakpod._monitor.flight_table",
         ),
         independent=False,
     ),
@@ -405,7 +412,8 @@ def test_the_named_protocol_constants_are_its_values() -> None:
     kinds |= {protocol.ATTACHED, protocol.DETACHED, protocol.RESUMED, protocol.FINISHED}
     kinds |= {protocol.CI_FAILURE, protocol.FALLBACK_KIND, protocol.COMMAND_KIND, protocol.WAITING}
     assert kinds == protocol.EVENT_KINDS
-    commands = {protocol.BREAK, protocol.RESUME, protocol.DUMP_STACKS, protocol.DETACH}
+    commands = {protocol.BREAK, protocol.RESUME, protocol.DUMP_STACKS, protocol.DUMP_FLIGHT}
+    commands.add(protocol.DETACH)
     assert commands == set(protocol.COMMANDS)
     assert {protocol.KUBERNETES, protocol.DOCKER, protocol.DEFAULT_RUNTIME} <= set(
         protocol.RUNTIMES

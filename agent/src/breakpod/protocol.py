@@ -74,6 +74,9 @@ STATE_OF_KIND: Final[dict[str, str]] = {
     "finished": "finished",
 }
 
+# The flight recorder's dump rides under this field (anomaly, stall and dump-flight events).
+FLIGHT_FIELD: Final = "flight"
+
 # The final event's fields say how the process ended: {"exit": N} or {"signal": N}.
 EXIT_FIELD: Final = "exit"
 SIGNAL_FIELD: Final = "signal"
@@ -90,11 +93,12 @@ def finished_reason(fields: dict[str, Any]) -> str | None:
 
 # -- commands -----------------------------------------------------------------
 
-CommandName = Literal["break", "resume", "dump-stacks", "detach"]
+CommandName = Literal["break", "resume", "dump-stacks", "dump-flight", "detach"]
 COMMANDS: Final = get_args(CommandName)
 BREAK: Final = "break"
 RESUME: Final = "resume"
 DUMP_STACKS: Final = "dump-stacks"
+DUMP_FLIGHT: Final = "dump-flight"  # the flight recorder's last steps, as a log event
 DETACH: Final = "detach"
 COMMAND_ID_PATTERN: Final = r"^[0-9a-f]{1,32}$"  # chosen by the broker
 

@@ -5,6 +5,8 @@
     resume       stop waiting for a debugger, or hang up on the attached one; continue
     detach       hang up on the attached debugger (the program follows BREAKPOD_ON_DETACH)
     dump-stacks  send every thread's stack as a ``log`` event
+    dump-flight  send the flight recorder's last steps as a ``log`` event (the table
+                 comes back in the acknowledgement)
 
 Each returns (ok, detail); the detail goes back in the acknowledgement. The
 emitter calls :func:`run` as its ``on_command`` callback and knows nothing of
@@ -23,6 +25,7 @@ from breakpod._debug import debugger, shim
 from breakpod._debug.listener import Listener
 from breakpod._job import board as job
 from breakpod._job import watchdog
+from breakpod._monitor import flight_table
 
 Result = tuple[bool, str]
 MAX_DETAIL = 10_000
@@ -77,6 +80,20 @@ def do_dump_stacks() -> Result:
     return True, text[-MAX_DETAIL:]
 
 
+def do_dump_flight() -> Result:
+    # on demand: the recorder's module loads the monitors, which a link without a
+    # watched model never needs (watch() has loaded it wherever a recorder exists)
+    from breakpod._monitor import flight
+
+    fields = flight.dump_fields()
+    if fields is None:
+        return False, "no flight recorder: no model is watched (breakpod.watch) in this process"
+    events.emit(
+        protocol.FALLBACK_KIND, message="flight recorder", **{protocol.FLIGHT_FIELD: fields}
+    )
+    return True, "\n".join(flight_table.lines(fields))[-MAX_DETAIL:]
+
+
 def _interrupt_next_wait(listener: Listener, seconds: float = 2.0) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not listener.interrupt():
@@ -88,4 +105,5 @@ HANDLERS: dict[str, Callable[[], Result]] = {
     protocol.RESUME: do_resume,
     protocol.DETACH: do_detach,
     protocol.DUMP_STACKS: do_dump_stacks,
+    protocol.DUMP_FLIGHT: do_dump_flight,
 }

@@ -19,6 +19,7 @@ from breakpod._broker.client import ENV_TOKEN, ENV_URL, BrokerClient
 from breakpod._core import net
 from breakpod._core.config import token_value
 from breakpod._core.errors import AttachError, BrokerError
+from breakpod._monitor import flight_table
 
 PORT_FORWARD_TIMEOUT = 15.0
 
@@ -68,14 +69,45 @@ def job_lines(sessions: list[dict[str, Any]]) -> list[str]:
 def run_stacks(args: argparse.Namespace) -> int:
     """``breakpod stacks SESSION|JOB``: every thread's stack of one rank or of each rank."""
     broker = client(args)
-    targets = job_sessions(broker.sessions(), args.target)
-    body = {"command": protocol.DUMP_STACKS, "reason": "breakpod stacks"}
-    sent = [(s, broker.send_command(s["id"], body)) for s in targets]
-    for session, command_id in sent:
-        rank = "" if session.get("rank") is None else f"rank {session['rank']} "
-        print(f"=== {rank}{session['id']} ===", flush=True)
-        print(_await_ack(broker, session["id"], command_id, args.timeout), flush=True)
+    for session in job_sessions(broker.sessions(), args.target):
+        print(_heading(session), flush=True)
+        answer = _ask(broker, session, protocol.DUMP_STACKS, args.timeout)
+        print(answer if answer is not None else _no_answer(args.timeout), flush=True)
     return 0
+
+
+def run_flight(args: argparse.Namespace) -> int:
+    """``breakpod flight SESSION|JOB``: the flight recorder of one rank or of each rank,
+    asked for now; a process that is gone shows the dump its last event carried."""
+    broker = client(args)
+    for session in job_sessions(broker.sessions(), args.target):
+        print(_heading(session), flush=True)
+        live = session["state"] not in (protocol.LOST, protocol.FINAL_STATE)
+        answer = _ask(broker, session, protocol.DUMP_FLIGHT, args.timeout) if live else None
+        if answer is None and live:
+            print(_no_answer(args.timeout), flush=True)
+        print(answer if answer is not None else _recorded_flight(broker, session), flush=True)
+    return 0
+
+
+def _heading(session: dict[str, Any]) -> str:
+    rank = "" if session.get("rank") is None else f"rank {session['rank']} "
+    return f"=== {rank}{session['id']} ==="
+
+
+def _ask(broker: BrokerClient, session: dict[str, Any], command: str, timeout: float) -> str | None:
+    command_id = broker.send_command(session["id"], {"command": command, "reason": "breakpod CLI"})
+    return _await_ack(broker, session["id"], command_id, timeout)
+
+
+def _recorded_flight(broker: BrokerClient, session: dict[str, Any]) -> str:
+    """The newest flight dump an event of the session carried."""
+    for event in reversed(broker.events(session=session["id"], limit=1000)):
+        dump = event.get("fields", {}).get(protocol.FLIGHT_FIELD)
+        if isinstance(dump, dict):
+            kind = event.get("kind", "event")
+            return "\n".join([f"(from its last {kind} event)", *flight_table.lines(dump)])
+    return f"no flight recorder dump: none of session {session['id']}'s events carried one"
 
 
 def job_sessions(sessions: list[dict[str, Any]], target: str) -> list[dict[str, Any]]:
@@ -96,7 +128,8 @@ def job_sessions(sessions: list[dict[str, Any]], target: str) -> list[dict[str, 
     return sorted(live, key=lambda s: s.get("rank") or 0)
 
 
-def _await_ack(broker: BrokerClient, session: str, command_id: str, timeout: float) -> str:
+def _await_ack(broker: BrokerClient, session: str, command_id: str, timeout: float) -> str | None:
+    """The agent's answer to a command, or None when none came within ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for event in broker.events(session=session, kind=protocol.COMMAND_KIND, limit=100):
@@ -104,6 +137,10 @@ def _await_ack(broker: BrokerClient, session: str, command_id: str, timeout: flo
             if fields.get("command_id") == command_id and fields.get("state") in ("done", "failed"):
                 return str(fields.get("detail") or fields["state"])
         time.sleep(0.25)
+    return None
+
+
+def _no_answer(timeout: float) -> str:
     return f"(no answer within {timeout:g}s: is the process alive and polling the broker?)"
 
 

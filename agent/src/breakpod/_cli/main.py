@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sessions(commands)
     add_events(commands)
     add_send(commands)
-    add_stacks(commands)
+    add_asks(commands)
     add_replay(commands)  # timetravel
     return parser
 
@@ -211,18 +211,32 @@ def add_send(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     p.set_defaults(func=broker_cli.run_send)
 
 
-def add_stacks(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_asks(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Commands that ask each rank's agent for something through the broker."""
     from breakpod._cli import broker as broker_cli
 
-    p = commands.add_parser(
-        "stacks",
-        help="print the current stacks of a session, or of every rank of a job",
-        description="Ask the agent(s) through the broker for every thread's Python stack.",
+    asks = (
+        (
+            "stacks",
+            broker_cli.run_stacks,
+            "print the current stacks of a session, or of every rank of a job",
+            "Ask the agent(s) through the broker for every thread's Python stack.",
+        ),
+        (
+            "flight",
+            broker_cli.run_flight,
+            "print the flight recorder of a session, or of every rank of a job",
+            "Ask the agent(s) through the broker for the last steps of every watched module: "
+            "where each first went non-finite or out of range, and the trend before. A session "
+            "that has ended shows the dump its last anomaly or stall event carried.",
+        ),
     )
-    p.add_argument("target", metavar="SESSION_ID|JOB")
-    p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each rank")
-    broker_cli.add_broker_flags(p)
-    p.set_defaults(func=broker_cli.run_stacks)
+    for name, func, help_, description in asks:
+        p = commands.add_parser(name, help=help_, description=description)
+        p.add_argument("target", metavar="SESSION_ID|JOB")
+        p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each rank")
+        broker_cli.add_broker_flags(p)
+        p.set_defaults(func=func)
 
 
 def add_replay(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ class Event(NamedTuple):  # not a dataclass: a tenth of its cost on a cold break
 
 
 Sink = Callable[[Event], None]
+T = TypeVar("T")
 _sinks: list[Sink] = []
 _failed: set[int] = set()
 
@@ -42,7 +43,33 @@ def remove_sink(sink: Sink) -> None:
 
 def emit(kind: str, **fields: Any) -> None:
     if _sinks:
+        for enrich in _enrichers.get(kind, ()):
+            _enrich(enrich, fields)
         _deliver(_sinks, Event(kind, fields, time.time()))
+
+
+# What some kinds carry besides their own fields, from a layer above the emitter
+# (the flight recorder's dump rides on every anomaly and stall event).
+Enricher = Callable[[], dict[str, Any]]
+_enrichers: dict[str, list[Enricher]] = {}
+
+
+def add_enricher(kinds: tuple[str, ...], enrich: Enricher) -> None:
+    """``enrich()``'s fields join each event of ``kinds`` (only when some sink listens)."""
+    for kind in kinds:
+        _add(_enrichers.setdefault(kind, []), enrich)
+
+
+def _enrich(enrich: Enricher, fields: dict[str, Any]) -> None:
+    try:
+        extra = enrich()
+    except Exception:
+        if id(enrich) not in _failed:
+            _failed.add(id(enrich))
+            log.exception("breakpod event enricher %r failed; further failures are silent", enrich)
+        return
+    for key, value in extra.items():
+        fields.setdefault(key, value)  # never over the event's own fields
 
 
 # Local topics never leave the process (the broker link is a plain sink and never
@@ -65,9 +92,9 @@ def emit_local(kind: str, **fields: Any) -> None:
         _deliver(_local_sinks, Event(kind, fields, time.time()))
 
 
-def _add(sinks: list[Sink], sink: Sink) -> None:
-    if sink not in sinks:
-        sinks.append(sink)
+def _add(items: list[T], item: T) -> None:
+    if item not in items:
+        items.append(item)
 
 
 def _remove(sinks: list[Sink], sink: Sink) -> None:

@@ -44,8 +44,10 @@ def write_stats(
     mean_abs: bool = False,
     zeros: bool = False,
     pre_relu: bool = False,
+    flight: bool = False,
 ) -> None:
-    """Write ``[sum x, sum |x|, live units]`` into ``cells[base:]`` on ``x``'s device.
+    """Write ``[sum x, sum |x|, live units, |x|_2, min, max]`` (those asked for) into
+    ``cells[base:]`` on ``x``'s device.
 
     ``cells`` are 0-d views of the monitor's per-step buffer, so each statistic
     is one kernel writing into preallocated memory (no result allocated per
@@ -63,6 +65,28 @@ def write_stats(
         i += 1
     if zeros:
         write_live_units(x, cells[i], pre_relu)
+        i += 1
+    if flight:
+        write_flight(x, cells, i)
+
+
+def write_flight(x: torch.Tensor, cells: Sequence[torch.Tensor], i: int) -> None:
+    """The flight recorder's ``|x|_2, min, max``: two kernels (NaN and Inf propagate).
+
+    ``aminmax`` writes into float32 cells only from float32 input; other dtypes
+    (bf16, fp16) take two small copies. (A per-step non-finite *count* would cost
+    ``isfinite`` plus a boolean sum, 30x a plain sum on CPU: the kind is read from
+    these values instead, and the park counts exactly.)
+    """
+    import torch
+
+    torch.linalg.vector_norm(x, 2, dtype=torch.float32, out=cells[i])
+    if x.dtype == torch.float32:
+        torch.aminmax(x, out=(cells[i + 1], cells[i + 2]))
+    else:
+        low, high = torch.aminmax(x)
+        cells[i + 1].copy_(low)
+        cells[i + 2].copy_(high)
 
 
 def unit_count(shape: Sequence[int]) -> int:

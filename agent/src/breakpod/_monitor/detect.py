@@ -19,6 +19,8 @@ from typing import Any
 from breakpod._monitor.anomaly import Anomaly
 from breakpod._monitor.rules import Rule
 
+FLIGHT_COLUMNS = 3  # L2 norm, min, max
+
 
 @dataclasses.dataclass(frozen=True)
 class Slot:
@@ -31,6 +33,7 @@ class Slot:
     mean_abs: bool = False
     zeros: bool = False  # the live-unit count, for dead_units
     pre_relu: bool = False  # units are dead when <= 0 (the output feeds a functional relu)
+    flight: bool = False  # the flight recorder's columns: L2 norm, min, max (flight.py)
     retain: bool = False
     index: int = -1  # in the monitor's slot table
     base: int = -1  # first column in the per-step buffer
@@ -38,13 +41,20 @@ class Slot:
     zero_limit: float = math.inf  # the lowest max_zero_fraction likewise
 
     @property
-    def width(self) -> int:
+    def rule_width(self) -> int:
+        """The columns the rules judge: sum, sum |x|, live units (as watched)."""
         return int(self.total) + int(self.mean_abs) + int(self.zeros)
 
     @property
-    def flags(self) -> tuple[bool, bool, bool, bool]:
-        """``(total, mean_abs, zeros, pre_relu)``: what :func:`.checks.write_stats` writes."""
-        return self.total, self.mean_abs, self.zeros, self.pre_relu
+    def width(self) -> int:
+        """Every column of the slot: the rules' first, then the flight recorder's."""
+        return self.rule_width + FLIGHT_COLUMNS * int(self.flight)
+
+    @property
+    def flags(self) -> tuple[bool, bool, bool, bool, bool]:
+        """``(total, mean_abs, zeros, pre_relu, flight)``: what :func:`.checks.write_stats`
+        writes."""
+        return self.total, self.mean_abs, self.zeros, self.pre_relu, self.flight
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,7 @@ from breakpod._monitor.anomaly import user_frame as _user_frame
 from breakpod._monitor.capture import Capture, capture_wanted, replaying  # timetravel
 from breakpod._monitor.compiled import apply_compile_policy, unwrap_compiled
 from breakpod._monitor.detect import Detector, ParamInfo, Slot
+from breakpod._monitor.flight import FlightRecorder, flight_steps
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
 from breakpod._monitor.stats import (
     Entry,
@@ -205,6 +206,7 @@ class Monitor:
         self._shape_names: dict[tuple[str, str], dict[str, int]] = {}
         self._failed: set[str] = set()
         self.capture: Capture | None = None  # timetravel: set by start_capture()
+        self.flight: FlightRecorder | None = None  # the last steps on the device (flight.py)
         if enabled:
             previous = monitor_of(model)
             if previous is not None:  # two monitors would double every hook and report
@@ -238,6 +240,8 @@ class Monitor:
         )
 
     def _install(self, optimizer: Any) -> None:
+        steps = flight_steps()
+        self._flight_columns = steps > 0
         batchnorm: dict[str, frozenset[str]] = {}
         self._bn_modules: list[tuple[str, Any]] = []
         self._slots: list[Slot] = []
@@ -253,6 +257,7 @@ class Monitor:
         ]
         self._install_input_hook()
         self._table = SlotTable(self._slots)
+        self.flight = FlightRecorder(self._slots, steps) if steps else None
         self._install_grad_hooks()
         if optimizer is not None:  # before the update, so a bad step can still be dropped
             hook = self._guarded("optimizer step hook", self._before_update)
@@ -315,7 +320,8 @@ class Monitor:
     def _new_slot(self, name: str, phase: str, rules: frozenset[str], **flags: Any) -> Slot:
         """A slot with its columns after the previous slots' in the per-step buffer."""
         base = sum(s.width for s in self._slots)
-        slot = Slot(name, phase, rules, index=len(self._slots), base=base, **flags)
+        index, flight = len(self._slots), self._flight_columns
+        slot = Slot(name, phase, rules, index=index, base=base, flight=flight, **flags)
         self._slots.append(slot)
         return slot
 
@@ -589,6 +595,8 @@ class Monitor:
         done, self._current = self._current, StepRecord(self.step_count + 1)
         self._ignore_pass = False
         self._table.snapshot(done)
+        if self.flight is not None:
+            self.flight.record(done, self._table)
         self.step_count += 1
         self._pending.append(done)
         self._say_if_compiled(done)
@@ -622,6 +630,8 @@ class Monitor:
         late, self._current = self._current, StepRecord(self.step_count - 1, partial=True)
         self.record_loss(loss)
         self._current, record = late, self._current
+        if self.flight is not None:
+            self.flight.record_loss(record.entries[-1].vec)
         self._pending.append(record)
 
     def _apply_skip(self, step: int) -> None:
@@ -718,6 +728,8 @@ class Monitor:
         self._handles.clear()
         if self.capture is not None:  # timetravel
             self.capture.close()
+        if self.flight is not None:
+            self.flight.close()
         self._pending, self._inflight, self._current = [], [], StepRecord(self.step_count)
         self.enabled = False
         if monitor_of(self.model) is self:

@@ -93,9 +93,22 @@ class SlotTable:
         return found[1]
 
     def add_into(self, device: Any, slot: Slot, scratch: Any) -> None:
-        """A second call of a module in one step: its statistics add to the first's."""
+        """A second call of a module in one step: its statistics add to the first's
+        (the flight columns combine as norms and extremes do)."""
+        import torch
+
         buffer = self._buffers[device][0]
-        buffer[slot.base : slot.base + slot.width].add_(scratch)
+        end = slot.base + slot.rule_width
+        buffer[slot.base : end].add_(scratch[: slot.rule_width])
+        if slot.flight:
+            norm, low, high = buffer[end : end + 3].unbind()
+            torch.hypot(norm, scratch[-3], out=norm)
+            torch.minimum(low, scratch[-2], out=low)
+            torch.maximum(high, scratch[-1], out=high)
+
+    def buffer(self, device: Any) -> Any:
+        """This step's buffer on ``device`` (made by the first hook that wrote there)."""
+        return self._buffers[device][0]
 
     def snapshot(self, record: StepRecord) -> None:
         """The step's end: one copy of each device's buffer that some hook wrote."""
@@ -145,7 +158,7 @@ class SlotTable:
         rows = []
         for pos in sorted(picked):
             slot = self.slots[int(index[pos])]
-            row = vals[slot.base : slot.base + slot.width].tolist()
+            row = vals[slot.base : slot.base + slot.rule_width].tolist()
             if slot.zeros:
                 row[-1] = float(dead[pos])
             rows.append((pos, row, int(numel[pos]), int(unit[pos])))

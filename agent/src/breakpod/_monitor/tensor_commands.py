@@ -8,6 +8,7 @@ tnan MODEL    where non-finite values were seen: monitor anomalies and a scan no
 replay        re-run the parked step op by op: the first op that went non-finite
 replay save PATH   write the step (inputs, output grad, RNG, state) for `breakpod replay`
 whatif CHANGE the parked step on a copy with lr=X, clip=X or skip-batch, and the next one
+flight [MODULE]    the flight recorder: each module's first bad step, or one module's steps
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from typing import Any
 
 from breakpod._debug.pdb_commands import command
-from breakpod._monitor import replay, whatif
+from breakpod._monitor import flight_table, replay, whatif
 from breakpod._monitor.anomaly import _PARKED
 from breakpod._monitor.monitor import MONITORS, Monitor, monitor_of
 from breakpod._monitor.summaries import nonfinite_counts, summary
@@ -193,3 +194,26 @@ def _frame_loss(debugger: pdb.Pdb) -> float | None:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.detach())
     return None
+
+
+@command("flight")
+def flight_command(debugger: pdb.Pdb, arg: str) -> None:
+    """flight [MODULE]: the last steps of every watched module, and where each first went
+    non-finite or out of range; with MODULE (or <loss>), that one's kept steps."""
+    monitor = _monitor_here(debugger)
+    if monitor.flight is None:
+        raise ValueError("the flight recorder is off (BREAKPOD_FLIGHT_STEPS=0)")
+    dump = monitor.flight.dump()
+    if dump is None:
+        raise ValueError("the device did not finish copying the flight recorder; try again")
+    if not arg.strip():
+        for line in flight_table.lines(dump.fields(limit=len(dump.series))):
+            debugger.message(line)
+        return
+    found = [s for s in dump.series if s.module == arg.strip()]
+    if not found:
+        names = sorted({s.module for s in dump.series})
+        raise ValueError(f"flight: no watched module {arg.strip()!r}; watched: {', '.join(names)}")
+    for series in found:
+        for line in flight_table.series_lines(series):
+            debugger.message(line)
