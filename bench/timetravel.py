@@ -5,6 +5,9 @@
   ``watch(model, optimizer=opt, replay=True)`` over ``replay=False`` (same
   default rules, so the ratio is the capture alone), interleaved round by
   round, medians of the fastest step per round;
+* flight: the flight recorder's per-step cost (two kernels per watched tensor,
+  one ring copy per device): ``BREAKPOD_FLIGHT_STEPS=64`` over ``0``, same
+  rules, measured the same way;
 * replay: one ``monitor.replay()`` (forward + backward under op
   instrumentation) over one normal step;
 * whatif: one ``whatif lr=1e-4`` (deep copy, two steps) over one normal step.
@@ -15,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -25,8 +29,10 @@ from monitors import resnet, transformer
 
 import breakpod
 from breakpod._monitor import whatif
+from breakpod._monitor.flight import FLIGHT_ENV
 
 TARGET_CAPTURE = 1.03
+TARGET_FLIGHT = 1.02
 
 
 def _train_step(model: Any, opt: Any, x: Any, y: Any) -> float:
@@ -38,16 +44,24 @@ def _train_step(model: Any, opt: Any, x: Any, y: Any) -> float:
     return time.perf_counter() - started
 
 
-def _setup(build: Callable[[], Any], replay: bool) -> tuple[Any, Any, Any]:
+def _setup(build: Callable[[], Any], replay: bool, flight: int = 64) -> tuple[Any, Any, Any]:
     torch.manual_seed(0)
     model, data = build()
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    os.environ[FLIGHT_ENV] = str(flight)  # read when watch() installs its hooks
     monitor = breakpod.watch(model, optimizer=opt, replay=replay)
     return model, opt, (monitor, data)
 
 
-def capture_ratio(build: Callable[[], Any], rounds: int, per_round: int) -> tuple[float, float]:
-    setups = {flag: _setup(build, flag) for flag in (False, True)}
+def step_ratio(
+    build: Callable[[], Any],
+    rounds: int,
+    per_round: int,
+    base: dict[str, Any],
+    other: dict[str, Any],
+) -> tuple[float, float]:
+    """Median over rounds of (fastest ``other`` step / fastest ``base`` step), interleaved."""
+    setups = {False: _setup(build, **base), True: _setup(build, **other)}
     ratios, base_times = [], []
     for _ in range(rounds):
         best = {}
@@ -85,14 +99,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    print(f"{'model':<12} {'capture x':>10} {'replay/step':>12} {'whatif/step':>12} {'step ms':>8}")
+    head = (
+        f"{'model':<12} {'capture x':>10} {'flight x':>9} {'replay/step':>12} {'whatif/step':>12}"
+    )
+    print(f"{head} {'step ms':>8}")
     for name, build in (("cnn", resnet), ("transformer", transformer)):
-        ratio, step_s = capture_ratio(build, args.rounds, 3)
+        off = {"replay": False}
+        capture, step_s = step_ratio(build, args.rounds, 3, off, {"replay": True})
+        flight, _ = step_ratio(build, args.rounds, 3, {**off, "flight": 0}, {**off, "flight": 64})
         replay_x, whatif_x = replay_cost(build, step_s)
-        mark = "" if ratio <= TARGET_CAPTURE else f"  (over {TARGET_CAPTURE}x)"
+        marks = [f"capture over {TARGET_CAPTURE}x"] if capture > TARGET_CAPTURE else []
+        marks += [f"flight over {TARGET_FLIGHT}x"] if flight > TARGET_FLIGHT else []
         print(
-            f"{name:<12} {ratio:>9.3f}x {replay_x:>11.1f}x {whatif_x:>11.1f}x "
-            f"{step_s * 1000:>8.1f}{mark}",
+            f"{name:<12} {capture:>9.3f}x {flight:>8.3f}x {replay_x:>11.1f}x {whatif_x:>11.1f}x "
+            f"{step_s * 1000:>8.1f}{'  (' + ', '.join(marks) + ')' if marks else ''}",
             flush=True,
         )
 

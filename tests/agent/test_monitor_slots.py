@@ -8,7 +8,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import breakpod
-from breakpod._monitor import stats
+from breakpod._monitor import flight, stats
 from tests.agent.nets import Net, batch, train
 
 
@@ -65,7 +65,7 @@ def ops_per_step(model: nn.Module, monitor: object = None, steps: int = 2) -> fl
     return len(top) / steps
 
 
-def added_ops(modules: int) -> float:
+def added_ops(modules: int, seen: list[int] | None = None) -> float:
     torch.manual_seed(0)
     plain = ops_per_step(mlp(modules))
     torch.manual_seed(0)
@@ -73,17 +73,32 @@ def added_ops(modules: int) -> float:
     monitor = breakpod.watch(model)
     added = ops_per_step(model, monitor) - plain
     assert monitor.errors == 0 and monitor.step_count == 3
+    if seen is not None and monitor.flight is not None:  # the tensors that were seen
+        seen.append(sum(s.phase != "loss" for s in monitor.flight.dump().series))
     monitor.close()
     return added
 
 
-def test_the_default_rules_add_at_most_two_kernels_per_watched_module_per_step():
+def test_the_default_rules_add_at_most_two_kernels_per_watched_module_per_step(monkeypatch):
     """Non-finite: a kernel per Linear output and input gradient; dead units: two per ReLU
-    (a per-unit max over the batch, then the count of live units). Plus a few per step."""
+    (a per-unit max over the batch, then the count of live units). Plus a few per step.
+    (The flight recorder's own kernels are counted by the next test.)"""
+    monkeypatch.setenv(flight.FLIGHT_ENV, "0")
     small, large = added_ops(100), added_ops(300)
     per_module = (large - small) / 200
     assert per_module <= 2, f"{per_module:.2f} ops added per watched module per step"
     assert small - 100 * per_module <= 50, f"{small:.0f} ops added per step for 100 modules"
+
+
+def test_the_flight_recorder_adds_two_kernels_per_watched_tensor_and_one_copy(monkeypatch):
+    """``|x|_2`` and ``aminmax`` per watched output or input gradient, one ring copy
+    per device and one for the loss per step."""
+    monkeypatch.setenv(flight.FLIGHT_ENV, "0")
+    without = added_ops(100)
+    monkeypatch.setenv(flight.FLIGHT_ENV, "64")
+    slots: list[int] = []
+    recorded = added_ops(100, slots)
+    assert recorded - without == 2 * slots[0] + 2, (recorded, without, slots)
 
 
 def test_healthy_steps_build_no_per_module_sample(monkeypatch):
