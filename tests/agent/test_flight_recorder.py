@@ -173,3 +173,21 @@ def test_bf16_outputs_are_recorded():
     series = [s for s in monitor.flight.dump().series if s.phase == "forward"]
     assert series and math.isfinite(series[0].rms[0]) and series[0].max_abs[0] > 0
     monitor.close()
+
+
+def test_a_stall_event_carries_the_dump_and_a_failing_dump_is_contained(monkeypatch):
+    seen = []
+    events.add_sink(seen.append)
+    try:
+        model, opt, monitor = watched()
+        train(model, monitor, opt, 3)
+        events.emit("stall", seconds=12.0, step=3)  # what the watchdog emits
+        monkeypatch.setattr(monitor.flight, "dump", lambda *a, **k: 1 / 0)
+        train(model, monitor, opt, 1)  # a new step: the cached dump is stale
+        events.emit("stall", seconds=13.0, step=4)
+    finally:
+        events.remove_sink(seen.append)
+    first, second = [e for e in seen if e.kind == "stall"]
+    assert first.fields["seconds"] == 12.0 and first.fields["flight"]["kept"] == 3
+    assert second.fields == {"seconds": 13.0, "step": 4}  # delivered, without the dump
+    monitor.close()

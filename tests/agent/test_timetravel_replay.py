@@ -146,3 +146,21 @@ def test_replay_names_the_op_of_a_custom_backward_and_whatif_leaves_the_model(sp
     assert "unknown change" in client.command("whatif momentum=3")
     assert client.command(SAME).strip() == "True"
     finish(child, client)
+
+
+@pytest.mark.timeout(180)
+def test_flight_at_the_park_names_the_module_and_step_and_shows_its_steps(spawn, pdb_client):
+    child, client = start(spawn, pdb_client, SQRT)
+    out = client.command("flight")
+    assert "flight recorder: steps 0-4 (5 kept)" in out, out
+    first = out.split("first bad step per module")[1].splitlines()[1].split()
+    assert first[:4] == ["shifted", "forward", "step", "4"], out
+    assert first[4] == "nan", out
+    out = client.command("flight shifted")
+    assert "shifted backward:" in out, out  # its input gradient too
+    forward = out.split("shifted forward: step, rms, max|x|")[1].split("shifted backward")[0]
+    rows = [line.split() for line in forward.splitlines() if line.strip()]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3", "4"], out
+    assert rows[-1][1:] == ["nan", "nan", "nan"] and "nan" not in rows[0], out
+    assert "no watched module 'nope'" in client.command("flight nope")
+    finish(child, client)
