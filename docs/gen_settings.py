@@ -30,6 +30,7 @@ environment variable > default, for the agent and the broker alike.
 def render() -> str:
     parts = [HEAD, "## The agent (in the training process)\n", *agent_rows(), ""]
     parts += ["## The agent's broker link and the CLI\n", *other_rows(), ""]
+    parts += ["## One feature each (its page tells more)\n", *feature_rows(), ""]
     parts += ["## The broker (`breakpod-broker serve`)\n", *broker_rows()]
     return "\n".join(parts).rstrip() + "\n"
 
@@ -54,6 +55,15 @@ def security(field: str) -> str:
 
 def other_rows() -> list[str]:
     return table([(var, default, meaning) for var, (default, meaning) in config.OTHER_ENV.items()])
+
+
+def feature_rows() -> list[str]:
+    return table(
+        [
+            (var, default, f"{meaning} ([{page}]({page}))")
+            for var, (default, meaning, page) in config.FEATURE_ENV.items()
+        ]
+    )
 
 
 def broker_rows() -> list[str]:

@@ -94,9 +94,20 @@ def test_the_settings_page_names_every_setting_the_code_reads():
     from breakpod_broker.settings import ENV_PREFIX, BrokerSettings
 
     page = (ROOT / "docs" / "settings.md").read_text()
-    names = [*config.ENV.values(), *config.OTHER_ENV]
+    names = [*config.ENV.values(), *config.OTHER_ENV, *config.FEATURE_ENV]
     names += [f"{ENV_PREFIX}{field.upper()}" for field in BrokerSettings.model_fields]
     assert [name for name in names if f"`{name}`" not in page] == []
+
+
+def test_every_breakpod_variable_the_agent_spells_is_on_the_settings_page():
+    """A variable read anywhere in the agent (as a string literal) is a setting a user
+    can meet: it must be in one of the tables the page is generated from."""
+    page = (ROOT / "docs" / "settings.md").read_text()
+    spelled = set()
+    for path in (ROOT / "agent" / "src" / "breakpod").rglob("*.py"):
+        spelled.update(re.findall(r"[\"'](BREAKPOD_[A-Z_]+)[\"']", path.read_text()))
+    assert len(spelled) > 20  # the scan finds what it looks for
+    assert sorted(name for name in spelled if f"`{name}`" not in page) == []
 
 
 def test_the_package_readmes_say_how_to_install_and_use_them():

@@ -83,6 +83,68 @@ OTHER_ENV: dict[str, tuple[str, str]] = {
         "deprecated: stands in for each of the three tokens above this release",
     ),
 }
+# Variables read by one feature each, documented on that feature's page: (default,
+# meaning, page). A test checks that every BREAKPOD_* name in the agent is listed.
+FEATURE_ENV: dict[str, tuple[str, str, str]] = {
+    "BREAKPOD_MONITOR": (
+        "on",
+        "`0` makes `watch()` install nothing (`AI_DEBUG_MODE=0` too)",
+        "monitors.md",
+    ),
+    "BREAKPOD_ON_EXPIRE": (
+        "continue",
+        "an anomaly park nobody attached to: `continue`, `skip` the update, or `exit` 75",
+        "monitors.md",
+    ),
+    "BREAKPOD_DISABLE_COMPILE": (
+        "off",
+        "`1`: `torch.compile` runs eager, so module hooks run",
+        "monitors.md",
+    ),
+    "BREAKPOD_FLIGHT_STEPS": (
+        "64",
+        "steps the flight recorder keeps per module; `0` = off",
+        "timetravel.md",
+    ),
+    "BREAKPOD_REPLAY": (
+        "on when a rule parks or in debug mode",
+        "keep each step's inputs, RNG and output gradient for `replay`/`whatif`",
+        "timetravel.md",
+    ),
+    "BREAKPOD_STALL_AFTER": (
+        "off (debug mode: 10x the p99 step, at least 60 s)",
+        "seconds without a step before a stall is reported",
+        "many-ranks.md",
+    ),
+    "BREAKPOD_JOB": (
+        "torchrun's run id, the pod's or script's name",
+        "the job a session belongs to",
+        "many-ranks.md",
+    ),
+    "BREAKPOD_HEALTH": (
+        "on",
+        "`0` makes every `breakpod.health` phase timer a no-op",
+        "exporters.md",
+    ),
+    "BREAKPOD_CI": ("off", "`1`: the pytest plugin holds failed tests for a debugger", "ci.md"),
+    "BREAKPOD_SESSION_ID": ("generated", "this process's session id at the broker", "broker.md"),
+    "BREAKPOD_EMIT_QUEUE": (
+        "10000",
+        "events queued for the broker before the oldest are dropped",
+        "broker.md",
+    ),
+    "BREAKPOD_ATTACH_ADDRESS": (
+        "unset",
+        "the address engineers attach to, when not the listener's own",
+        "broker.md",
+    ),
+    "BREAKPOD_RUNTIME": (
+        "detected",
+        "`kubernetes`, `compose`, `docker` or `local`: how attach commands are written",
+        "broker.md",
+    ),
+    "BREAKPOD_BROKER_CA": ("system CAs", "a CA bundle for an `https://` broker", "deployment.md"),
+}
 # Who may connect to the listener: a mistake in one of these must not open it up.
 SECURITY = frozenset({"host", "token", "require_token", "allow_insecure"})
 MIN_TOKEN_LENGTH = 8  # the broker's minimum too (breakpod_broker.auth.MIN_TOKEN_LENGTH)

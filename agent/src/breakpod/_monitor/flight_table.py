@@ -120,13 +120,13 @@ def lines(fields: Mapping[str, Any]) -> list[str]:
         return out
     out.append("first bad step per module (earliest first), and its RMS up to that step:")
     width = max(len(r["module"] or "<model>") for r in rows)
+    why_width = max(len(r["why"]) for r in rows)
     for r in rows:
         name = (r["module"] or "<model>").ljust(width)
         label = "loss" if r["phase"] == "loss" else "rms"
         trend = " ".join(_num(v) for v in r["rms"])
-        out.append(
-            f"  {name}  {r['phase']:<8}  step {r['step']:<6}  {r['why']:<24}  {label} {trend}"
-        )
+        why = r["why"].ljust(why_width)
+        out.append(f"  {name}  {r['phase']:<8}  step {r['step']:<6}  {why}  {label} {trend}")
     if fields.get("more"):
         out.append(f"  ... and {fields['more']} more")
     return out
