@@ -43,6 +43,7 @@ def test_the_admin_buttons_dump_stacks_park_and_resume_a_real_agent(broker, spaw
         "break",
         "resume",
         "dump-stacks",
+        "dump-flight",
     ]
 
     # nothing is sent before the confirmation, and cancel sends nothing

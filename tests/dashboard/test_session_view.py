@@ -167,3 +167,35 @@ def test_a_job_stall_names_the_culprit_and_folds_the_stacks(broker, page):
     assert stacks.get_attribute("open") is not None
     # these events carry no per-step values: the plots say so
     assert "no per-step values" in page.locator("#detail .plots p").text_content()
+
+
+def test_the_flight_recorder_dump_an_event_carried_is_a_table_of_text(broker, page):
+    register(broker, "fl-1", job="train-fl", rank=0, world_size=1)
+    dump = {
+        "steps": [0, 57],
+        "kept": 58,
+        "watched": 7,
+        "first_bad": [
+            {"module": XSS_MODULE, "phase": "forward", "step": 57, "why": "nan",
+             "trend_steps": [55, 56, 57], "rms": [1.1234, 1.13, "nan"], "max_abs": [2, 2, "nan"]},
+            {"module": "", "phase": "loss", "step": 57, "why": "nan",
+             "trend_steps": [56, 57], "rms": [1.39, "nan"], "max_abs": [1.39, "nan"]},
+        ],
+        "more": 3,
+    }  # fmt: skip
+    anomaly = event("fl-1", 1, "anomaly", rule="nan", module="shifted", step=57, flight=dump)
+    assert post_events(broker, anomaly).status_code == 200
+
+    open_session(page, broker, "fl-1")
+    section = page.locator("#detail section.flight")
+    section.wait_for()
+    assert section.locator(".summary").text_content() == (
+        "steps 0-57 (58 kept), 7 watched tensors; from its anomaly event"
+    )
+    assert "(3 more not shown)" in section.locator("caption").text_content()
+    rows = section.locator("table.flight-first-bad tr")
+    assert rows.nth(1).locator("td").all_text_contents() == [
+        XSS_MODULE, "forward", "57", "nan", "1.12 1.13 nan"
+    ]  # fmt: skip
+    assert rows.nth(2).locator("td").all_text_contents()[:2] == ["<model>", "loss"]
+    assert page.locator("#detail img").count() == 0 and page.evaluate("window.__xss") is None

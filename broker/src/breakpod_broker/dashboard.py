@@ -94,7 +94,7 @@ async def config(who: Viewer) -> dict[str, Any]:
         "state_of_kind": protocol.STATE_OF_KIND,
         "event_kinds": sorted(protocol.EVENT_KINDS),
         "listener_kinds": sorted(protocol.LISTENER_KINDS),
-        "commands": [protocol.BREAK, protocol.RESUME, protocol.DUMP_STACKS],
+        "commands": [protocol.BREAK, protocol.RESUME, protocol.DUMP_STACKS, protocol.DUMP_FLIGHT],
         "role": who.role.value,
         "paths": {
             "sessions": protocol.SESSIONS,

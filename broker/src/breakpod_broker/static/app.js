@@ -443,6 +443,7 @@ function renderDetail() {
     actionsSection(s),
     anomalySection(app.timeline),
     stallSection(app.timeline),
+    flightSection(app.timeline),
     plotsSection(app.timeline),
     attachBlock(app.attach),
     el("h3", { text: "timeline" }),

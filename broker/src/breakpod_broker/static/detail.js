@@ -1,6 +1,7 @@
 // breakpod dashboard: the parts of a session's view that read its events: the
 // anomaly (rule, module, step, tensor summary), the stall report (culprit rank,
-// per-rank lines, stacks folded) and, for admin tokens, the command buttons with
+// per-rank lines, stacks folded), the flight recorder's first bad step per
+// module (from the latest event that carried a dump) and, for admin tokens, the command buttons with
 // each command's acknowledgement as it arrives. Agent text goes in as text only.
 "use strict";
 
@@ -9,10 +10,12 @@ const ACTION_HELP = {
   break: "park this rank at its next step boundary (its job too, in debug mode)",
   resume: "stop waiting for a debugger (or hang up on it); the program continues",
   "dump-stacks": "send every thread's stack back",
+  "dump-flight": "send the flight recorder's last steps back (shown below)",
 };
 
+// The newest event of ``kind`` (any kind when null) that passes ``test``.
 function latest(events, kind, test = () => true) {
-  for (let i = events.length - 1; i >= 0; i -= 1) if (events[i].kind === kind && test(events[i])) return events[i];
+  for (let i = events.length - 1; i >= 0; i -= 1) if ((kind === null || events[i].kind === kind) && test(events[i])) return events[i];
   return null;
 }
 
@@ -88,6 +91,38 @@ function nonfiniteByModule(events) {
     el("tr", {}, ...["module", "steps", "counts"].map((h) => el("th", { text: h }))),
     ...[...rows].map(([module, row]) =>
       el("tr", {}, el("td", { text: module }), el("td", { text: [...row.steps].join(", ") }), el("td", { text: Object.entries(row.counts).filter(([, v]) => v !== 0).map(([k, v]) => `${k}=${v}`).join(" ") || "none" })),
+    ),
+  );
+}
+
+// -- flight recorder -----------------------------------------------------------
+
+// The newest dump any event carried (anomaly, stall, or a dump-flight answer).
+function flightSection(events) {
+  const event = latest(events, null, (e) => e.fields && e.fields.flight && typeof e.fields.flight === "object");
+  if (!event) return null;
+  const f = event.fields.flight;
+  const steps = Array.isArray(f.steps) && f.steps.length === 2 ? `steps ${shown(f.steps[0])}-${shown(f.steps[1])}` : "no step yet";
+  const head = f.unavailable ? shown(f.unavailable) : `${steps} (${shown(f.kept)} kept), ${shown(f.watched)} watched tensors; from its ${event.kind} event`;
+  const rows = Array.isArray(f.first_bad) ? f.first_bad : [];
+  return el(
+    "section",
+    { class: "flight" },
+    el("h3", { text: "flight recorder" }),
+    el("p", { class: "summary", text: head }),
+    rows.length ? flightTable(rows, f.more) : f.unavailable ? null : el("p", { text: "every watched tensor stayed finite and in range" }),
+  );
+}
+
+function flightTable(rows, more) {
+  const trend = (values) => (Array.isArray(values) ? values.map((v) => (typeof v === "number" ? v.toPrecision(3) : shown(v))).join(" ") : "");
+  return el(
+    "table",
+    { class: "flight-first-bad" },
+    el("caption", { text: more ? `first bad step per module, earliest first (${more} more not shown)` : "first bad step per module, earliest first" }),
+    el("tr", {}, ...["module", "phase", "step", "why", "rms (loss) up to it"].map((h) => el("th", { text: h }))),
+    ...rows.map((r) =>
+      el("tr", {}, ...[shown(r.module) || "<model>", shown(r.phase), shown(r.step), shown(r.why), trend(r.rms)].map((t) => el("td", { text: t }))),
     ),
   );
 }
