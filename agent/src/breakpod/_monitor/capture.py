@@ -84,6 +84,8 @@ class Capture:
             for name, m in model.named_modules()
             if getattr(m, "track_running_stats", False)
         ]
+        self._kept: dict[str, Any] = {}  # the last copies of the running statistics
+        self._kept_shape: list[Any] = []
         self._handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after),
@@ -107,13 +109,25 @@ class Capture:
             self._failed(e)
 
     def _running_stats(self) -> dict[str, Any]:
-        return {
-            f"{name}.{key}" if name else key: b.detach().clone()
+        """The running statistics a forward in training mode will change, copied into
+        buffers kept from step to step (one fused copy, nothing allocated; allocated
+        again only when the set of buffers changes, e.g. a module set to eval)."""
+        import torch
+
+        live = [
+            (f"{name}.{key}" if name else key, b.detach())
             for name, m in self._stateful
             if m.training
             for key, b in m.named_buffers(recurse=False)
             if b is not None
-        }
+        ]
+        shape = [(n, b.shape, b.dtype, b.device) for n, b in live]
+        if shape != self._kept_shape:
+            self._kept_shape = shape
+            self._kept = {n: b.clone() for n, b in live}
+        elif live:
+            torch._foreach_copy_(list(self._kept.values()), [b for _, b in live])
+        return self._kept
 
     def _after(self, module: Any, args: Any, output: Any) -> None:
         if replaying() or _compiling() or self.last is None:
