@@ -29,7 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
 PARK = re.compile(r"waiting .* for a debugger on (\S+):(\d+)")
-SCRIPT = "p loss\np x.shape\ntstat x\ntnan model\nc\n"
+SCRIPT = "p loss\np x.shape\ntstat x\ntnan model\nflight\nc\n"
 TOKENS = {role: secrets.token_hex(8) for role in ("agent", "viewer", "admin")}
 
 
@@ -114,7 +114,7 @@ def engineer(url: str, auto: bool) -> None:
             say(f"4/4 attach from another terminal: {command}")
             count_down(url, session)
             return
-        say(f"4/4 attaching in this terminal ({command}); try `p loss`, `tstat x`, then `c`")
+        say(f"4/4 attaching in this terminal ({command}); try `p loss`, `tstat x`, `flight`, then `c`")
         subprocess.run([str(BIN / "breakpod"), *attach], check=False)
         return
     say(f"4/4 scripted engineer: breakpod attach {session}")

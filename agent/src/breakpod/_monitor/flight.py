@@ -39,6 +39,7 @@ FIELD = protocol.FLIGHT_FIELD
 DEFAULT_STEPS = 64
 DUMP_WAIT = 1.0  # a stalled device may never finish the copy: a dump gives up then
 LOSS = "<loss>"  # not protocol: the loss's row in the table
+BATCH = "<batch>"  # not protocol: the model's input, checked at its forward
 LOSS_AT, BACKWARDS_AT = 10**6, 2 * 10**6  # a step's order: forwards, the loss, backwards
 
 
@@ -136,7 +137,8 @@ class FlightRecorder:
                 values = host[("slots", device)][pos]
                 for index, numel in ran.items():
                     slot, position = self.slots[index], position + 1
-                    found = series.setdefault(index, Series(slot.module, slot.phase))
+                    name = BATCH if slot.phase == "input" else slot.module
+                    found = series.setdefault(index, Series(name, slot.phase))
                     when = position + (BACKWARDS_AT if slot.phase == "backward" else 0)
                     found.add(row.step, when, *_stats(values, slot, numel))
             if row.loss_device is not None:
