@@ -116,7 +116,10 @@ def test_off_means_no_columns_and_no_ring(monkeypatch):
 def test_a_bad_setting_is_said_and_the_default_kept(capfd):
     assert flight.flight_steps({flight.FLIGHT_ENV: "lots"}) == flight.DEFAULT_STEPS
     assert flight.flight_steps({flight.FLIGHT_ENV: "-3"}) == flight.DEFAULT_STEPS
+    assert flight.flight_steps({flight.FLIGHT_ENV: "10000000"}) == flight.MAX_STEPS
+    assert flight.flight_steps({flight.FLIGHT_ENV: " 0 "}) == 0
     err = capfd.readouterr().err
+    assert f"keeps too many steps in device memory; keeping {flight.MAX_STEPS}" in err
     assert "BREAKPOD_FLIGHT_STEPS='lots' is not an integer" in err
     assert "BREAKPOD_FLIGHT_STEPS='-3' is negative" in err
 

@@ -37,6 +37,7 @@ from breakpod._monitor.stats import SlotTable, StepRecord, copy_events, landed, 
 FLIGHT_ENV = "BREAKPOD_FLIGHT_STEPS"
 FIELD = protocol.FLIGHT_FIELD
 DEFAULT_STEPS = 64
+MAX_STEPS = 4096
 DUMP_WAIT = 1.0  # a stalled device may never finish the copy: a dump gives up then
 LOSS = "<loss>"  # not protocol: the loss's row in the table
 BATCH = "<batch>"  # not protocol: the model's input, checked at its forward
@@ -55,6 +56,9 @@ def flight_steps(environ: Mapping[str, str] | None = None) -> int:
     except ConfigError as e:
         announce(f"{e}: expected a step count (0 = off); keeping {DEFAULT_STEPS}")
         return DEFAULT_STEPS
+    if steps > MAX_STEPS:  # the ring lives in device memory: steps x columns x 4 bytes
+        announce(f"{FLIGHT_ENV}={steps} keeps too many steps in device memory; keeping {MAX_STEPS}")
+        return MAX_STEPS
     return steps
 
 
