@@ -2,6 +2,7 @@
 
 STALL_RANK=2 STALL_KIND=block|spin STALL_AT=5 STEPS=200 COLLECTIVE=ddp|all_reduce
 PARK_RANK=1 PARK_AT=3 (breakpoint() there)  PG_TIMEOUT=SECONDS (the process group's own)
+WATCH=1 (breakpod.watch the model: monitors and the flight recorder)
 """
 
 import datetime
@@ -51,6 +52,8 @@ def main():
     torch.manual_seed(0)
     model = DistributedDataParallel(torch.nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    if os.environ.get("WATCH"):
+        breakpod.watch(model, optimizer=opt)
     for step in range(STEPS):
         if RANK == PARK_RANK and step == PARK_AT:
             breakpoint()

@@ -1,5 +1,6 @@
-"""A stalled torchrun job reported through the broker: one job-wide stall event,
-the ranks grouped under the job in ``breakpod sessions``, ``breakpod stacks JOB``."""
+"""A stalled torchrun job reported through the broker: one job-wide stall event (with
+rank 0's flight recorder), the ranks grouped under the job in ``breakpod sessions``,
+``breakpod stacks JOB`` and ``breakpod flight JOB`` from every rank."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def job_stall_event(broker):
 @pytest.mark.timeout(150)
 def test_the_broker_gets_one_job_stall_event_naming_the_culprit(broker, tmp_path: Path):
     env = {"BREAKPOD_BROKER_URL": broker.url, "BREAKPOD_AGENT_TOKEN": AGENT, "STALL_RANK": "2"}
+    env["WATCH"] = "1"
     job = Job(tmp_path, 3, PORT, BREAKPOD_STALL_AFTER="3", **env)
     try:
         job.wait_for(r"rank 2 stalls now", timeout=60)
@@ -58,6 +60,14 @@ def test_the_broker_gets_one_job_stall_event_naming_the_culprit(broker, tmp_path
         blocks = stacks.split("=== ")[1:]
         assert [b.split()[:2] for b in blocks] == [["rank", "0"], ["rank", "1"], ["rank", "2"]]
         assert "fetch_batch" in blocks[2] and "fetch_batch" not in blocks[0]
+
+        assert event["fields"]["flight"]["steps"] == [0, 4]  # rank 0's last five steps
+        flight = cli(broker, ADMIN, "flight", JOB)  # asked of ranks stuck in C and in gloo
+        blocks = flight.split("=== ")[1:]
+        assert [b.split()[:2] for b in blocks] == [["rank", "0"], ["rank", "1"], ["rank", "2"]]
+        for block in blocks:
+            assert "flight recorder: steps 0-4 (5 kept)" in block, flight
+            assert "every watched tensor stayed finite and in range" in block, flight
     finally:
         job.kill()
 
