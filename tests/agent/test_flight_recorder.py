@@ -194,3 +194,19 @@ def test_a_stall_event_carries_the_dump_and_a_failing_dump_is_contained(monkeypa
     assert first.fields["seconds"] == 12.0 and first.fields["flight"]["kept"] == 3
     assert second.fields == {"seconds": 13.0, "step": 4}  # delivered, without the dump
     monitor.close()
+
+
+def test_a_dump_of_the_wrong_shape_is_read_as_far_as_it_goes():
+    """What the CLI reads back from an event is an agent's word: never a traceback."""
+    garbage = [
+        {},
+        {"steps": "0-4"},
+        {"steps": [0, 4], "first_bad": "x", "step_seconds": "slow"},
+        {"steps": [0, 4], "step_seconds": {"median": "slow"}},
+        {"steps": [0, 4], "first_bad": [1, None, {"module": None, "rms": "nan"}]},
+        {"steps": [0, 4], "first_bad": [{"module": "<b>", "rms": [1, "nan", None, {}]}]},
+    ]
+    for fields in garbage:
+        out = flight_table.lines(fields)
+        assert out and all(isinstance(line, str) for line in out)
+    assert "<model>" in "\n".join(flight_table.lines(garbage[3]))

@@ -101,35 +101,45 @@ def _bad_row(series: Series, i: int, why: str) -> dict[str, Any]:
 
 
 def lines(fields: Mapping[str, Any]) -> list[str]:
-    """The table of a dump's :meth:`Flight.fields` (also as an event carried it)."""
+    """The table of a dump's :meth:`Flight.fields`, also as an event carried it (an
+    agent's event is read as it came: a field of the wrong shape is left out)."""
     if fields.get("unavailable"):
         return [f"flight recorder: {fields['unavailable']}"]
-    steps, kept = fields.get("steps") or [], fields.get("kept", 0)
+    steps = _listed(fields.get("steps"))
     if not steps:
         return ["flight recorder: no step recorded yet"]
     out = [
-        f"flight recorder: steps {steps[0]}-{steps[-1]} ({kept} kept), "
-        f"{fields.get('watched', 0)} watched tensors"
+        f"flight recorder: steps {steps[0]}-{steps[-1]} ({fields.get('kept', '?')} kept), "
+        f"{fields.get('watched', '?')} watched tensors"
     ]
-    timing = fields.get("step_seconds") or {}
-    if timing.get("median") is not None:
-        out.append(f"step time: median {_ms(timing['median'])}, last {_ms(timing['last'])}")
-    rows = fields.get("first_bad") or []
+    timing = fields.get("step_seconds")
+    if isinstance(timing, Mapping) and timing.get("median") is not None:
+        out.append(f"step time: median {_ms(timing['median'])}, last {_ms(timing.get('last'))}")
+    rows = [_cells(r) for r in _listed(fields.get("first_bad")) if isinstance(r, Mapping)]
     if not rows:
         out.append("every watched tensor stayed finite and in range")
         return out
     out.append("first bad step per module (earliest first), and its RMS up to that step:")
-    width = max(len(r["module"] or "<model>") for r in rows)
-    why_width = max(len(r["why"]) for r in rows)
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
-        name = (r["module"] or "<model>").ljust(width)
-        label = "loss" if r["phase"] == "loss" else "rms"
-        trend = " ".join(_num(v) for v in r["rms"])
-        why = r["why"].ljust(why_width)
-        out.append(f"  {name}  {r['phase']:<8}  step {r['step']:<6}  {why}  {label} {trend}")
+        name, phase, step, why = (cell.ljust(w) for cell, w in zip(r[:4], widths, strict=True))
+        out.append(f"  {name}  {phase}  step {step}  {why}  {r[4]}")
     if fields.get("more"):
         out.append(f"  ... and {fields['more']} more")
     return out
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _cells(row: Mapping[str, Any]) -> list[str]:
+    """module, phase, step, why, and the trend with its label, as text."""
+    phase = str(row.get("phase", "?"))
+    label = "loss" if phase == "loss" else "rms"
+    trend = " ".join(_num(v) for v in _listed(row.get("rms")))
+    name = str(row.get("module") or "<model>")
+    return [name, phase, str(row.get("step", "?")), str(row.get("why", "?")), f"{label} {trend}"]
 
 
 def series_lines(series: Series) -> list[str]:
@@ -144,7 +154,10 @@ def series_lines(series: Series) -> list[str]:
 
 
 def _ms(seconds: Any) -> str:
-    return f"{float(seconds) * 1000:.1f} ms"
+    try:
+        return f"{float(seconds) * 1000:.1f} ms"
+    except (TypeError, ValueError):
+        return "?"
 
 
 def _num(value: Any) -> str:
