@@ -41,6 +41,7 @@ BROKER_LAYERS = (
         independent=False,
     ),  # routes
     grimp.Layer("auth"),  # FastAPI dependencies: token and role checks
+    grimp.Layer("logins"),  # dashboard logins: cookie -> token, with a CSRF token
     grimp.Layer("context"),  # what every request handler gets
     grimp.Layer(
         *("notifiers", "metrics", "redis_server", "overlay", "fanout", "wakeups"),

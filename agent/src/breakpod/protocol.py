@@ -151,6 +151,8 @@ SESSIONS: Final = f"{API}/sessions"
 EVENTS: Final = f"{API}/events"
 EVENTS_STREAM: Final = f"{EVENTS}/stream"
 WHOAMI: Final = f"{API}/whoami"
+LOGIN: Final = f"{API}/login"  # the dashboard's: a token in, a session cookie out
+LOGOUT: Final = f"{API}/logout"
 TOKENS: Final = f"{API}/tokens"
 NOTIFIERS: Final = f"{API}/notifiers"
 

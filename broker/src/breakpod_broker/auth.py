@@ -1,6 +1,7 @@
 """The FastAPI dependencies that check a request's bearer token and role.
 
-Tokens themselves (parsing, hashing, lookup) are :mod:`.tokens`. Paths in
+Tokens themselves (parsing, hashing, lookup) are :mod:`.tokens`; the dashboard's
+login cookie (and its CSRF token) stands in for a bearer token (:mod:`.logins`). Paths in
 :data:`PUBLIC_PATHS` (the health checks) carry no bearer token, by design;
 tests/broker/test_api.py checks that every other route needs one. The
 admission webhook is not part of this app: it runs as its own app
@@ -12,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Annotated
 
-from fastapi import Depends, HTTPException
+from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from breakpod_broker.context import BrokerDep
+from breakpod_broker import logins
+from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.tokens import Principal, Role
 
 PUBLIC_PATHS = ("/healthz", "/readyz")
@@ -25,19 +27,17 @@ Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
 def require(*roles: Role) -> Callable[..., Awaitable[Principal]]:
-    """A dependency: 401 without a known token, 403 when its role is not in ``roles``."""
+    """A dependency: 401 without a known token or login, 403 when its role is not in
+    ``roles`` (or a login's state-changing request lacks its CSRF token)."""
     allowed = {*roles, Role.admin}
 
-    async def check(credentials: Credentials, broker: BrokerDep) -> Principal:
-        if credentials is None:
-            raise HTTPException(
-                401,
-                "missing bearer token: send 'Authorization: Bearer TOKEN'",
-                {"WWW-Authenticate": "Bearer"},
-            )
-        found = await broker.tokens.lookup(credentials.credentials)
-        if found is None:
-            raise HTTPException(401, "unknown token", {"WWW-Authenticate": "Bearer"})
+    async def check(request: Request, credentials: Credentials, broker: BrokerDep) -> Principal:
+        if credentials is not None:
+            found = await broker.tokens.lookup(credentials.credentials)
+            if found is None:
+                raise HTTPException(401, "unknown token", {"WWW-Authenticate": "Bearer"})
+        else:
+            found = await _logged_in(request, broker)
         if found.role not in allowed:
             names = ", ".join(sorted(r.value for r in allowed))
             role = found.role.value
@@ -46,6 +46,26 @@ def require(*roles: Role) -> Callable[..., Awaitable[Principal]]:
         return found
 
     return check
+
+
+async def _logged_in(request: Request, broker: Broker) -> Principal:
+    """The dashboard's login cookie stands in for a bearer token; a request that
+    changes something must also carry the login's CSRF token (another site's page
+    can make the browser send the cookie, never read the token)."""
+    cookie = request.cookies.get(logins.COOKIE)
+    login = await logins.lookup(broker, cookie) if cookie else None
+    if login is None:
+        detail = "missing bearer token: send 'Authorization: Bearer TOKEN'"
+        if cookie:
+            detail = "the dashboard login has ended (expired, logged out or its token revoked)"
+        raise HTTPException(401, detail, {"WWW-Authenticate": "Bearer"})
+    if request.method not in logins.SAFE_METHODS and not login.csrf_matches(
+        request.headers.get(logins.CSRF_HEADER)
+    ):
+        raise HTTPException(
+            403, f"missing or wrong {logins.CSRF_HEADER} header: send the one the login returned"
+        )
+    return login.principal
 
 
 Agent = Annotated[Principal, Depends(require(Role.agent))]

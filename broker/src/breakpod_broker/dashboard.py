@@ -1,17 +1,18 @@
 """The dashboard: a live web page of the cluster's jobs, rank by rank, served at ``/``.
 
 The page and its assets (``static/``: plain HTML, JS and CSS, no build step,
-nothing from another host) carry no data and need no token: the page asks
-for a viewer token, keeps it in sessionStorage, and sends it as a bearer
-header to the ordinary API (sessions, events, attach) and to the SSE event
-stream, which it reads with ``fetch`` (EventSource cannot send headers, and a
-token in a URL would land in logs and history). No other route is added but
-:data:`CONFIG`: what the page needs to read the API (the protocol's states and
-the state each event kind moves a session to, the command paths and names, the
-token's role), so the page spells none of them. The command buttons are drawn
-for admin tokens only; the command API refuses any other token (403) whatever
-a page shows, and a bearer header (never a cookie) is what makes a request
-count, so another site cannot forge one.
+nothing from another host) carry no data and need no token. The page's login
+form posts a viewer or admin token once to :data:`protocol.LOGIN`, which answers
+with an HttpOnly, SameSite=Strict cookie (:mod:`.logins`: the token never lands
+in the page's storage, a URL or a log) and a CSRF token the page keeps in
+memory and sends back in a header with every state-changing request; reloading
+the page asks ``GET`` :data:`protocol.LOGIN` for it again. The cookie then
+opens the ordinary API (sessions, events, attach, commands) and the SSE event
+stream. :data:`CONFIG` is what the page needs to read the API (the protocol's
+states and the state each event kind moves a session to, the command paths and
+names, the role), so the page spells none of them. The command buttons are
+drawn for admin logins only; the command API refuses any other (403) whatever a
+page shows.
 
 Every response from here carries a strict Content-Security-Policy: scripts,
 styles and connections from this origin only, no inline script, no framing.
@@ -22,11 +23,14 @@ from __future__ import annotations
 from importlib import resources
 from typing import Any
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, HTTPException, Request
 from fastapi.responses import Response
 
 from breakpod import protocol
+from breakpod_broker import logins
 from breakpod_broker.auth import Viewer
+from breakpod_broker.context import BrokerDep
+from breakpod_broker.models import LoginIn, LoginInfo
 
 router = APIRouter(tags=["dashboard"])
 CONFIG = f"{protocol.API}/dashboard"
@@ -104,3 +108,55 @@ async def config(who: Viewer) -> dict[str, Any]:
             "commands": protocol.commands_path("{id}"),
         },
     }
+
+
+@router.post(protocol.LOGIN, response_model=LoginInfo, tags=["dashboard"])
+async def login(
+    body: LoginIn, request: Request, response: Response, broker: BrokerDep
+) -> LoginInfo:
+    """Log in with a viewer or admin token: an HttpOnly session cookie, and the CSRF
+    token the page sends back in ``X-CSRF-Token``."""
+    try:
+        cookie, made = await logins.create(broker, body.token)
+    except logins.LoginRefused as e:
+        raise HTTPException(e.status, str(e)) from None
+    response.set_cookie(
+        logins.COOKIE,
+        cookie,
+        max_age=broker.settings.login_seconds,
+        path="/",
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+    )
+    return _login_info(made)
+
+
+@router.get(protocol.LOGIN, response_model=LoginInfo, tags=["dashboard"])
+async def current_login(request: Request, broker: BrokerDep) -> LoginInfo:
+    """The page's login after a reload (its CSRF token again); 401 when there is none."""
+    found = await logins.lookup(broker, request.cookies.get(logins.COOKIE, ""))
+    if found is None:
+        raise HTTPException(401, "not logged in", {"WWW-Authenticate": "Bearer"})
+    return _login_info(found)
+
+
+@router.post(protocol.LOGOUT, status_code=204, tags=["dashboard"])
+async def logout(who: Viewer, request: Request, broker: BrokerDep) -> Response:
+    """End the login (with its CSRF token) and forget the cookie; the token itself lives on."""
+    cookie = request.cookies.get(logins.COOKIE)
+    if cookie:
+        await logins.end(broker, cookie)
+    response = Response(status_code=204)
+    response.delete_cookie(logins.COOKIE, path="/", httponly=True, samesite="strict")
+    return response
+
+
+def _login_info(found: logins.Login) -> LoginInfo:
+    ns = found.principal.namespaces
+    return LoginInfo(
+        role=found.principal.role,
+        namespaces=None if ns is None else sorted(ns),
+        csrf=found.csrf,
+        expires=found.expires,
+    )

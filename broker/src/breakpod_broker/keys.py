@@ -89,3 +89,9 @@ def notified(idempotency_key: str) -> str:
     """String: a notifier job was delivered, so a replica that claims it again (its
     acknowledgement was lost) does not deliver it twice. TTL: settings.notify_max_age."""
     return f"{PREFIX}notified:{idempotency_key}"
+
+
+def login(cookie_digest: str) -> str:
+    """String: JSON {token: digest, csrf}, a dashboard login, under the SHA-256 of its
+    cookie (a copy of Redis holds no usable cookie). TTL: settings.login_seconds."""
+    return f"{PREFIX}login:{cookie_digest}"

@@ -217,6 +217,22 @@ class NotifierStatus(BaseModel):
     recent_failures: list[dict[str, str]] = Field(description="dead letters, newest first")
 
 
+class LoginIn(BaseModel):
+    """The dashboard's login form: a viewer or admin token, typed once."""
+
+    token: str = Field(min_length=1, max_length=1024)
+
+
+class LoginInfo(BaseModel):
+    """A dashboard login: who it is, and the CSRF token its state-changing requests send
+    back (the cookie itself is HttpOnly: the page never sees it)."""
+
+    role: Role
+    namespaces: list[str] | None
+    csrf: str
+    expires: float  # seconds since the epoch
+
+
 class Status(BaseModel):
     """A health check's answer."""
 

@@ -67,6 +67,7 @@ class BrokerSettings(BaseSettings):
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     max_stream_seconds: float = Field(default=3600.0, gt=0)  # SSE clients then resume
+    login_seconds: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)  # a dashboard login
     # SSE streams one replica serves (each costs memory: a queue of follower_queue events)
     max_followers: int = Field(default=10_000, ge=1, le=1_000_000)
     # a follower this many events behind is dropped; it resumes with Last-Event-ID
@@ -100,4 +101,5 @@ HELP: dict[str, str] = {
     "tls_cert_file": "serve the API over HTTPS with this PEM certificate (chain)",
     "tls_key_file": "the certificate's PEM key",
     "max_stream_seconds": "an SSE stream then ends; clients resume with `Last-Event-ID`",
+    "login_seconds": "a dashboard login (its HttpOnly cookie) lasts this long",
 }

@@ -112,7 +112,10 @@ class TokenStore:
         self.redis = redis
 
     async def lookup(self, token: str) -> Principal | None:
-        key = digest(token)
+        return await self.by_digest(digest(token))
+
+    async def by_digest(self, key: str) -> Principal | None:
+        """The principal of the token whose SHA-256 is ``key`` (a login remembers that)."""
         if key in self.static:
             return self.static[key]
         raw = await self.redis.hget(keys.TOKENS, key)

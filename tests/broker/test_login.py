@@ -1,0 +1,106 @@
+"""Dashboard logins against a real broker and Redis: a token typed once becomes an
+HttpOnly, SameSite=Strict cookie; a state-changing request with that cookie needs its
+CSRF token; logging out, revoking the token or the login's expiry ends it."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import redis
+
+from tests.brokerkit import ADMIN, AGENT, VIEWER, register, wait_until
+
+CSRF = "X-CSRF-Token"
+_clients: list[httpx.Client] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients():
+    yield
+    while _clients:
+        _clients.pop().close()
+
+
+def logged_in(broker, token: str) -> tuple[httpx.Client, dict]:
+    """A client without any bearer header, logged in through the form's route (closed
+    at the test's end)."""
+    client = httpx.Client(base_url=broker.url, timeout=10)
+    _clients.append(client)
+    answer = client.post("/v1/login", json={"token": token})
+    assert answer.status_code == 200, answer.text
+    return client, answer.json()
+
+
+def test_login_sets_an_httponly_strict_cookie_that_opens_the_api(broker):
+    client, info = logged_in(broker, VIEWER)
+    cookie = client.cookies.jar
+    (only,) = list(cookie)
+    assert only.name == "breakpod_login" and only.path == "/"
+    header = client.post("/v1/login", json={"token": VIEWER}).headers["set-cookie"].lower()
+    assert "httponly" in header and "samesite=strict" in header and "max-age=43200" in header
+    assert "secure" not in header  # plain http here; https requests get Secure
+    assert info["role"] == "viewer" and len(info["csrf"]) >= 32
+    assert client.get("/v1/sessions").status_code == 200
+    again = client.get("/v1/login").json()  # a reloaded page asks for its CSRF token
+    assert again["role"] == "viewer"
+
+
+def test_a_state_changing_request_with_the_cookie_needs_the_csrf_token(broker):
+    register(broker, "s-csrf", namespace="team-a")
+    client, info = logged_in(broker, ADMIN)
+    path, body = "/v1/sessions/s-csrf/commands", {"command": "break"}
+    missing = client.post(path, json=body)
+    assert missing.status_code == 403 and CSRF in missing.json()["detail"]
+    wrong = client.post(path, json=body, headers={CSRF: info["csrf"][:-1] + "x"})
+    assert wrong.status_code == 403
+    other, other_info = logged_in(broker, ADMIN)  # another login's token is no better
+    other.close()
+    assert client.post(path, json=body, headers={CSRF: other_info["csrf"]}).status_code == 403
+    assert client.post(path, json=body, headers={CSRF: info["csrf"]}).status_code == 202
+    with broker.client(VIEWER) as c:  # only the one accepted command was queued
+        events = c.get("/v1/events", params={"session": "s-csrf", "kind": "command"}).json()
+    assert len({e["fields"]["command_id"] for e in events["events"]}) == 1
+
+
+def test_agent_and_unknown_tokens_cannot_log_in(broker):
+    with httpx.Client(base_url=broker.url, timeout=10) as c:
+        agent = c.post("/v1/login", json={"token": AGENT})
+        assert agent.status_code == 403 and "agent token may not log in" in agent.text
+        assert c.post("/v1/login", json={"token": "unknown-token-1"}).status_code == 401
+        assert c.post("/v1/login", json={"token": ""}).status_code == 422
+        assert c.post("/v1/login", json={"token": "x" * 5000}).status_code == 422
+        assert "set-cookie" not in agent.headers
+        assert c.get("/v1/login").status_code == 401
+        c.cookies.set("breakpod_login", "forged-cookie-value")
+        ended = c.get("/v1/sessions")
+        assert ended.status_code == 401 and "login has ended" in ended.text
+
+
+def test_logout_and_revoking_the_token_end_the_login(broker):
+    client, info = logged_in(broker, VIEWER)
+    cookie = client.cookies["breakpod_login"]
+    assert client.post("/v1/logout").status_code == 403  # it changes something: CSRF
+    out = client.post("/v1/logout", headers={CSRF: info["csrf"]})
+    assert out.status_code == 204 and "max-age=0" in out.headers["set-cookie"].lower()
+    with httpx.Client(base_url=broker.url, cookies={"breakpod_login": cookie}) as replay:
+        assert replay.get("/v1/sessions").status_code == 401  # the old cookie is dead
+
+    with broker.client(ADMIN) as admin:
+        made = admin.post("/v1/tokens", json={"role": "viewer"}).json()
+    client, _ = logged_in(broker, made["token"])
+    assert client.get("/v1/sessions").status_code == 200
+    with broker.client(ADMIN) as admin:
+        assert admin.delete(f"/v1/tokens/{made['id']}").status_code == 204
+    assert client.get("/v1/sessions").status_code == 401
+
+
+def test_redis_holds_no_usable_cookie_and_logins_expire(broker, start_broker, redis_url):
+    short = start_broker(BREAKPOD_LOGIN_SECONDS="60")
+    client, _ = logged_in(short, VIEWER)
+    cookie = client.cookies["breakpod_login"]
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    keys = r.keys("breakpod:login:*")
+    assert keys and all(cookie not in k and cookie not in (r.get(k) or "") for k in keys)
+    assert 0 < r.ttl(keys[0]) <= 60
+    r.pexpire(keys[0], 1)  # what 60 s would do
+    wait_until(lambda: client.get("/v1/sessions").status_code == 401, timeout=5)
