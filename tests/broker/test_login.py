@@ -4,6 +4,8 @@ CSRF token; logging out, revoking the token or the login's expiry ends it."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 import redis
@@ -104,3 +106,18 @@ def test_redis_holds_no_usable_cookie_and_logins_expire(broker, start_broker, re
     assert 0 < r.ttl(keys[0]) <= 60
     r.pexpire(keys[0], 1)  # what 60 s would do
     wait_until(lambda: client.get("/v1/sessions").status_code == 401, timeout=5)
+
+
+@pytest.mark.timeout(60)
+def test_an_event_stream_opened_by_a_login_ends_when_the_login_does(broker):
+    client, info = logged_in(broker, VIEWER)
+    cookie = client.cookies["breakpod_login"]
+    reader = httpx.Client(base_url=broker.url, cookies={"breakpod_login": cookie}, timeout=30)
+    _clients.append(reader)
+    with reader.stream("GET", "/v1/events/stream") as stream:
+        assert stream.status_code == 200
+        assert client.post("/v1/logout", headers={CSRF: info["csrf"]}).status_code == 204
+        started = time.monotonic()
+        for _ in stream.iter_bytes():
+            pass  # comments and keep-alives until the broker ends it
+        assert time.monotonic() - started < 15

@@ -43,6 +43,9 @@ list-tokens    401  401     403     403    403     403    403      200     200
 delete-token   401  401     403     403    403     403    403      204     204/404
 whoami         401  401     200     200    200     200    200      200     200
 dashboard      401  401     403     403    403     200    200      200     200
+login          401  401     403     403    403     200    200      200     200
+login-state    401  401     401     401    401     401    401      401     401
+logout         401  401     403     403    403     204    204      204     204
 notifiers      401  401     403     403    403     200    200      200     200
 metrics        401  401     403     403    403     200    403      200     403
 openapi        401  401     403     403    403     200    200      200     200
@@ -108,6 +111,10 @@ def _stream(c: httpx.Client, s: str) -> str:
         return str(response.status_code)
 
 
+def _bearer(c: httpx.Client) -> str:
+    return c.headers.get("authorization", "").removeprefix("Bearer ")
+
+
 def _event(s: str, eid: str) -> dict[str, Any]:
     return {"events": [{"id": eid, "session": s, "kind": "log", "fields": {"n": 1}}]}
 
@@ -134,6 +141,10 @@ ROUTES: dict[str, Call] = {
     "delete-token": lambda c, s, w: c.delete(f"/v1/tokens/{w.made[s]}"),
     "whoami": lambda c, s, w: c.get("/v1/whoami"),
     "dashboard": lambda c, s, w: c.get("/v1/dashboard"),
+    # the token in the body (as the form sends it); a bearer header alone is no login
+    "login": lambda c, s, w: c.post("/v1/login", json={"token": _bearer(c) or "not-a-token"}),
+    "login-state": lambda c, s, w: c.get("/v1/login"),
+    "logout": lambda c, s, w: c.post("/v1/logout"),
     "notifiers": lambda c, s, w: c.get("/v1/notifiers"),
     "metrics": lambda c, s, w: c.get("/metrics"),
     "openapi": lambda c, s, w: c.get("/openapi.json"),
@@ -180,6 +191,8 @@ def test_the_matrix_covers_every_route_of_the_app(broker):
         "/v1/tokens/{token_id}",
         "/v1/whoami",
         "/v1/dashboard",
+        "/v1/login",
+        "/v1/logout",
         "/v1/notifiers",
         "/metrics",
         "/openapi.json",

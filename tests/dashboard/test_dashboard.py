@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from breakpod_broker import dashboard
-from tests.brokerkit import AGENT, AGENT2, VIEWER, register, wait_until
+from tests.brokerkit import ADMIN, AGENT, AGENT2, VIEWER, register, wait_until
 from tests.dashboard.pagekit import (
     LOOP,
     agent_env,
@@ -86,7 +86,37 @@ def test_without_a_token_the_page_asks_for_one_and_shows_no_data(broker, page):
     page.click("#login button[type=submit]")
     page.wait_for_selector("#login-error:has-text('token refused')")
     assert "secret-job-name" not in page.content()
-    assert page.evaluate("sessionStorage.getItem('breakpod.token')") is None
+    assert page.evaluate("sessionStorage.length + localStorage.length") == 0
+
+
+def test_the_login_is_an_httponly_cookie_and_a_post_without_its_csrf_token_is_refused(broker, page):
+    register(broker, "s-cookie", job="train-cookie", namespace="team-a")
+    login(page, broker, ADMIN)
+    page.wait_for_selector(".rank[data-session='s-cookie']")
+    # the token is nowhere the page's scripts (or another script on it) could read
+    assert page.evaluate("document.cookie") == ""
+    assert page.evaluate("sessionStorage.length + localStorage.length") == 0
+    assert ADMIN not in page.content() and ADMIN not in page.url
+    cookies = {c["name"]: c for c in page.context.cookies()}
+    login_cookie = cookies["breakpod_login"]
+    assert login_cookie["httpOnly"] and login_cookie["sameSite"] == "Strict"
+    # the cookie rides on a request the page makes; without the CSRF token it is refused
+    send = """async (headers) => {
+        const r = await fetch('/v1/sessions/s-cookie/commands', {method: 'POST',
+            headers: {'Content-Type': 'application/json', ...headers},
+            body: JSON.stringify({command: 'break'})});
+        return r.status;
+    }"""
+    assert page.evaluate(send, {}) == 403
+    assert page.evaluate(send, {"X-CSRF-Token": "guessed"}) == 403
+    # a reload keeps the login (and gets its CSRF token back); log out ends it
+    page.reload()
+    page.wait_for_selector(".rank[data-session='s-cookie']")
+    page.click("#logout")
+    page.wait_for_selector("#login:not([hidden]) #token")
+    assert page.evaluate("fetch('/v1/sessions').then(r => r.status)") == 401
+    with httpx.Client(base_url=broker.url, cookies={"breakpod_login": login_cookie["value"]}) as c:
+        assert c.get("/v1/sessions").status_code == 401  # a copied cookie is dead too
 
 
 def test_ranks_appear_turn_parked_live_filter_and_escape_agent_text(broker, spawn, page):

@@ -68,6 +68,23 @@ async def _logged_in(request: Request, broker: Broker) -> Principal:
     return login.principal
 
 
+def recheck(
+    request: Request, credentials: HTTPAuthorizationCredentials | None, broker: Broker
+) -> Callable[[], Awaitable[Principal | None]]:
+    """How a long response (an SSE stream) asks again, later, whom the request's
+    token or login stands for now (None once revoked, logged out or expired)."""
+    if credentials is not None:
+        token = credentials.credentials
+        return lambda: broker.tokens.lookup(token)
+    cookie = request.cookies.get(logins.COOKIE, "")
+
+    async def login_principal() -> Principal | None:
+        found = await logins.lookup(broker, cookie)
+        return None if found is None else found.principal
+
+    return login_principal
+
+
 Agent = Annotated[Principal, Depends(require(Role.agent))]
 Viewer = Annotated[Principal, Depends(require(Role.viewer))]
 Admin = Annotated[Principal, Depends(require())]

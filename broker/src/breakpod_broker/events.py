@@ -15,7 +15,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, HTTPException, Query, Request
@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from breakpod import protocol
 from breakpod.protocol import EventKind
 from breakpod_broker import fanout, keys, sharded
-from breakpod_broker.auth import Agent, Credentials, Viewer
+from breakpod_broker.auth import Agent, Credentials, Viewer, recheck
 from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.limits import MAX_DEPTH, MAX_FIELDS_BYTES, dotted, nonfinite, too_deep
 from breakpod_broker.models import (
@@ -401,6 +401,7 @@ def parse_since(since: str) -> str:
 )
 async def stream_events(
     who: Viewer,
+    request: Request,
     credentials: Credentials,
     broker: BrokerDep,
     filters: Annotated[Filters, Depends()],
@@ -418,8 +419,7 @@ async def stream_events(
     )
     if resume and not is_cursor(resume):  # seconds: include that millisecond
         start = _before(start)
-    assert credentials is not None  # Viewer checked it
-    body = _follow(broker, Watch(who, credentials.credentials, filters), start)
+    body = _follow(broker, Watch(who, recheck(request, credentials, broker), filters), start)
     return StreamingResponse(
         body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
     )
@@ -437,10 +437,11 @@ def _before(cursor: str) -> str:
 
 @dataclasses.dataclass
 class Watch:
-    """Who reads an SSE stream, with the token to re-check, and what they asked for."""
+    """Who reads an SSE stream, how to ask again who its credentials are, and what they
+    asked for."""
 
     who: Principal
-    token: str
+    now: Callable[[], Awaitable[Principal | None]]
     filters: Filters
 
 
@@ -457,7 +458,7 @@ def _follow(broker: Broker, watch: Watch, start: str) -> AsyncIterator[str]:
         return found, (chunk[-1][0] if len(chunk) == SCAN_CHUNK else None)
 
     async def still_allowed() -> bool:
-        return await broker.tokens.lookup(watch.token) == who
+        return await watch.now() == who
 
     async def body() -> AsyncIterator[str]:
         assert broker.fanout is not None  # started with the app

@@ -3,13 +3,15 @@
 // (textContent, setAttribute): agents choose pod names, reasons and fields.
 "use strict";
 
-const TOKEN_KEY = "breakpod.token";
 const CONFIG_PATH = "/v1/dashboard";
+const LOGIN_PATH = "/v1/login"; // a token in, an HttpOnly cookie and a CSRF token out
+const LOGOUT_PATH = "/v1/logout";
+const CSRF_HEADER = "X-CSRF-Token";
 const RELOAD_DEBOUNCE_MS = 250; // events in a burst cost one re-read of the sessions
 const RETRY_MS = [1000, 2000, 5000, 10000];
 
 const app = {
-  token: null,
+  csrf: null, // the login's CSRF token, in memory only (the cookie is HttpOnly)
   config: null,
   sessions: new Map(),
   selected: null,
@@ -55,10 +57,7 @@ function where(s) {
 class Unauthorized extends Error {}
 
 async function api(path) {
-  const response = await fetch(path, {
-    headers: { Authorization: `Bearer ${app.token}` },
-    cache: "no-store",
-  });
+  const response = await fetch(path, { credentials: "same-origin", cache: "no-store" });
   if (response.status === 401 || response.status === 403) {
     throw new Unauthorized(`${response.status}: ${(await response.json()).detail}`);
   }
@@ -71,8 +70,9 @@ async function post(path, body) {
   try {
     const response = await fetch(path, {
       method: "POST",
-      headers: { Authorization: `Bearer ${app.token}`, "Content-Type": "application/json" },
+      headers: { [CSRF_HEADER]: app.csrf || "", "Content-Type": "application/json" },
       body: JSON.stringify(body),
+      credentials: "same-origin",
       cache: "no-store",
     });
     const answer = await response.json().catch(() => ({}));
@@ -82,12 +82,11 @@ async function post(path, body) {
   }
 }
 
-// -- token --------------------------------------------------------------------
+// -- login --------------------------------------------------------------------
 
 function showLogin(message) {
   if (app.abort) app.abort.abort();
-  app.token = null;
-  sessionStorage.removeItem(TOKEN_KEY);
+  app.csrf = null;
   app.sessions.clear();
   $("jobs").replaceChildren();
   $("main").hidden = true;
@@ -98,22 +97,43 @@ function showLogin(message) {
   $("token").focus();
 }
 
-function onLogin(event) {
+// The token goes to the broker once and is forgotten: the cookie stands for it.
+async function onLogin(event) {
   event.preventDefault();
   const token = $("token").value.trim();
   $("token").value = "";
   if (!token) return;
-  sessionStorage.setItem(TOKEN_KEY, token);
-  start(token);
+  const answer = await post(LOGIN_PATH, { token });
+  if (!answer.ok) {
+    showLogin(`token refused (${answer.status}: ${answer.body.detail || "no answer"})`);
+    return;
+  }
+  start(answer.body.csrf);
 }
 
-async function start(token) {
-  app.token = token;
+async function logout() {
+  await post(LOGOUT_PATH, {});
+  showLogin("logged out");
+}
+
+// A reloaded page: the cookie may still hold a login; ask for its CSRF token.
+async function resume() {
+  try {
+    const response = await fetch(LOGIN_PATH, { credentials: "same-origin", cache: "no-store" });
+    if (response.ok) return start((await response.json()).csrf);
+  } catch (error) {
+    return showLogin(`the broker did not answer (${error})`);
+  }
+  showLogin();
+}
+
+async function start(csrf) {
+  app.csrf = csrf;
   try {
     app.config = await api(CONFIG_PATH);
     await loadSessions();
   } catch (error) {
-    showLogin(error instanceof Unauthorized ? `token refused (${error.message})` : String(error));
+    showLogin(error instanceof Unauthorized ? `login refused (${error.message})` : String(error));
     return;
   }
   $("login").hidden = true;
@@ -147,7 +167,7 @@ function scheduleReload() {
       await loadSessions();
       renderSoon();
     } catch (error) {
-      if (error instanceof Unauthorized) showLogin(`token refused (${error.message})`);
+      if (error instanceof Unauthorized) showLogin(`login refused (${error.message})`);
     }
   }, RELOAD_DEBOUNCE_MS);
 }
@@ -174,7 +194,7 @@ function onEvent(event) {
   renderSoon();
 }
 
-// -- the live stream (fetch, so the token travels in a header, not the URL) ----
+// -- the live stream (fetch: it resumes with a Last-Event-ID header) ------------
 
 function setLive(value, text) {
   $("live").dataset.live = value;
@@ -187,11 +207,12 @@ async function stream() {
   app.abort = controller;
   while (!controller.signal.aborted) {
     try {
-      const headers = { Authorization: `Bearer ${app.token}`, Accept: "text/event-stream" };
+      const headers = { Accept: "text/event-stream" };
       if (app.cursor) headers["Last-Event-ID"] = app.cursor;
-      const response = await fetch(app.config.paths.stream, { headers, signal: controller.signal });
+      const options = { headers, signal: controller.signal, credentials: "same-origin" };
+      const response = await fetch(app.config.paths.stream, options);
       if (response.status === 401 || response.status === 403) {
-        showLogin("token refused by the event stream");
+        showLogin("the login has ended (the event stream refused it)");
         return;
       }
       if (!response.ok || !response.body) throw new Error(`HTTP ${response.status}`);
@@ -398,7 +419,7 @@ async function select(id) {
     app.attach = attach;
     renderDetail();
   } catch (error) {
-    if (error instanceof Unauthorized) showLogin(`token refused (${error.message})`);
+    if (error instanceof Unauthorized) showLogin(`login refused (${error.message})`);
   }
 }
 
@@ -408,7 +429,7 @@ async function refreshAttach(id) {
     if (app.selected === id) app.attach = attach;
     renderSoon();
   } catch (error) {
-    showLogin(`token refused (${error.message})`);
+    showLogin(`login refused (${error.message})`);
   }
 }
 
@@ -523,11 +544,9 @@ function tickAges() {
 
 document.addEventListener("DOMContentLoaded", () => {
   $("login").addEventListener("submit", onLogin);
-  $("logout").addEventListener("click", () => showLogin("token forgotten"));
+  $("logout").addEventListener("click", logout);
   for (const id of ["f-namespace", "f-state"]) $(id).addEventListener("change", render);
   $("f-job").addEventListener("input", render);
   setInterval(tickAges, 1000);
-  const token = sessionStorage.getItem(TOKEN_KEY);
-  if (token) start(token);
-  else showLogin();
+  resume();
 });
