@@ -114,7 +114,8 @@ def engineer(url: str, auto: bool) -> None:
             say(f"4/4 attach from another terminal: {command}")
             count_down(url, session)
             return
-        say(f"4/4 attaching in this terminal ({command}); try `p loss`, `tstat x`, `flight`, then `c`")
+        tries = "`p loss`, `tstat x`, `flight`, then `c`"
+        say(f"4/4 attaching in this terminal ({command}); try {tries}")
         subprocess.run([str(BIN / "breakpod"), *attach], check=False)
         return
     say(f"4/4 scripted engineer: breakpod attach {session}")
