@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from breakpod import protocol
@@ -176,21 +177,46 @@ def _table(rows: list[list[str]]) -> str:
 
 def run_events(args: argparse.Namespace) -> int:
     broker = client(args)
-    if not args.follow:
-        for event in broker.events(limit=args.limit, session=args.session, kind=args.kind):
-            print(format_event(event), flush=True)
-        return 0
-    for _, event in broker.event_stream(session=args.session, kind=args.kind):
-        print(format_event(event), flush=True)
+    found: Iterator[dict[str, Any]]
+    if args.follow:
+        found = (event for _, event in broker.event_stream(session=args.session, kind=args.kind))
+    else:
+        found = iter(broker.events(limit=args.limit, session=args.session, kind=args.kind))
+    show = json.dumps if args.json else (full_event if args.full else format_event)
+    for event in found:
+        print(show(event), flush=True)
     return 0
 
 
 def format_event(event: dict[str, Any]) -> str:
-    stamp = time.strftime("%H:%M:%S", time.localtime(event["time"]))
+    """One line: the time, kind, session and each field (long ones cut at 80 characters)."""
     fields = " ".join(
         f"{k}={_short(v)}" for k, v in event.get("fields", {}).items() if v is not None
     )
-    return f"{stamp}  {event['kind']:<9} {event['session']}  {fields}".rstrip()
+    return f"{_head(event)}  {fields}".rstrip()
+
+
+def full_event(event: dict[str, Any]) -> str:
+    """The line with the short fields, then each long or multi-line one whole, indented."""
+    short: list[tuple[str, Any, str]] = []
+    long: list[tuple[str, Any, str]] = []
+    for key, value in event.get("fields", {}).items():
+        if value is None:
+            continue
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        (long if "\n" in text or len(text) > 80 else short).append((key, value, text))
+    lines = [f"{_head(event)}  " + " ".join(f"{k}={t}" for k, _, t in short)]
+    for key, value, text in long:
+        if not isinstance(value, str):
+            text = json.dumps(value, indent=2, default=str)
+        lines.append(f"  {key}:")
+        lines.extend("    " + line for line in text.splitlines())
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _head(event: dict[str, Any]) -> str:
+    stamp = time.strftime("%H:%M:%S", time.localtime(event["time"]))
+    return f"{stamp}  {event['kind']:<9} {event['session']}"
 
 
 def _short(value: Any) -> str:

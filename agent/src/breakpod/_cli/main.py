@@ -191,6 +191,11 @@ def add_events(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--session", help="only this session's events")
     p.add_argument("--kind", action="append", help="only this kind (repeatable)")
     p.add_argument("--limit", type=int, default=50, help="how many recent events (default 50)")
+    shown = p.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="one JSON object per line, whole")
+    shown.add_argument(
+        "--full", action="store_true", help="every field whole (stacks and tables below the line)"
+    )
     broker_cli.add_broker_flags(p)
     p.set_defaults(func=broker_cli.run_events)
 
