@@ -53,6 +53,7 @@ from breakpod._monitor.detect import Detector, ParamInfo, Slot
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
 from breakpod._monitor.stats import (
     Entry,
+    HostBuffers,
     SlotTable,
     StepRecord,
     by_device,
@@ -195,6 +196,7 @@ class Monitor:
         self._current = StepRecord(0)
         self._pending: list[StepRecord] = []
         self._inflight: list[tuple[list[Any], dict[Any, Any], list[StepRecord]]] = []
+        self._host_buffers = HostBuffers()  # the reads' pinned copies, reused (CUDA only)
         self._backward_queued = False
         self._optimizer = optimizer
         self._urgent = any(r.urgent for r in rules)
@@ -683,7 +685,8 @@ class Monitor:
             self._add_state_checks(last)
         steps, self._pending = self._pending, []
         copies = {
-            device: to_host(t) for device, t in pack([e for s in steps for e in s.entries]).items()
+            device: to_host(t, self._host_buffers)
+            for device, t in pack([e for s in steps for e in s.entries]).items()
         }
         self._inflight.append((copy_events(copies), copies, steps))
         self.reads += 1
@@ -709,19 +712,28 @@ class Monitor:
             if not landed(marks, wait=wait):
                 return  # not landed yet: the next boundary looks again
             self._inflight.pop(0)
-            values = {device: host.tolist() for device, host in copies.items()}
-            for i, step in enumerate(steps):
-                data = decode(step, values, copies)
-                self._table.expand(data, self._detector.hot_modules())
-                # exporters (breakpod.export): host floats already read, before a stop can raise
-                events.emit_local(
-                    events.STEP_STATS,
-                    monitor=self,
-                    steps=[data],
-                    params=self._detector.params,
-                    read_done=i == len(steps) - 1,
-                )
-                self._report(self._detector.run(data), frame)
+            try:
+                self._evaluate(copies, steps, frame)
+            finally:  # landed and read: the buffers may take the next copies
+                for host in copies.values():
+                    self._host_buffers.give_back(host)
+
+    def _evaluate(
+        self, copies: dict[Any, Any], steps: list[StepRecord], frame: FrameType | None
+    ) -> None:
+        values = {device: host.tolist() for device, host in copies.items()}
+        for i, step in enumerate(steps):
+            data = decode(step, values, copies)
+            self._table.expand(data, self._detector.hot_modules())
+            # exporters (breakpod.export): host floats already read, before a stop can raise
+            events.emit_local(
+                events.STEP_STATS,
+                monitor=self,
+                steps=[data],
+                params=self._detector.params,
+                read_done=i == len(steps) - 1,
+            )
+            self._report(self._detector.run(data), frame)
 
     def _report(self, found: list[tuple[Anomaly, Rule]], frame: FrameType | None = None) -> None:
         merged = merge_same_tensor(found)
