@@ -96,7 +96,7 @@ def write_live_units(x: torch.Tensor, cell: torch.Tensor, pre_relu: bool) -> Non
         per_unit = torch.amax(x, dim=batch_dims(x.dim())).clamp_(min=0)
     elif x.device.type == "cpu":
         # sum |x| is non-zero exactly when max |x| is (NaN and Inf alike); the CPU's
-        # inf-norm over several dims is a slow path (1.5-4x this, one kernel too)
+        # inf-norm over dims is a slow path (1.4-4x this, one kernel too)
         per_unit = torch.linalg.vector_norm(x, 1, dim=batch_dims(x.dim()))
     else:
         per_unit = torch.linalg.vector_norm(x, math.inf, dim=batch_dims(x.dim()))
