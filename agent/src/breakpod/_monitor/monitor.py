@@ -424,6 +424,8 @@ class Monitor:
         import torch
 
         tensor_type = torch.Tensor
+        # outputs >= 0 (or NaN) by construction: dead units take one cheap max (checks.py)
+        nonnegative_types = (torch.nn.ReLU, torch.nn.ReLU6)
         grad_hook = self._grad_hook(back) if back is not None else None
         pre_hooks: dict[int, Callable[[Any], None]] = {}  # output index -> node pre-hook
         seen = self.shapes
@@ -442,7 +444,8 @@ class Monitor:
                 if self._ignore_pass:
                     return  # an evaluation pass inside a training step
                 if slot is not None and out.is_floating_point() and _claim(out, _FWD, name):
-                    self._write_stats(slot, out.detach())  # the value, not the autograd graph
+                    nonnegative = type(module) in nonnegative_types
+                    self._write_stats(slot, out.detach(), nonnegative)  # the value, not the graph
                 if grad_hook is not None:
                     self._hook_inputs(name, grad_hook, pre_hooks, inputs)
             except AnomalyError:
@@ -477,7 +480,7 @@ class Monitor:
             self.shapes[name] = (_shapes(inputs), tuple(out.shape))
         return out
 
-    def _write_stats(self, slot: Slot, x: Any) -> None:
+    def _write_stats(self, slot: Slot, x: Any, nonnegative: bool = False) -> None:
         """The slot's statistics into this step's buffer; the host notes that it ran."""
         record, device = self._current, x.device
         ran = record.ran.get(device)
@@ -486,17 +489,20 @@ class Monitor:
             record.units[device] = {}
         index = slot.index
         if index in ran:  # a second call in this step (micro-batches): the sums add
-            self._add_stats(record, device, slot, x)
+            self._add_stats(record, device, slot, x, nonnegative)
         else:
-            checks.write_stats(x, self._table.cells(device), slot.base, *slot.flags)
+            cells = self._table.cells(device)
+            checks.write_stats(x, cells, slot.base, *slot.flags, nonnegative=nonnegative)
             ran[index] = x.numel()
             record.units[device][index] = checks.unit_count(x.shape) if slot.zeros else 0
         if slot.retain:
             record.kept[index] = x
 
-    def _add_stats(self, record: StepRecord, device: Any, slot: Slot, x: Any) -> None:
+    def _add_stats(
+        self, record: StepRecord, device: Any, slot: Slot, x: Any, nonnegative: bool
+    ) -> None:
         scratch = x.new_zeros(slot.width, dtype=_float32())
-        checks.write_stats(x, scratch.unbind(), 0, *slot.flags)
+        checks.write_stats(x, scratch.unbind(), 0, *slot.flags, nonnegative=nonnegative)
         self._table.add_into(device, slot, scratch)
         record.ran[device][slot.index] += x.numel()
         if slot.zeros:
