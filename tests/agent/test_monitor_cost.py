@@ -150,6 +150,45 @@ def test_monitored_training_step_under_cuda_sync_debug_error(monkeypatch):
     assert bad and bad[0].step == 3 and bad[0].module == "0"
 
 
+def test_host_buffers_are_reused_only_once_given_back_and_grow_when_needed():
+    """The pool's rules, on plain host memory (the monitor lends pinned ones on CUDA)."""
+    pool = stats.HostBuffers(pinned=False)
+    device = torch.device("cuda", 0)  # only a key here: nothing is allocated on it
+    first = pool.take(device, 5, torch.float32)
+    second = pool.take(device, 5, torch.float32)  # the first is lent: never the same memory
+    assert first.data_ptr() != second.data_ptr() and pool.allocated == 2
+    pool.give_back(first)
+    again = pool.take(device, 7, torch.float32)  # fits the first's 8 values: reused
+    assert again.data_ptr() == first.data_ptr() and again.numel() == 7
+    assert pool.allocated == 2
+    pool.give_back(second)
+    pool.give_back(again)
+    bigger = pool.take(device, 100, torch.float32)  # none fits: a new, larger one (the
+    assert bigger.numel() == 100 and pool.allocated == 3  # smaller free ones are dropped)
+    pool.give_back(bigger)
+    small = pool.take(device, 3, torch.float32)
+    assert small.data_ptr() == bigger.data_ptr() and pool.allocated == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_reads_on_cuda_reuse_their_pinned_buffers(monkeypatch):
+    """Twenty reads, one pinned buffer per read in flight (not one per read), right values."""
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).cuda()
+    monitor = breakpod.watch(model, check_every=1)
+    x = torch.randn(4, 8, device="cuda")
+    for step in range(20):
+        loss = model(x if step < 19 else x * float("nan")).pow(2).mean()
+        loss.backward()
+        monitor.step(loss)
+    monitor.flush()
+    assert monitor.errors == 0 and monitor.reads >= 20
+    assert monitor._host_buffers.allocated <= 3
+    bad = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert bad and bad[0].step == 19
+
+
 def test_reads_on_the_cpu_need_no_copy_and_no_event():
     t = torch.arange(3.0)
     copies = {t.device: stats.to_host(t)}

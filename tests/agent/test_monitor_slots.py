@@ -189,3 +189,29 @@ def test_check_every_reads_every_step_of_the_buffer():
     bad = [(a.step, a.module) for a in monitor.anomalies if a.check == "nonfinite"]
     assert bad == [(2, "poison"), (7, "poison")]
     monitor.close()
+
+
+@pytest.mark.parametrize("shape", [(8, 16), (4, 6, 5, 5), (3, 7, 16), (2, 4, 3, 3, 3)])
+def test_live_units_are_counted_alike_by_every_reduction(shape):
+    """The CPU's per-unit sum |x| and a ReLU's plain max count what max |x| counts,
+    dead units, NaN and Inf included."""
+    from breakpod._monitor import checks
+
+    torch.manual_seed(0)
+    x = torch.randn(*shape)
+    unit = (slice(None), 1) if len(shape) != 3 else (..., 1)
+    x[unit] = 0.0  # a dead unit
+    x.view(-1)[0], x.view(-1)[-1] = float("nan"), float("-inf")
+    relu = torch.relu(x)
+    reference = torch.linalg.vector_norm(
+        torch.linalg.vector_norm(x, float("inf"), dim=checks.batch_dims(x.dim())), 0
+    )
+    reference_relu = torch.linalg.vector_norm(
+        torch.linalg.vector_norm(relu, float("inf"), dim=checks.batch_dims(x.dim())), 0
+    )
+    cells = torch.zeros(3).unbind()
+    checks.write_live_units(x, cells[0], pre_relu=False)
+    checks.write_live_units(relu, cells[1], pre_relu=False)
+    checks.write_live_units(relu, cells[2], pre_relu=False, nonnegative=True)
+    assert cells[0] == reference < checks.unit_count(shape)
+    assert cells[1] == cells[2] == reference_relu < checks.unit_count(shape)

@@ -54,6 +54,7 @@ from breakpod._monitor.flight import FlightRecorder, flight_steps
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
 from breakpod._monitor.stats import (
     Entry,
+    HostBuffers,
     SlotTable,
     StepRecord,
     by_device,
@@ -67,6 +68,7 @@ from breakpod._monitor.stats import (
 log = logging.getLogger(__name__)
 
 ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
+_FWD = "_breakpod_fwd"  # the tensor attribute naming the module that checked an output
 # model -> its monitor. Weak both ways: the monitor holds the model, so a strong
 # value would keep every watched model (and its hooks) alive forever.
 MONITORS: weakref.WeakKeyDictionary[Any, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
@@ -195,6 +197,7 @@ class Monitor:
         self._current = StepRecord(0)
         self._pending: list[StepRecord] = []
         self._inflight: list[tuple[list[Any], dict[Any, Any], list[StepRecord]]] = []
+        self._host_buffers = HostBuffers()  # the reads' pinned copies, reused (CUDA only)
         self._backward_queued = False
         self._optimizer = optimizer
         self._urgent = any(r.urgent for r in rules)
@@ -417,16 +420,64 @@ class Monitor:
             shim.hold(frame, header="break requested through the broker")
 
     # ------------------------------------------------------------------ hooks (hot path)
+    # A forward hook runs for every watched module in every step and a gradient hook for
+    # every watched input in every backward; on a CPU a model of hundreds of small modules
+    # pays their Python on each call. So each hook is one closure with its module's state
+    # bound at install: no partials, no per-call tuples or closures, few lookups on self.
     def _forward_hook(
         self, name: str, slot: Slot | None, back: Slot | None, shapes: list[tuple[Rule, Any]]
     ) -> Callable[..., None]:
-        grad_hook = (
-            self._guarded("gradient hook", functools.partial(self._on_grad, back))
-            if back is not None
-            else None
-        )
-        on_forward = functools.partial(self._on_forward, name, slot, grad_hook, shapes)
-        return self._guarded("forward hook", on_forward)
+        import torch
+
+        tensor_type = torch.Tensor
+        # outputs >= 0 (or NaN) by construction: dead units take one cheap max (checks.py)
+        nonnegative_types = (torch.nn.ReLU, torch.nn.ReLU6)
+        grad_hook = self._grad_hook(back) if back is not None else None
+        pre_hooks: dict[int, Callable[[Any], None]] = {}  # output index -> node pre-hook
+        seen = self.shapes
+        compiling = _is_compiling()
+
+        def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
+            if compiling() or replaying():  # see _guarded
+                return
+            try:
+                out = output if isinstance(output, tensor_type) else checks.first_tensor(output)
+                if out is None:
+                    return
+                seen[name] = (_shapes(inputs), tuple(out.shape))
+                for rule, contract in shapes:
+                    self._check_shape(name, rule, contract, out)
+                if self._ignore_pass:
+                    return  # an evaluation pass inside a training step
+                if slot is not None and out.is_floating_point() and _claim(out, _FWD, name):
+                    nonnegative = type(module) in nonnegative_types
+                    self._write_stats(slot, out.detach(), nonnegative)  # the value, not the graph
+                if grad_hook is not None:
+                    self._hook_inputs(name, grad_hook, pre_hooks, inputs)
+            except AnomalyError:
+                raise
+            except Exception as e:
+                self._fail("forward hook", e)
+
+        return hook
+
+    def _grad_hook(self, slot: Slot) -> Callable[[Any], None]:
+        """The hook that checks the gradient w.r.t. a module's input (see _forward_hook)."""
+        compiling = _is_compiling()
+
+        def hook(grad: Any) -> None:
+            if compiling() or replaying():
+                return
+            try:
+                self._write_stats(slot, grad.detach())
+                if not self._backward_queued:
+                    self._queue_backward_end()
+            except AnomalyError:
+                raise
+            except Exception as e:
+                self._fail("gradient hook", e)
+
+        return hook
 
     def _record_shapes(self, name: str, module: Any, inputs: tuple[Any, ...], output: Any) -> Any:
         """Remember the last input/output shapes; returns the output tensor (or None)."""
@@ -435,76 +486,63 @@ class Monitor:
             self.shapes[name] = (_shapes(inputs), tuple(out.shape))
         return out
 
-    def _on_forward(
-        self,
-        name: str,
-        slot: Slot | None,
-        grad_hook: Callable[[Any], None] | None,
-        shapes: list[tuple[Rule, Any]],
-        module: Any,
-        inputs: tuple[Any, ...],
-        output: Any,
-    ) -> None:
-        out = self._record_shapes(name, module, inputs, output)
-        if out is None:
-            return
-        for rule, contract in shapes:
-            self._check_shape(name, rule, contract, out)
-        if self._ignore_pass:
-            return  # an evaluation pass inside a training step
-        if slot is not None and out.is_floating_point() and _claim(out, "_breakpod_fwd", name):
-            self._record_output(slot, out)
-        if grad_hook is not None:
-            self._hook_inputs(name, grad_hook, inputs)
-
-    def _record_output(self, slot: Slot, out: Any) -> None:
-        self._write_stats(slot, out.detach())  # the value, not the autograd graph
-
-    def _write_stats(self, slot: Slot, x: Any) -> None:
+    def _write_stats(self, slot: Slot, x: Any, nonnegative: bool = False) -> None:
         """The slot's statistics into this step's buffer; the host notes that it ran."""
         record, device = self._current, x.device
         ran = record.ran.get(device)
         if ran is None:
             ran = record.ran[device] = {}
             record.units[device] = {}
-        units = checks.unit_count(x.shape) if slot.zeros else 0
-        if slot.index in ran:  # a second call in this step (micro-batches): the sums add
-            scratch = x.new_zeros(slot.width, dtype=_float32())
-            checks.write_stats(x, scratch.unbind(), 0, *slot.flags)
-            self._table.add_into(device, slot, scratch)
-            ran[slot.index] += x.numel()
-            record.units[device][slot.index] += units
+        index = slot.index
+        if index in ran:  # a second call in this step (micro-batches): the sums add
+            self._add_stats(record, device, slot, x, nonnegative)
         else:
-            checks.write_stats(x, self._table.cells(device), slot.base, *slot.flags)
-            ran[slot.index] = x.numel()
-            record.units[device][slot.index] = units
+            cells = self._table.cells(device)
+            checks.write_stats(x, cells, slot.base, *slot.flags, nonnegative=nonnegative)
+            ran[index] = x.numel()
+            record.units[device][index] = checks.unit_count(x.shape) if slot.zeros else 0
         if slot.retain:
-            record.kept[slot.index] = x
+            record.kept[index] = x
+
+    def _add_stats(
+        self, record: StepRecord, device: Any, slot: Slot, x: Any, nonnegative: bool
+    ) -> None:
+        scratch = x.new_zeros(slot.width, dtype=_float32())
+        checks.write_stats(x, scratch.unbind(), 0, *slot.flags, nonnegative=nonnegative)
+        self._table.add_into(device, slot, scratch)
+        record.ran[device][slot.index] += x.numel()
+        if slot.zeros:
+            record.units[device][slot.index] += checks.unit_count(x.shape)
 
     def _hook_inputs(
-        self, name: str, grad_hook: Callable[[Any], None], inputs: tuple[Any, ...]
+        self,
+        name: str,
+        grad_hook: Callable[[Any], None],
+        pre_hooks: dict[int, Callable[[Any], None]],
+        inputs: tuple[Any, ...],
     ) -> None:
         """The gradient w.r.t. a module's input is what its backward produced: check it there.
 
         A pre-hook on the node that produced the input sees that gradient (all
         consumers' sum, as a tensor hook would) for about half the cost of
         ``Tensor.register_hook``; a leaf input has no node, so it gets a tensor hook.
+        The pre-hooks are made once per module and output index, not per call.
         """
+        if not self._grad_enabled():
+            return
         import torch
 
-        if not torch.is_grad_enabled():
-            return
         for x in inputs:
             if isinstance(x, torch.Tensor) and x.requires_grad and _first_claim(x, name):
                 node = x.grad_fn
                 if node is None:
                     x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
-                else:
-                    node.register_prehook(_output_grad(grad_hook, x.output_nr))
-
-    def _on_grad(self, slot: Slot, grad: Any) -> None:
-        self._write_stats(slot, grad.detach())
-        self._queue_backward_end()
+                    continue
+                index = x.output_nr
+                pre_hook = pre_hooks.get(index)
+                if pre_hook is None:
+                    pre_hook = pre_hooks[index] = _output_grad(grad_hook, index)
+                node.register_prehook(pre_hook)
 
     def _queue_backward_end(self, *_: Any) -> None:
         if self._backward_queued or not self._params:
@@ -663,7 +701,8 @@ class Monitor:
             self._add_state_checks(last)
         steps, self._pending = self._pending, []
         copies = {
-            device: to_host(t) for device, t in pack([e for s in steps for e in s.entries]).items()
+            device: to_host(t, self._host_buffers)
+            for device, t in pack([e for s in steps for e in s.entries]).items()
         }
         self._inflight.append((copy_events(copies), copies, steps))
         self.reads += 1
@@ -689,19 +728,28 @@ class Monitor:
             if not landed(marks, wait=wait):
                 return  # not landed yet: the next boundary looks again
             self._inflight.pop(0)
-            values = {device: host.tolist() for device, host in copies.items()}
-            for i, step in enumerate(steps):
-                data = decode(step, values, copies)
-                self._table.expand(data, self._detector.hot_modules())
-                # exporters (breakpod.export): host floats already read, before a stop can raise
-                events.emit_local(
-                    events.STEP_STATS,
-                    monitor=self,
-                    steps=[data],
-                    params=self._detector.params,
-                    read_done=i == len(steps) - 1,
-                )
-                self._report(self._detector.run(data), frame)
+            try:
+                self._evaluate(copies, steps, frame)
+            finally:  # landed and read: the buffers may take the next copies
+                for host in copies.values():
+                    self._host_buffers.give_back(host)
+
+    def _evaluate(
+        self, copies: dict[Any, Any], steps: list[StepRecord], frame: FrameType | None
+    ) -> None:
+        values = {device: host.tolist() for device, host in copies.items()}
+        for i, step in enumerate(steps):
+            data = decode(step, values, copies)
+            self._table.expand(data, self._detector.hot_modules())
+            # exporters (breakpod.export): host floats already read, before a stop can raise
+            events.emit_local(
+                events.STEP_STATS,
+                monitor=self,
+                steps=[data],
+                params=self._detector.params,
+                read_done=i == len(steps) - 1,
+            )
+            self._report(self._detector.run(data), frame)
 
     def _report(self, found: list[tuple[Anomaly, Rule]], frame: FrameType | None = None) -> None:
         merged = merge_same_tensor(found)

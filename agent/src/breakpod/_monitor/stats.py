@@ -7,8 +7,8 @@ step's end snapshots that buffer (one copy per device). Gradient norms, the
 loss and state checks append :class:`Entry` objects holding small vectors.
 At a read, :func:`pack` stacks every pending step's results into one tensor
 per device (one or two kernels), :func:`to_host` starts the copy
-(non-blocking, into pinned memory on CUDA), :func:`copy_event` marks when it
-lands, and :func:`decode` turns the floats back into one
+(non-blocking, into a reused pinned buffer on CUDA, :class:`HostBuffers`),
+:func:`copy_event` marks when it lands, and :func:`decode` turns the floats back into one
 :class:`~breakpod._monitor.detect.StepData` per step. There
 :meth:`SlotTable.expand` judges every slot at once on the host tensor
 (non-finite, mean |x| and zero fraction against per-slot limit vectors) and
@@ -198,11 +198,13 @@ def first_tensor(entry: Entry) -> Any:
     return entry.vec[0] if isinstance(entry.vec, tuple) else entry.vec
 
 
-def to_host(tensor: Any) -> Any:
+def to_host(tensor: Any, buffers: HostBuffers | None = None) -> Any:
     """Start the copy to the host: non-blocking into pinned memory on CUDA.
 
-    Other accelerators (MPS, XPU) get a plain blocking copy; it runs only at
-    a read, at the step boundary, never in a hook.
+    With ``buffers`` the copy lands in a reused pinned buffer (give it back with
+    :meth:`HostBuffers.give_back` once the copy landed and was read); without,
+    in a fresh one. Other accelerators (MPS, XPU) get a plain blocking copy; it
+    runs only at a read, at the step boundary, never in a hook.
     """
     import torch
 
@@ -210,8 +212,51 @@ def to_host(tensor: Any) -> Any:
         return tensor
     if tensor.device.type != "cuda":
         return tensor.to("cpu")
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    if buffers is None:
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    else:
+        host = buffers.take(tensor.device, tensor.numel(), tensor.dtype).view(tensor.shape)
     return host.copy_(tensor, non_blocking=True)  # on the source device's current stream
+
+
+class HostBuffers:
+    """Pinned host buffers for the reads' copies, reused per device.
+
+    A fresh pinned block per read made host memory grow with ``check_every``
+    (many small blocks held until evaluated) and costs an allocation each read.
+    A buffer is lent by :meth:`take` and comes back through :meth:`give_back`
+    only once its copy has landed and been read, so a copy never lands in
+    memory the host is still reading; reads in flight at once hold one each.
+    """
+
+    def __init__(self, *, pinned: bool = True) -> None:
+        self.pinned = pinned
+        self.allocated = 0  # buffers made so far (a test reads it)
+        self._free: dict[Any, list[Any]] = {}
+        self._lent: dict[int, tuple[Any, Any]] = {}  # data_ptr -> (device, buffer)
+
+    def take(self, device: Any, numel: int, dtype: Any) -> Any:
+        """A 1-d host buffer's first ``numel`` values, for a copy from ``device``."""
+        import torch
+
+        free = self._free.setdefault(device, [])
+        fits = [b for b in free if b.dtype == dtype and b.numel() >= numel]
+        if fits:
+            buffer = min(fits, key=lambda b: b.numel())
+            free.remove(buffer)
+        else:  # grow: a power of two, so a slowly growing read reallocates rarely
+            free[:] = [b for b in free if b.dtype != dtype]  # smaller ones are no use now
+            size = 1 << max(0, numel - 1).bit_length()
+            buffer = torch.empty(size, dtype=dtype, pin_memory=self.pinned)
+            self.allocated += 1
+        self._lent[buffer.data_ptr()] = (device, buffer)
+        return buffer[:numel]
+
+    def give_back(self, host: Any) -> None:
+        """``host`` (what :func:`to_host` returned) may be reused: its copy landed, was read."""
+        found = self._lent.pop(host.data_ptr(), None)
+        if found is not None:
+            self._free.setdefault(found[0], []).append(found[1])
 
 
 def copy_events(copies: dict[Any, Any]) -> list[Any]:
