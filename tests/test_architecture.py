@@ -38,6 +38,7 @@ BROKER_LAYERS = (
     grimp.Layer("fastpath"),  # the heartbeat served below FastAPI's routing
     grimp.Layer(
         *("admin", "attach", "commands", "dashboard", "events", "listing", "sessions"),
+        "joblog",  # the job-wide command log that sessions and commands share
         independent=False,
     ),  # routes
     grimp.Layer("auth"),  # FastAPI dependencies: token and role checks

@@ -39,6 +39,16 @@ NOTIFIER_FAILURES_MAXLEN = 1000
 # each replica's one subscriber wakes the long-polls waiting on that session.
 COMMANDS_QUEUED = PREFIX + "commands-queued"
 
+# Pub/sub channel: a job's command stream key (job_commands below), published
+# after a job-wide command is added; replicas wake the polls of that job's sessions.
+JOB_COMMANDS_QUEUED = PREFIX + "job-commands-queued"
+JOB_COMMANDS_MAXLEN = 1000  # a job's commands kept (MAXLEN ~); sessions read on from their cursor
+
+# Field of a session's hash: the id of the last entry of its job's command stream
+# it acknowledged (or the stream's last id when it registered: older commands are
+# not for it). Never listed (SessionOut ignores it).
+JOB_CURSOR_FIELD = "job_cursor"
+
 
 def namespace_sessions(namespace: str) -> str:
     """Sorted set as SESSIONS, of one namespace's sessions ("" for none)."""
@@ -49,6 +59,12 @@ def job_sessions(job: str) -> str:
     """Sorted set as SESSIONS, of the sessions that registered with this job name
     (in any namespace: listings check each session's own fields)."""
     return f"{PREFIX}job:{{{job}}}:sessions"
+
+
+def job_commands(namespace: str, job: str) -> str:
+    """Stream of a job's job-wide commands (JSON), in one namespace ("" for none): stored
+    once for every session of the job. TTL: retention, renewed on each command."""
+    return f"{PREFIX}job-commands:{{{namespace}/{job}}}"
 
 
 def session(session_id: str) -> str:

@@ -171,6 +171,23 @@ return table.concat(out, ',')
 )
 
 
+# KEYS: session hash. ARGV: cursor field, the stream id of an acknowledged job
+# command. Moves the session's job cursor forward to it, never back, and never
+# creates the hash (an expired session stays expired). Returns 1 when moved.
+ADVANCE_JOB_CURSOR_LUA = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return 0 end
+local a, b = string.match(cur, '^(%d+)-(%d+)$')
+local c, d = string.match(ARGV[2], '^(%d+)-(%d+)$')
+a, b, c, d = tonumber(a), tonumber(b), tonumber(c), tonumber(d)
+if c > a or (c == a and d > b) then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class Scripts:
     """The scripts, registered with one client (call them with ``client=pipe`` in a pipeline)."""
@@ -180,6 +197,7 @@ class Scripts:
     ingest: Any
     heartbeat: Any
     ingest_session: Any
+    advance_job_cursor: Any
 
     @classmethod
     def register_with(cls, redis: Any) -> Scripts:
@@ -189,4 +207,5 @@ class Scripts:
             redis.register_script(INGEST_LUA),
             redis.register_script(HEARTBEAT_LUA),
             redis.register_script(INGEST_SESSION_LUA),
+            redis.register_script(ADVANCE_JOB_CURSOR_LUA),
         )

@@ -13,7 +13,7 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ValidationError
 
 from breakpod import protocol
-from breakpod_broker import keys, sharded
+from breakpod_broker import joblog, keys, sharded
 from breakpod_broker.auth import Agent, Viewer
 from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.models import Heartbeat, SessionId, SessionIn, SessionOut
@@ -38,6 +38,9 @@ async def register(
     cleared = [k for k, v in body.model_dump().items() if v is None]
     s = broker.settings
     indexes = _indexes(body)
+    # read before the session exists: a job command sent meanwhile reaches it
+    job_stream = keys.job_commands(body.namespace or "", body.job) if body.job else None
+    job_cursor = await joblog.last_id(broker, job_stream) if job_stream else None
     refused = await broker.scripts.register(
         keys=[
             keys.session(session_id),
@@ -53,6 +56,8 @@ async def register(
     _refuse_registration(session_id, refused)
     if broker.cluster:  # the indexes live in other slots: added after the script
         await sharded.add_to_indexes(broker.redis, session_id, float(refused[1:]), indexes)
+    if job_cursor is not None:  # a new session: none of its job's earlier commands
+        await joblog.start_cursor(broker, session_id, job_cursor)
     return await load(broker, session_id)
 
 
