@@ -37,9 +37,7 @@ def ack(broker, session_id, command_id, token=AGENT, ok=True):
 
 
 @pytest.mark.timeout(60)
-def test_one_request_stores_one_command_that_each_session_of_the_job_gets_once(
-    broker, redis_url
-):
+def test_one_request_stores_one_command_that_each_session_of_the_job_gets_once(broker, redis_url):
     for i in range(3):
         register(broker, f"r{i}", job=JOB, rank=i)
     register(broker, "other-job", job="train-43")
@@ -138,7 +136,9 @@ def test_waiting_polls_on_one_replica_are_woken_by_a_job_command_sent_to_another
             assert c.put(f"/v1/sessions/{session_id}", json={"job": JOB}).status_code == 200
     with redis.Redis.from_url(redis_url) as r:  # both replicas subscribed
         wait_until(lambda: r.pubsub_numsub("breakpod:job-commands-queued")[0][1] >= 2)
-    sent, replies, took = asyncio.run(_waiting_polls_get_one_job_command(poller.url, sender.url, ids))
+    sent, replies, took = asyncio.run(
+        _waiting_polls_get_one_job_command(poller.url, sender.url, ids)
+    )
     assert all(reply.status_code == 200 for reply in replies)
     got = [reply.json()["commands"] for reply in replies]
     assert all([c["id"] for c in commands] == [sent["id"]] for commands in got)
