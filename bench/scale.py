@@ -19,6 +19,8 @@ broker's). Three kinds of row:
   next to raw pipelined XADD of the same documents (bench/broker.py's reference).
 * break: N sessions long-poll for commands, an admin sends ``break`` to every one:
   per-session send -> delivered p50/p99, and the time until the last one has it.
+* jobbreak: the same N waiting polls, and one job-wide ``break`` (one request,
+  ``POST /v1/jobs/{job}/commands``): send -> delivered p50/p99 per session.
 
 Broker CPU is the broker processes' CPU time over the measured window (100% = one
 core); Redis's and the load generator's are shown next to it. Targets are the
@@ -45,7 +47,9 @@ from typing import Any
 
 TOKENS = {"agent": "scale-agent-token", "viewer": "scale-viewer-token", "admin": "scale-admin-tok"}
 HEARTBEAT_SECONDS = 15.0  # the agent's (breakpod._broker.emitter.HEARTBEAT_SECONDS)
-REQUEST_TIMEOUT = 60.0
+POLL_SECONDS = 120.0  # a break row's long polls (BREAKPOD_MAX_POLL_SECONDS raised to match)
+REQUEST_TIMEOUT = POLL_SECONDS + 60
+PARKED_PER_SECOND = 250  # polls assumed parked per second before the send
 FIELDS = {"module": "encoder.layers.11.mlp", "step": 41200, "rank": 3, "stat": "nan=1 max=3e38"}
 TARGETS = {
     "heartbeat_p99": "<= 100 ms (10k sessions, 3 replicas)",
@@ -405,29 +409,36 @@ async def ingest_throughput(pool: Pool, ids: list[str], batch: int = 50) -> floa
     return sent / (time.perf_counter() - started)
 
 
-async def break_row(cluster: Cluster, sessions: int) -> dict[str, Any]:
-    """Every session long-polls on its own socket; an admin sends each a ``break``."""
+async def break_row(cluster: Cluster, sessions: int, job_wide: bool = False) -> dict[str, Any]:
+    """Every session long-polls on its own socket; an admin sends each a ``break``
+    (``job_wide``: one ``break`` to their job, one request)."""
     ids = [f"br-{i:05d}" for i in range(sessions)]
     setup = Pool(cluster.ports, TOKENS["agent"], min(sessions, 200))
     await register_all(setup, ids, "break")
     setup.close()
     received: dict[str, float] = {}
     refused = {"polls": 0, "sends": 0}
+    refused_at: list[float] = []  # when polls were refused: before the send (arrival) or after
     polls = [Conn(cluster.ports[i % len(cluster.ports)], TOKENS["agent"]) for i in range(len(ids))]
 
     async def poll(session_id: str, conn: Conn) -> None:
         while session_id not in received:
-            status, body = await conn.request("GET", f"/v1/sessions/{session_id}/commands?wait=30")
+            status, body = await conn.request(
+                "GET", f"/v1/sessions/{session_id}/commands?wait={POLL_SECONDS:g}"
+            )
             if status == 200 and json.loads(body)["commands"]:
                 received[session_id] = time.perf_counter()
             elif status != 200:  # 503/429 under the burst: poll again, as the agent does
                 refused["polls"] += 1
+                refused_at.append(time.perf_counter())
                 await asyncio.sleep(1.0)
         conn.close()
 
     waiting = [asyncio.create_task(poll(s, c)) for s, c in zip(ids, polls, strict=True)]
-    await asyncio.sleep(2.0 + sessions / 2000)  # the polls are parked at the brokers
-    admin = Pool(cluster.ports, TOKENS["admin"], min(sessions, 200))
+    # every poll parked (no arrival still in work) before the send: a poll waits
+    # POLL_SECONDS, longer than the arrival of 10,000 takes on two shared cores
+    await asyncio.sleep(2.0 + sessions / PARKED_PER_SECOND)
+    admin = Pool(cluster.ports, TOKENS["admin"], 1 if job_wide else min(sessions, 200))
     sent_at: dict[str, float] = {}
     meter = cluster.cpu()
     first = time.perf_counter()
@@ -438,7 +449,14 @@ async def break_row(cluster: Cluster, sessions: int) -> dict[str, Any]:
         while (await admin.request("POST", path, {"command": "break"}))[0] != 202:
             refused["sends"] += 1  # counted and sent again, as a client would
 
-    await gather_bounded([send(s) for s in ids], admin.conns)
+    if job_wide:
+        sent_at = dict.fromkeys(ids, first)
+        while (await admin.request("POST", "/v1/jobs/break/commands", {"command": "break"}))[
+            0
+        ] != 202:
+            refused["sends"] += 1
+    else:
+        await gather_bounded([send(s) for s in ids], admin.conns)
     sending = time.perf_counter() - first
     await asyncio.wait_for(asyncio.gather(*waiting), 120)
     cpu = meter.percent()
@@ -446,14 +464,16 @@ async def break_row(cluster: Cluster, sessions: int) -> dict[str, Any]:
     delays = [received[s] - sent_at[s] for s in ids]
     p50, p99 = quantiles(delays)
     last = max(received.values()) - first
+    how = "job-wide break (one request)" if job_wide else "break to each session"
     return {
-        "row": f"break to {sessions:,} sessions, {len(cluster.ports)} replica(s)",
+        "row": f"{how}, {sessions:,} sessions, {len(cluster.ports)} replica(s)",
         "measured": f"send->delivered p50 {p50:.0f} ms p99 {p99:.0f} ms; sending took "
         f"{sending:.1f} s, the last had it after {last:.1f} s; refused and retried: "
-        f"{refused['sends']} sends, {refused['polls']} polls",
+        f"{refused['sends']} sends, {refused['polls']} polls "
+        f"({sum(t > first for t in refused_at)} after the send)",
         "target": TARGETS["break_p99"],
         "cpu": cpu,
-        "per_op": ("break sent and delivered", cpu["broker_seconds"] / sessions),
+        "per_op": ("session reached", cpu["broker_seconds"] / sessions),
     }
 
 
@@ -472,22 +492,25 @@ SHORT = [
     Row("heartbeat", 1, sessions=1000),
     Row("ingest", 1, sessions=200, followers=20),
     Row("break", 1, sessions=1000),
+    Row("jobbreak", 1, sessions=1000),
 ]
 FULL = [
     *(Row("heartbeat", r, sessions=n) for r in (1, 3) for n in (1000, 5000, 10_000)),
     *(Row("ingest", r, sessions=200, followers=f) for r in (1, 3) for f in (0, 20, 100)),
     *(Row("break", r, sessions=n) for r in (1, 3) for n in (1000, 5000, 10_000)),
+    *(Row("jobbreak", r, sessions=n) for r in (1, 3) for n in (1000, 5000, 10_000)),
 ]
 
 
 def measure(row: Row, full: bool) -> dict[str, Any]:
-    with running(row.replicas) as cluster:
+    env = {"BREAKPOD_MAX_POLL_SECONDS": f"{POLL_SECONDS:g}"} if "break" in row.kind else {}
+    with running(row.replicas, **env) as cluster:
         if row.kind == "heartbeat":
             work = heartbeat_row(cluster, row.sessions, 20.0 if full else 4.0)
         elif row.kind == "ingest":
             work = ingest_row(cluster, row.sessions, row.followers, 10.0 if full else 3.0, 2.0)
         else:
-            work = break_row(cluster, row.sessions)
+            work = break_row(cluster, row.sessions, job_wide=row.kind == "jobbreak")
         result = asyncio.run(work)
         if row.kind == "ingest":
             result["raw_xadd"] = raw_xadd(cluster.redis.url)
@@ -524,9 +547,15 @@ def table(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="the whole grid (make scale)")
-    parser.add_argument("--kind", choices=["heartbeat", "ingest", "break"], action="append")
+    parser.add_argument(
+        "--kind", choices=["heartbeat", "ingest", "break", "jobbreak"], action="append"
+    )
+    parser.add_argument("--sessions", type=int, help="only the rows of this many sessions")
+    parser.add_argument("--replicas", type=int, help="only the rows of this many replicas")
     args = parser.parse_args([] if argv is None else argv)
     rows = [r for r in (FULL if args.full else SHORT) if not args.kind or r.kind in args.kind]
+    rows = [r for r in rows if args.sessions in (None, r.sessions)]
+    rows = [r for r in rows if args.replicas in (None, r.replicas)]
     results = []
     for row in rows:
         results.append(measure(row, args.full))

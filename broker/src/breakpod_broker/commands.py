@@ -41,7 +41,7 @@ from breakpod_broker.models import (
     SessionId,
     SessionOut,
 )
-from breakpod_broker.sessions import owned, visible
+from breakpod_broker.sessions import owned, owned_from, visible
 
 router = APIRouter(tags=["commands"])
 MAX_PER_POLL = 16
@@ -125,14 +125,19 @@ async def poll(
     Commands come oldest first, redelivered ones too; ``delivered`` is recorded
     once per command, when it first leaves the queue. Commands sent to the
     session's job follow its own, until acknowledged."""
-    session = await owned(broker, who, session_id)
+    # two round trips before a poll waits (a job's thousands of polls arrive at once):
+    # the session with what it has yet to acknowledge, then (in the first look)
+    # its alive key with its queue
     async with broker.redis.pipeline(transaction=False) as pipe:  # one slot: the session's
-        pipe.set(keys.alive(session_id), "1", ex=broker.settings.heartbeat_ttl_seconds)
+        pipe.hgetall(keys.session(session_id))
+        pipe.exists(keys.alive(session_id))
         pipe.lrange(keys.delivered(session_id), 0, MAX_PER_POLL - 1)
-        pipe.hget(keys.session(session_id), keys.JOB_CURSOR_FIELD)
-        _, pending, cursor = await pipe.execute()
+        fields, alive, pending = await pipe.execute()
+    cursor = fields.get(keys.JOB_CURSOR_FIELD)
+    session = owned_from(who, session_id, fields, alive)
     job = await _job_cursor(broker, session, cursor)
     if pending:
+        await _touch(broker, session_id)
         own = [Command.model_validate_json(raw) for raw in pending]
         return CommandList(
             commands=own + (await joblog.pending(broker, session_id, *job) if job else [])
@@ -192,9 +197,11 @@ async def _take_when_queued(
     taken with a plain LMOVE (read from the job's stream)."""
     deadline = time.monotonic() + wait
     stream = job[0] if job else None
+    first = True
     with broker.wakeups.waiter(session_id, stream) as woken:  # before the first look: none missed
         while True:
-            taken = await _take(broker, session_id, 0) if woken.own else []
+            taken = await _take(broker, session_id, touch=first) if woken.own else []
+            first = False
             for_job = await joblog.pending(broker, session_id, *job) if job and woken.job else []
             left = deadline - time.monotonic()
             if taken or for_job or left <= 0:
@@ -204,15 +211,21 @@ async def _take_when_queued(
                 await asyncio.wait_for(woken.event.wait(), left)
 
 
-async def _take(broker: Broker, session_id: str, wait: float) -> list[str]:
+async def _touch(broker: Broker, session_id: str) -> None:
+    """A poll keeps its session alive, as a heartbeat does."""
+    await broker.redis.set(keys.alive(session_id), "1", ex=broker.settings.heartbeat_ttl_seconds)
+
+
+async def _take(broker: Broker, session_id: str, touch: bool) -> list[str]:
     """Move up to MAX_PER_POLL commands, oldest first, from the queue's right end
-    to the right end of ``delivered`` (which so stays oldest first)."""
+    to the right end of ``delivered`` (which so stays oldest first); ``touch``: in
+    the same round trip, keep the session alive (see _touch)."""
     src, dst = keys.commands(session_id), keys.delivered(session_id)
-    first = (
-        await broker.blocking.blmove(src, dst, wait, "RIGHT", "RIGHT")
-        if wait >= 0.01
-        else await broker.redis.lmove(src, dst, "RIGHT", "RIGHT")
-    )
+    async with broker.redis.pipeline(transaction=False) as pipe:  # one slot: the session's
+        if touch:
+            pipe.set(keys.alive(session_id), "1", ex=broker.settings.heartbeat_ttl_seconds)
+        pipe.lmove(src, dst, "RIGHT", "RIGHT")
+        first = (await pipe.execute())[-1]
     if first is None:
         return []
     taken = [first]

@@ -156,15 +156,30 @@ async def owned(broker: Broker, who: Principal, session_id: str) -> SessionOut:
     return session
 
 
+def owned_from(who: Principal, session_id: str, fields: dict[str, str], alive: int) -> SessionOut:
+    """``owned`` for a session hash the caller read itself (in a pipeline of its own)."""
+    session = _decode(session_id, fields, alive)
+    if session is None:
+        raise _missing(session_id)
+    if not who.may_see(session.namespace):
+        raise HTTPException(404, f"no session {session_id!r}")
+    check_owner(who, session_id, session.owner)
+    return session
+
+
 async def load(broker: Broker, session_id: str) -> SessionOut:
     session = await _read(broker, session_id)
     if session is None:
-        raise HTTPException(
-            404,
-            f"no session {session_id!r}: an agent registers it with "
-            f"PUT {protocol.session_path(session_id)}",
-        )
+        raise _missing(session_id)
     return session
+
+
+def _missing(session_id: str) -> HTTPException:
+    return HTTPException(
+        404,
+        f"no session {session_id!r}: an agent registers it with "
+        f"PUT {protocol.session_path(session_id)}",
+    )
 
 
 async def _read(broker: Broker, session_id: str) -> SessionOut | None:
