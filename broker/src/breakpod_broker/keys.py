@@ -67,6 +67,14 @@ def job_commands(namespace: str, job: str) -> str:
     return f"{PREFIX}job-commands:{{{namespace}/{job}}}"
 
 
+def counts(scope: str, what: str) -> str:
+    """String: a listing scope's per-state session counts (``what`` = "counts": JSON
+    {counts, at}, shared by the replicas; TTL a few refresh periods) or the lock of
+    the replica recounting them (``what`` = "counting"; TTL listing.COUNT_LOCK).
+    ``scope``: a digest of the listing's namespace, job and visible namespaces."""
+    return f"{PREFIX}{what}:{scope}"
+
+
 def session(session_id: str) -> str:
     """Hash: the session's fields. TTL: settings.retention_seconds, renewed on each write."""
     return f"{PREFIX}session:{{{session_id}}}"

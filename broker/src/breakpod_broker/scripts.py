@@ -188,6 +188,42 @@ return 0
 """
 
 
+# KEYS: n session hashes, then their n alive keys. ARGV: n, final state, lost,
+# initial state, namespace filter ('' none, else '=' .. namespace), job filter
+# (the same), then the visible namespaces ('*' alone: all). Counts the sessions
+# the filters select per state (lost when the alive key is gone and not final),
+# in Redis: the broker parses one short reply per chunk, not two per session.
+COUNT_LUA = """
+local n = tonumber(ARGV[1])
+local final, lost, initial = ARGV[2], ARGV[3], ARGV[4]
+local ns_f, job_f = ARGV[5], ARGV[6]
+local visible = nil
+if ARGV[7] ~= '*' then
+  visible = {}
+  for i = 7, #ARGV do visible[ARGV[i]] = true end
+end
+local counts = {}
+for i = 1, n do
+  local f = redis.call('HMGET', KEYS[i], 'state', 'namespace', 'job', 'owner')
+  if f[4] then
+    local ns = f[2] or ''
+    if (not visible or visible[ns]) and (ns_f == '' or ns_f == '=' .. ns)
+        and (job_f == '' or job_f == '=' .. (f[3] or '')) then
+      local state = f[1] or initial
+      if state ~= final and redis.call('EXISTS', KEYS[n + i]) == 0 then state = lost end
+      counts[state] = (counts[state] or 0) + 1
+    end
+  end
+end
+local out = {}
+for k, v in pairs(counts) do
+  table.insert(out, k)
+  table.insert(out, v)
+end
+return out
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class Scripts:
     """The scripts, registered with one client (call them with ``client=pipe`` in a pipeline)."""
@@ -198,6 +234,7 @@ class Scripts:
     heartbeat: Any
     ingest_session: Any
     advance_job_cursor: Any
+    count: Any
 
     @classmethod
     def register_with(cls, redis: Any) -> Scripts:
@@ -208,4 +245,5 @@ class Scripts:
             redis.register_script(HEARTBEAT_LUA),
             redis.register_script(INGEST_SESSION_LUA),
             redis.register_script(ADVANCE_JOB_CURSOR_LUA),
+            redis.register_script(COUNT_LUA),
         )
