@@ -45,7 +45,7 @@ BROKER_LAYERS = (
     grimp.Layer("context"),  # what every request handler gets
     grimp.Layer(
         *("notifiers", "metrics", "redis_server", "overlay", "fanout", "wakeups"),
-        *("redis_clients", "sharded"),
+        *("redis_clients", "sharded", "liveness"),
         independent=False,
     ),
     grimp.Layer(

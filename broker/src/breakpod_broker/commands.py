@@ -213,7 +213,7 @@ async def _take_when_queued(
 
 async def _touch(broker: Broker, session_id: str) -> None:
     """A poll keeps its session alive, as a heartbeat does."""
-    await broker.redis.set(keys.alive(session_id), "1", ex=broker.settings.heartbeat_ttl_seconds)
+    await broker.redis.set(keys.alive(session_id), "1", ex=broker.alive_ttl())
 
 
 async def _take(broker: Broker, session_id: str, touch: bool) -> list[str]:
@@ -223,7 +223,7 @@ async def _take(broker: Broker, session_id: str, touch: bool) -> list[str]:
     src, dst = keys.commands(session_id), keys.delivered(session_id)
     async with broker.redis.pipeline(transaction=False) as pipe:  # one slot: the session's
         if touch:
-            pipe.set(keys.alive(session_id), "1", ex=broker.settings.heartbeat_ttl_seconds)
+            pipe.set(keys.alive(session_id), "1", ex=broker.alive_ttl())
         pipe.lmove(src, dst, "RIGHT", "RIGHT")
         first = (await pipe.execute())[-1]
     if first is None:

@@ -81,7 +81,7 @@ def session(session_id: str) -> str:
 
 
 def alive(session_id: str) -> str:
-    """String: present while heartbeats arrive. TTL: settings.heartbeat_ttl_seconds;
+    """String: present while heartbeats arrive. TTL: Broker.alive_ttl() (liveness.py);
     when it expires the session shows as lost (its hash stays)."""
     return f"{PREFIX}alive:{{{session_id}}}"
 

@@ -87,6 +87,15 @@ class SessionOut(SessionIn):
     owner: str = Field(description="id of the token that registered the session")
 
 
+class LiveSession(SessionOut):
+    """A session as its agent sees it after registering or beating."""
+
+    heartbeat_seconds: float = Field(
+        description="beat again within this many seconds (it grows with the sessions the "
+        "broker holds; a session silent for a few such intervals reads as lost)"
+    )
+
+
 class SessionList(BaseModel):
     sessions: list[SessionOut]
 
