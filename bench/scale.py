@@ -270,16 +270,18 @@ async def heartbeat_row(cluster: Cluster, sessions: int, seconds: float) -> dict
     ``seconds``; a viewer reads the first page twice a second meanwhile."""
     ids = [f"hb-{i:05d}" for i in range(sessions)]
     agents = Pool(cluster.ports, TOKENS["agent"], min(sessions, 500))
-    viewer = Pool(cluster.ports, TOKENS["viewer"], len(cluster.ports))
     await register_all(agents, ids, "scale")
-    for _ in cluster.ports:  # each replica's first page counts the sessions inline: not timed
+    # the rate the sessions make at the interval the broker asks for (it grows with
+    # the session count: liveness.py); a short run covers a slice
+    agents.close()  # idle past the brokers' keep-alive while they count: new sockets
+    interval = await asked_interval(Pool(cluster.ports, TOKENS["agent"], 1), ids[0])
+    agents = Pool(cluster.ports, TOKENS["agent"], min(sessions, 500))
+    viewer = Pool(cluster.ports, TOKENS["viewer"], len(cluster.ports))
+    for _ in cluster.ports:  # a replica's first page of a scope may count it: not timed
         await timed(viewer, "GET", "/v1/sessions?limit=100")
     beats: list[float] = []
     pages: list[float] = []
     errors = 0
-    # the rate the sessions make at the interval the broker asks for (it grows with
-    # the session count: liveness.py); a short run covers a slice
-    interval = await asked_interval(agents, ids[0])
     rate = sessions / interval
     total = int(rate * seconds)
     meter = cluster.cpu()
@@ -515,8 +517,9 @@ FULL = [
 ]
 
 
-def measure(row: Row, full: bool) -> dict[str, Any]:
+def measure(row: Row, full: bool, broker_env: dict[str, str] | None = None) -> dict[str, Any]:
     env = {"BREAKPOD_MAX_POLL_SECONDS": f"{POLL_SECONDS:g}"} if "break" in row.kind else {}
+    env.update(broker_env or {})
     with running(row.replicas, **env) as cluster:
         if row.kind == "heartbeat":
             work = heartbeat_row(cluster, row.sessions, 20.0 if full else 4.0)
@@ -565,13 +568,21 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     )
     parser.add_argument("--sessions", type=int, help="only the rows of this many sessions")
     parser.add_argument("--replicas", type=int, help="only the rows of this many replicas")
+    parser.add_argument(
+        "--broker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting for the brokers (BREAKPOD_HEARTBEAT_RATE=1e6: the 15 s beat at any size)",
+    )
     args = parser.parse_args([] if argv is None else argv)
+    broker_env = dict(pair.split("=", 1) for pair in args.broker_env)
     rows = [r for r in (FULL if args.full else SHORT) if not args.kind or r.kind in args.kind]
     rows = [r for r in rows if args.sessions in (None, r.sessions)]
     rows = [r for r in rows if args.replicas in (None, r.replicas)]
     results = []
     for row in rows:
-        results.append(measure(row, args.full))
+        results.append(measure(row, args.full, broker_env))
         print(f"  done: {results[-1]['row']}", flush=True)
     print(table(results), flush=True)
     return results
