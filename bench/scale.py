@@ -10,15 +10,18 @@ process (asyncio, one keep-alive socket per simulated agent connection, a small
 HTTP/1.1 client of its own so that the load generator's cost stays far below the
 broker's). Three kinds of row:
 
-* heartbeat: N sessions registered, each heartbeating on the agent's interval
-  (15 s, open loop, jittered), while a viewer reads the first page of
-  ``GET /v1/sessions`` twice a second: heartbeat p50/p99, first page p99.
+* heartbeat: N sessions registered, each heartbeating at the interval the broker
+  asks for (15 s, longer with more than 3,000 sessions; open loop, jittered),
+  while a viewer reads the first page of ``GET /v1/sessions`` twice a second:
+  heartbeat p50/p99, first page p99.
 * ingest: 200 agents posting small batches at a steady rate while F followers
   read ``/v1/events/stream`` (spread over the replicas): POST p50/p99 and
   emit -> SSE p99 (over every follower); then the same agents as fast as they can,
   next to raw pipelined XADD of the same documents (bench/broker.py's reference).
 * break: N sessions long-poll for commands, an admin sends ``break`` to every one:
   per-session send -> delivered p50/p99, and the time until the last one has it.
+* jobbreak: the same N waiting polls, and one job-wide ``break`` (one request,
+  ``POST /v1/jobs/{job}/commands``): send -> delivered p50/p99 per session.
 
 Broker CPU is the broker processes' CPU time over the measured window (100% = one
 core); Redis's and the load generator's are shown next to it. Targets are the
@@ -45,7 +48,9 @@ from typing import Any
 
 TOKENS = {"agent": "scale-agent-token", "viewer": "scale-viewer-token", "admin": "scale-admin-tok"}
 HEARTBEAT_SECONDS = 15.0  # the agent's (breakpod._broker.emitter.HEARTBEAT_SECONDS)
-REQUEST_TIMEOUT = 60.0
+POLL_SECONDS = 120.0  # a break row's long polls (BREAKPOD_MAX_POLL_SECONDS raised to match)
+REQUEST_TIMEOUT = POLL_SECONDS + 60
+PARKED_PER_SECOND = 250  # polls assumed parked per second before the send
 FIELDS = {"module": "encoder.layers.11.mlp", "step": 41200, "rank": 3, "stat": "nan=1 max=3e38"}
 TARGETS = {
     "heartbeat_p99": "<= 100 ms (10k sessions, 3 replicas)",
@@ -251,20 +256,33 @@ async def gather_bounded(work: list[Any], limit: int) -> list[Any]:
     return await asyncio.gather(*(run(w) for w in work))
 
 
+async def asked_interval(pool: Pool, session_id: str) -> float:
+    """The heartbeat interval the broker asks agents for (``heartbeat_seconds``), once it
+    has counted the sessions just registered (in the background, every few seconds)."""
+    await asyncio.sleep(6.0)
+    status, body = await pool.request("POST", f"/v1/sessions/{session_id}/heartbeat", {})
+    asked = json.loads(body).get("heartbeat_seconds") if status == 200 else None
+    return float(asked or HEARTBEAT_SECONDS)
+
+
 async def heartbeat_row(cluster: Cluster, sessions: int, seconds: float) -> dict[str, Any]:
     """Open loop: each session beats every HEARTBEAT_SECONDS (jittered start), during
     ``seconds``; a viewer reads the first page twice a second meanwhile."""
     ids = [f"hb-{i:05d}" for i in range(sessions)]
     agents = Pool(cluster.ports, TOKENS["agent"], min(sessions, 500))
-    viewer = Pool(cluster.ports, TOKENS["viewer"], len(cluster.ports))
     await register_all(agents, ids, "scale")
-    for _ in cluster.ports:  # each replica's first page counts the sessions inline: not timed
+    # the rate the sessions make at the interval the broker asks for (it grows with
+    # the session count: liveness.py); a short run covers a slice
+    agents.close()  # idle past the brokers' keep-alive while they count: new sockets
+    interval = await asked_interval(Pool(cluster.ports, TOKENS["agent"], 1), ids[0])
+    agents = Pool(cluster.ports, TOKENS["agent"], min(sessions, 500))
+    viewer = Pool(cluster.ports, TOKENS["viewer"], len(cluster.ports))
+    for _ in cluster.ports:  # a replica's first page of a scope may count it: not timed
         await timed(viewer, "GET", "/v1/sessions?limit=100")
     beats: list[float] = []
     pages: list[float] = []
     errors = 0
-    # the rate the sessions make at the agent's interval; a short run covers a slice
-    rate = sessions / HEARTBEAT_SECONDS
+    rate = sessions / interval
     total = int(rate * seconds)
     meter = cluster.cpu()
     started = time.perf_counter()
@@ -291,7 +309,8 @@ async def heartbeat_row(cluster: Cluster, sessions: int, seconds: float) -> dict
     p50, p99 = quantiles(beats)
     return {
         "row": f"heartbeat {sessions:,} sessions, {len(cluster.ports)} replica(s)",
-        "measured": f"beat p50 {p50:.0f} ms p99 {p99:.0f} ms ({rate:.0f}/s, {errors} errors); "
+        "measured": f"beat p50 {p50:.0f} ms p99 {p99:.0f} ms (every {interval:g} s: "
+        f"{rate:.0f}/s, {errors} errors); "
         f"page p99 {quantiles(pages)[1]:.0f} ms",
         "target": f"{TARGETS['heartbeat_p99']}; page {TARGETS['page_p99']}",
         "cpu": cpu,
@@ -405,29 +424,36 @@ async def ingest_throughput(pool: Pool, ids: list[str], batch: int = 50) -> floa
     return sent / (time.perf_counter() - started)
 
 
-async def break_row(cluster: Cluster, sessions: int) -> dict[str, Any]:
-    """Every session long-polls on its own socket; an admin sends each a ``break``."""
+async def break_row(cluster: Cluster, sessions: int, job_wide: bool = False) -> dict[str, Any]:
+    """Every session long-polls on its own socket; an admin sends each a ``break``
+    (``job_wide``: one ``break`` to their job, one request)."""
     ids = [f"br-{i:05d}" for i in range(sessions)]
     setup = Pool(cluster.ports, TOKENS["agent"], min(sessions, 200))
     await register_all(setup, ids, "break")
     setup.close()
     received: dict[str, float] = {}
     refused = {"polls": 0, "sends": 0}
+    refused_at: list[float] = []  # when polls were refused: before the send (arrival) or after
     polls = [Conn(cluster.ports[i % len(cluster.ports)], TOKENS["agent"]) for i in range(len(ids))]
 
     async def poll(session_id: str, conn: Conn) -> None:
         while session_id not in received:
-            status, body = await conn.request("GET", f"/v1/sessions/{session_id}/commands?wait=30")
+            status, body = await conn.request(
+                "GET", f"/v1/sessions/{session_id}/commands?wait={POLL_SECONDS:g}"
+            )
             if status == 200 and json.loads(body)["commands"]:
                 received[session_id] = time.perf_counter()
             elif status != 200:  # 503/429 under the burst: poll again, as the agent does
                 refused["polls"] += 1
+                refused_at.append(time.perf_counter())
                 await asyncio.sleep(1.0)
         conn.close()
 
     waiting = [asyncio.create_task(poll(s, c)) for s, c in zip(ids, polls, strict=True)]
-    await asyncio.sleep(2.0 + sessions / 2000)  # the polls are parked at the brokers
-    admin = Pool(cluster.ports, TOKENS["admin"], min(sessions, 200))
+    # every poll parked (no arrival still in work) before the send: a poll waits
+    # POLL_SECONDS, longer than the arrival of 10,000 takes on two shared cores
+    await asyncio.sleep(2.0 + sessions / PARKED_PER_SECOND)
+    admin = Pool(cluster.ports, TOKENS["admin"], 1 if job_wide else min(sessions, 200))
     sent_at: dict[str, float] = {}
     meter = cluster.cpu()
     first = time.perf_counter()
@@ -438,7 +464,14 @@ async def break_row(cluster: Cluster, sessions: int) -> dict[str, Any]:
         while (await admin.request("POST", path, {"command": "break"}))[0] != 202:
             refused["sends"] += 1  # counted and sent again, as a client would
 
-    await gather_bounded([send(s) for s in ids], admin.conns)
+    if job_wide:
+        sent_at = dict.fromkeys(ids, first)
+        while (await admin.request("POST", "/v1/jobs/break/commands", {"command": "break"}))[
+            0
+        ] != 202:
+            refused["sends"] += 1
+    else:
+        await gather_bounded([send(s) for s in ids], admin.conns)
     sending = time.perf_counter() - first
     await asyncio.wait_for(asyncio.gather(*waiting), 120)
     cpu = meter.percent()
@@ -446,14 +479,16 @@ async def break_row(cluster: Cluster, sessions: int) -> dict[str, Any]:
     delays = [received[s] - sent_at[s] for s in ids]
     p50, p99 = quantiles(delays)
     last = max(received.values()) - first
+    how = "job-wide break (one request)" if job_wide else "break to each session"
     return {
-        "row": f"break to {sessions:,} sessions, {len(cluster.ports)} replica(s)",
+        "row": f"{how}, {sessions:,} sessions, {len(cluster.ports)} replica(s)",
         "measured": f"send->delivered p50 {p50:.0f} ms p99 {p99:.0f} ms; sending took "
         f"{sending:.1f} s, the last had it after {last:.1f} s; refused and retried: "
-        f"{refused['sends']} sends, {refused['polls']} polls",
+        f"{refused['sends']} sends, {refused['polls']} polls "
+        f"({sum(t > first for t in refused_at)} after the send)",
         "target": TARGETS["break_p99"],
         "cpu": cpu,
-        "per_op": ("break sent and delivered", cpu["broker_seconds"] / sessions),
+        "per_op": ("session reached", cpu["broker_seconds"] / sessions),
     }
 
 
@@ -472,22 +507,26 @@ SHORT = [
     Row("heartbeat", 1, sessions=1000),
     Row("ingest", 1, sessions=200, followers=20),
     Row("break", 1, sessions=1000),
+    Row("jobbreak", 1, sessions=1000),
 ]
 FULL = [
     *(Row("heartbeat", r, sessions=n) for r in (1, 3) for n in (1000, 5000, 10_000)),
     *(Row("ingest", r, sessions=200, followers=f) for r in (1, 3) for f in (0, 20, 100)),
     *(Row("break", r, sessions=n) for r in (1, 3) for n in (1000, 5000, 10_000)),
+    *(Row("jobbreak", r, sessions=n) for r in (1, 3) for n in (1000, 5000, 10_000)),
 ]
 
 
-def measure(row: Row, full: bool) -> dict[str, Any]:
-    with running(row.replicas) as cluster:
+def measure(row: Row, full: bool, broker_env: dict[str, str] | None = None) -> dict[str, Any]:
+    env = {"BREAKPOD_MAX_POLL_SECONDS": f"{POLL_SECONDS:g}"} if "break" in row.kind else {}
+    env.update(broker_env or {})
+    with running(row.replicas, **env) as cluster:
         if row.kind == "heartbeat":
             work = heartbeat_row(cluster, row.sessions, 20.0 if full else 4.0)
         elif row.kind == "ingest":
             work = ingest_row(cluster, row.sessions, row.followers, 10.0 if full else 3.0, 2.0)
         else:
-            work = break_row(cluster, row.sessions)
+            work = break_row(cluster, row.sessions, job_wide=row.kind == "jobbreak")
         result = asyncio.run(work)
         if row.kind == "ingest":
             result["raw_xadd"] = raw_xadd(cluster.redis.url)
@@ -524,12 +563,26 @@ def table(results: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="the whole grid (make scale)")
-    parser.add_argument("--kind", choices=["heartbeat", "ingest", "break"], action="append")
+    parser.add_argument(
+        "--kind", choices=["heartbeat", "ingest", "break", "jobbreak"], action="append"
+    )
+    parser.add_argument("--sessions", type=int, help="only the rows of this many sessions")
+    parser.add_argument("--replicas", type=int, help="only the rows of this many replicas")
+    parser.add_argument(
+        "--broker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a setting for the brokers (BREAKPOD_HEARTBEAT_RATE=1e6: the 15 s beat at any size)",
+    )
     args = parser.parse_args([] if argv is None else argv)
+    broker_env = dict(pair.split("=", 1) for pair in args.broker_env)
     rows = [r for r in (FULL if args.full else SHORT) if not args.kind or r.kind in args.kind]
+    rows = [r for r in rows if args.sessions in (None, r.sessions)]
+    rows = [r for r in rows if args.replicas in (None, r.replicas)]
     results = []
     for row in rows:
-        results.append(measure(row, args.full))
+        results.append(measure(row, args.full, broker_env))
         print(f"  done: {results[-1]['row']}", flush=True)
     print(table(results), flush=True)
     return results

@@ -38,6 +38,7 @@ BROKER_LAYERS = (
     grimp.Layer("fastpath"),  # the heartbeat served below FastAPI's routing
     grimp.Layer(
         *("admin", "attach", "commands", "dashboard", "events", "listing", "sessions"),
+        "joblog",  # the job-wide command log that sessions and commands share
         independent=False,
     ),  # routes
     grimp.Layer("auth"),  # FastAPI dependencies: token and role checks
@@ -45,7 +46,7 @@ BROKER_LAYERS = (
     grimp.Layer("context"),  # what every request handler gets
     grimp.Layer(
         *("notifiers", "metrics", "redis_server", "overlay", "fanout", "wakeups"),
-        *("redis_clients", "sharded"),
+        *("redis_clients", "sharded", "liveness"),
         independent=False,
     ),
     grimp.Layer(

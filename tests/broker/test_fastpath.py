@@ -18,9 +18,9 @@ def app_client(redis_url, monkeypatch):
     routed: list[str] = []
     original = sessions._heartbeaten
 
-    def counting(who, session_id, reply):
+    def counting(who, session_id, reply, interval):
         routed.append(session_id)
-        return original(who, session_id, reply)
+        return original(who, session_id, reply, interval)
 
     monkeypatch.setattr(sessions, "_heartbeaten", counting)
     settings = BrokerSettings(redis_url=redis_url, broker_tokens=TOKENS)
@@ -41,6 +41,7 @@ def test_a_heartbeat_is_served_below_the_router_with_the_routes_answer(app_clien
     assert reply.headers["content-type"] == "application/json"
     beat = reply.json()
     assert beat["state"] == "parked" and beat["last_seen"] >= registered["last_seen"]
+    assert beat.pop("heartbeat_seconds") == 15.0  # the interval to beat at (liveness.py)
     assert beat == c.get("/v1/sessions/fast", headers=_auth(VIEWER)).json()
     assert c.routed == []  # the route never ran
     empty = c.post("/v1/sessions/fast/heartbeat", headers=_auth(AGENT))  # no body at all

@@ -155,6 +155,7 @@ LOGIN: Final = f"{API}/login"  # the dashboard's: a token in, a session cookie o
 LOGOUT: Final = f"{API}/logout"
 TOKENS: Final = f"{API}/tokens"
 NOTIFIERS: Final = f"{API}/notifiers"
+JOBS: Final = f"{API}/jobs"
 
 
 def session_path(session_id: str) -> str:
@@ -171,6 +172,11 @@ def commands_path(session_id: str) -> str:
 
 def ack_path(session_id: str, command_id: str) -> str:
     return f"{commands_path(session_id)}/{command_id}/ack"
+
+
+def job_commands_path(job: str) -> str:
+    """One command for every session of a job (admin): stored once, each session gets it once."""
+    return f"{JOBS}/{job}/commands"
 
 
 def attach_path(session_id: str) -> str:

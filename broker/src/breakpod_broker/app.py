@@ -41,6 +41,7 @@ from breakpod_broker.context import Broker
 from breakpod_broker.events import _decode
 from breakpod_broker.fanout import EventFanout
 from breakpod_broker.fastpath import HeartbeatFastPath, replay_body
+from breakpod_broker.liveness import Liveness
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
 from breakpod_broker.redis_server import EmbeddedRedis
@@ -114,6 +115,9 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
         wakeups = CommandWakeups(redis_clients.subscriber(settings.redis_url))
         stack.push_async_callback(wakeups.close)
         await wakeups.start()
+        liveness = Liveness(settings, client)
+        stack.push_async_callback(liveness.close)
+        await liveness.count()
         yield Broker(
             settings,
             client,
@@ -126,6 +130,7 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
             fanout=fanout,
             wakeups=wakeups,
             cluster=clients.cluster,
+            liveness=liveness,
         )
 
 

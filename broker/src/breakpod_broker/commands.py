@@ -4,6 +4,11 @@ Delivery is at least once: a polled command moves to the session's
 ``delivered`` list and stays there until acknowledged, and every poll hands
 out unacknowledged commands first. Each step is recorded as a ``command``
 event. Any replica may queue and any replica may deliver: it is all Redis.
+
+A job-wide command (``POST /v1/jobs/{job}/commands``) is stored once for the
+job (joblog.py) and handed out by each session's poll next to its own
+commands; it is recorded on a session when that session acknowledges it
+(recording ``queued`` and ``delivered`` on each would cost O(sessions)).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from redis.exceptions import RedisError
 
 from breakpod import protocol
-from breakpod_broker import keys
+from breakpod_broker import joblog, keys
 from breakpod_broker.auth import Admin, Agent
 from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.events import ingest
@@ -30,14 +35,18 @@ from breakpod_broker.models import (
     CommandIn,
     CommandList,
     EventIn,
+    JobCommand,
+    JobCommandIn,
+    JobName,
     SessionId,
     SessionOut,
 )
-from breakpod_broker.sessions import owned, visible
+from breakpod_broker.sessions import owned, owned_from, visible
 
 router = APIRouter(tags=["commands"])
 MAX_PER_POLL = 16
 COMMANDS = protocol.commands_path("{session_id}")
+LIVE_CHECK_CHUNK = 100  # a job's sessions read per round trip looking for a live one
 
 
 @router.post(COMMANDS, response_model=Command, status_code=202)
@@ -69,6 +78,40 @@ async def send(session_id: SessionId, body: CommandIn, who: Admin, broker: Broke
     return command
 
 
+@router.post(protocol.job_commands_path("{job}"), response_model=JobCommand, status_code=202)
+async def send_to_job(
+    job: JobName, body: JobCommandIn, who: Admin, broker: BrokerDep
+) -> JobCommand:
+    """One command for every session of the job in ``namespace`` (admin only): stored
+    once; each session registered by now receives it once, with its own commands."""
+    if not who.may_see(body.namespace) or not await _has_live_session(broker, job, body.namespace):
+        raise HTTPException(
+            404, f"no running job {job!r} in namespace {body.namespace!r}: nobody would receive it"
+        )
+    return await joblog.append(broker, job, body, who.token_id)
+
+
+async def _has_live_session(broker: Broker, job: str, namespace: str | None) -> bool:
+    """Whether a session of ``job`` in ``namespace`` is alive and not finished (the
+    newest sessions first: usually the first one read answers)."""
+    start = 0
+    while True:
+        ids = await broker.redis.zrevrange(
+            keys.job_sessions(job), start, start + LIVE_CHECK_CHUNK - 1
+        )
+        async with broker.redis.pipeline(transaction=False) as pipe:
+            for session_id in ids:
+                pipe.hmget(keys.session(session_id), "namespace", "state")
+                pipe.exists(keys.alive(session_id))
+            replies = await pipe.execute()
+        for (ns, state), alive in zip(replies[::2], replies[1::2], strict=True):
+            if alive and (ns or None) == namespace and state != protocol.FINAL_STATE:
+                return True
+        if len(ids) < LIVE_CHECK_CHUNK:
+            return False
+        start += LIVE_CHECK_CHUNK
+
+
 @router.get(COMMANDS, response_model=CommandList)
 async def poll(
     session_id: SessionId,
@@ -80,21 +123,49 @@ async def poll(
     """Long-poll: unacknowledged commands at once, else wait up to ``wait`` seconds for new ones.
 
     Commands come oldest first, redelivered ones too; ``delivered`` is recorded
-    once per command, when it first leaves the queue."""
-    session = await owned(broker, who, session_id)
-    await broker.redis.set(keys.alive(session_id), "1", ex=broker.settings.heartbeat_ttl_seconds)
-    pending = await broker.redis.lrange(keys.delivered(session_id), 0, MAX_PER_POLL - 1)
+    once per command, when it first leaves the queue. Commands sent to the
+    session's job follow its own, until acknowledged."""
+    # two round trips before a poll waits (a job's thousands of polls arrive at once):
+    # the session with what it has yet to acknowledge, then (in the first look)
+    # its alive key with its queue
+    async with broker.redis.pipeline(transaction=False) as pipe:  # one slot: the session's
+        pipe.hgetall(keys.session(session_id))
+        pipe.exists(keys.alive(session_id))
+        pipe.lrange(keys.delivered(session_id), 0, MAX_PER_POLL - 1)
+        fields, alive, pending = await pipe.execute()
+    cursor = fields.get(keys.JOB_CURSOR_FIELD)
+    session = owned_from(who, session_id, fields, alive)
+    job = await _job_cursor(broker, session, cursor)
     if pending:
-        return CommandList(commands=[Command.model_validate_json(raw) for raw in pending])
+        await _touch(broker, session_id)
+        own = [Command.model_validate_json(raw) for raw in pending]
+        return CommandList(
+            commands=own + (await joblog.pending(broker, session_id, *job) if job else [])
+        )
     wait = min(wait, broker.settings.max_poll_seconds)
-    taken = await unless_closing(request, _take_when_queued(broker, session_id, wait))
+    taken, for_job = await unless_closing(request, _take_when_queued(broker, session_id, wait, job))
     commands = [Command.model_validate_json(raw) for raw in taken]
     for command in commands:
         await _record(broker, session, command, "delivered")
-    return CommandList(commands=commands)
+    return CommandList(commands=commands + for_job)
 
 
-async def unless_closing(request: Request, work: Coroutine[Any, Any, list[str]]) -> list[str]:
+JobCursor = tuple[str, str]  # (the job's command stream, the session's cursor in it)
+Taken = tuple[list[str], list[Command]]  # the session's own commands (JSON), its job's
+
+
+async def _job_cursor(broker: Broker, session: SessionOut, cursor: str | None) -> JobCursor | None:
+    """Where the session reads its job's commands; None without a job. A session
+    registered by a broker without job commands starts its cursor now."""
+    stream = joblog.stream_of(session)
+    if stream is None:
+        return None
+    if cursor is None:
+        cursor = await joblog.start_cursor(broker, session.id, await joblog.last_id(broker, stream))
+    return stream, cursor
+
+
+async def unless_closing(request: Request, work: Coroutine[Any, Any, Taken]) -> Taken:
     """``work``'s result, or 503 once the broker begins to shut down (or loses Redis)
     while it waits: the agent polls again. A command taken meanwhile stays in
     ``delivered`` and is handed out by the next poll."""
@@ -118,30 +189,43 @@ async def unless_closing(request: Request, work: Coroutine[Any, Any, list[str]])
         ) from None
 
 
-async def _take_when_queued(broker: Broker, session_id: str, wait: float) -> list[str]:
-    """Queued commands at once, else the first ones queued within ``wait`` seconds:
-    woken by the replica's subscription (wakeups.py), taken with a plain LMOVE."""
+async def _take_when_queued(
+    broker: Broker, session_id: str, wait: float, job: JobCursor | None
+) -> Taken:
+    """Queued commands (and the job's unacknowledged ones) at once, else the first
+    ones within ``wait`` seconds: woken by the replica's subscription (wakeups.py),
+    taken with a plain LMOVE (read from the job's stream)."""
     deadline = time.monotonic() + wait
-    with broker.wakeups.waiter(session_id) as woken:  # before the first look: none missed
+    stream = job[0] if job else None
+    first = True
+    with broker.wakeups.waiter(session_id, stream) as woken:  # before the first look: none missed
         while True:
-            taken = await _take(broker, session_id, 0)
+            taken = await _take(broker, session_id, touch=first) if woken.own else []
+            first = False
+            for_job = await joblog.pending(broker, session_id, *job) if job and woken.job else []
             left = deadline - time.monotonic()
-            if taken or left <= 0:
-                return taken
+            if taken or for_job or left <= 0:
+                return taken, for_job
             woken.clear()
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(woken.wait(), left)
+                await asyncio.wait_for(woken.event.wait(), left)
 
 
-async def _take(broker: Broker, session_id: str, wait: float) -> list[str]:
+async def _touch(broker: Broker, session_id: str) -> None:
+    """A poll keeps its session alive, as a heartbeat does."""
+    await broker.redis.set(keys.alive(session_id), "1", ex=broker.alive_ttl())
+
+
+async def _take(broker: Broker, session_id: str, touch: bool) -> list[str]:
     """Move up to MAX_PER_POLL commands, oldest first, from the queue's right end
-    to the right end of ``delivered`` (which so stays oldest first)."""
+    to the right end of ``delivered`` (which so stays oldest first); ``touch``: in
+    the same round trip, keep the session alive (see _touch)."""
     src, dst = keys.commands(session_id), keys.delivered(session_id)
-    first = (
-        await broker.blocking.blmove(src, dst, wait, "RIGHT", "RIGHT")
-        if wait >= 0.01
-        else await broker.redis.lmove(src, dst, "RIGHT", "RIGHT")
-    )
+    async with broker.redis.pipeline(transaction=False) as pipe:  # one slot: the session's
+        if touch:
+            pipe.set(keys.alive(session_id), "1", ex=broker.alive_ttl())
+        pipe.lmove(src, dst, "RIGHT", "RIGHT")
+        first = (await pipe.execute())[-1]
     if first is None:
         return []
     taken = [first]
@@ -168,6 +252,10 @@ async def ack(
         if command.id == command_id and await broker.redis.lrem(keys.delivered(session_id), 1, raw):
             await _record(broker, session, command, "done" if body.ok else "failed", body.detail)
             return command
+    for_job = await joblog.acknowledge(broker, session, command_id)
+    if for_job is not None:
+        await _record(broker, session, for_job, "done" if body.ok else "failed", body.detail)
+        return for_job
     raise HTTPException(
         404, f"command {command_id!r} is not awaiting acknowledgement on {session_id!r}"
     )

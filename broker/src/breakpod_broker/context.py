@@ -10,6 +10,7 @@ from typing import Annotated, Any
 from fastapi import Depends, HTTPException, Request
 
 from breakpod_broker.fanout import EventFanout
+from breakpod_broker.liveness import BASE_SECONDS, Liveness
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
 from breakpod_broker.redis_server import EmbeddedRedis
@@ -38,6 +39,17 @@ class Broker:
     # per-replica caches of values recomputed every few seconds, by what they hold
     caches: dict[str, dict[Any, Any]] = dataclasses.field(default_factory=dict)
     cluster: bool = False  # Redis Cluster: multi-slot writes go through sharded.py
+    liveness: Liveness | None = None  # the heartbeat interval and alive TTL for the session count
+
+    def alive_ttl(self) -> int:
+        """Seconds a session stays alive after a beat (or a poll): liveness.py."""
+        if self.liveness is None:
+            return self.settings.heartbeat_ttl_seconds
+        return self.liveness.ttl()
+
+    def heartbeat_seconds(self) -> float:
+        """The interval agents are asked to beat at: liveness.py."""
+        return BASE_SECONDS if self.liveness is None else self.liveness.interval()
 
     def room_to_follow(self) -> None:
         """429 when the replica already serves ``max_followers`` event streams."""

@@ -69,7 +69,7 @@ async def _serve(scope: Scope, session_id: str, body: bytes) -> bytes | None:
         reply = await beat(broker, who, session_id, heartbeat)
     except RedisError:  # the app tries again and answers 503 (a heartbeat may repeat)
         return None
-    session = heartbeat_session(session_id, reply)
+    session = heartbeat_session(session_id, reply, broker.heartbeat_seconds())
     return None if session is None else session.model_dump_json().encode()
 
 

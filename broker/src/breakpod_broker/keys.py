@@ -39,6 +39,16 @@ NOTIFIER_FAILURES_MAXLEN = 1000
 # each replica's one subscriber wakes the long-polls waiting on that session.
 COMMANDS_QUEUED = PREFIX + "commands-queued"
 
+# Pub/sub channel: a job's command stream key (job_commands below), published
+# after a job-wide command is added; replicas wake the polls of that job's sessions.
+JOB_COMMANDS_QUEUED = PREFIX + "job-commands-queued"
+JOB_COMMANDS_MAXLEN = 1000  # a job's commands kept (MAXLEN ~); sessions read on from their cursor
+
+# Field of a session's hash: the id of the last entry of its job's command stream
+# it acknowledged (or the stream's last id when it registered: older commands are
+# not for it). Never listed (SessionOut ignores it).
+JOB_CURSOR_FIELD = "job_cursor"
+
 
 def namespace_sessions(namespace: str) -> str:
     """Sorted set as SESSIONS, of one namespace's sessions ("" for none)."""
@@ -51,13 +61,27 @@ def job_sessions(job: str) -> str:
     return f"{PREFIX}job:{{{job}}}:sessions"
 
 
+def job_commands(namespace: str, job: str) -> str:
+    """Stream of a job's job-wide commands (JSON), in one namespace ("" for none): stored
+    once for every session of the job. TTL: retention, renewed on each command."""
+    return f"{PREFIX}job-commands:{{{namespace}/{job}}}"
+
+
+def counts(scope: str, what: str) -> str:
+    """String: a listing scope's per-state session counts (``what`` = "counts": JSON
+    {counts, at}, shared by the replicas; TTL a few refresh periods) or the lock of
+    the replica recounting them (``what`` = "counting"; TTL listing.COUNT_LOCK).
+    ``scope``: a digest of the listing's namespace, job and visible namespaces."""
+    return f"{PREFIX}{what}:{scope}"
+
+
 def session(session_id: str) -> str:
     """Hash: the session's fields. TTL: settings.retention_seconds, renewed on each write."""
     return f"{PREFIX}session:{{{session_id}}}"
 
 
 def alive(session_id: str) -> str:
-    """String: present while heartbeats arrive. TTL: settings.heartbeat_ttl_seconds;
+    """String: present while heartbeats arrive. TTL: Broker.alive_ttl() (liveness.py);
     when it expires the session shows as lost (its hash stays)."""
     return f"{PREFIX}alive:{{{session_id}}}"
 

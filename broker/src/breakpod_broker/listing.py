@@ -11,15 +11,21 @@ move a session in the index, so paging never skips or repeats one.
 select. They are counted from every session in scope: exactly on each request
 while the scope holds fewer than ``COUNT_INLINE_BELOW``; above, from a per-replica
 cache refreshed in the background every ``COUNTS_SECONDS``, or one second per
-``COUNTS_PER_SECOND`` sessions in scope when more (a page never waits; the count
-shares the replica's loop with the pages, so 10,000 sessions recounted every 2 s
-would cost it 20,000 Redis replies each time).
+``COUNTS_PER_SECOND`` sessions in scope when more (a page never waits on it).
+With one Redis the count runs in Redis (scripts.COUNT_LUA, 500 sessions per
+call), so the broker parses one short reply per chunk instead of two per
+session. Replicas share each scope's counts through Redis (keys.counts): one
+replica recounts a scope at a time, the others take its result, and a replica's
+first page of a large scope takes the shared counts instead of counting inline.
+So a first page costs a range read of the index and the page's hashes: O(page).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import json
 import re
 import time
 from typing import Annotated
@@ -42,6 +48,7 @@ COUNT_CHUNK = 500  # small round trips: the refresh shares the loop with request
 COUNTS_SECONDS = 2.0
 COUNTS_PER_SECOND = 1000
 COUNT_INLINE_BELOW = 1000
+COUNT_LOCK = 30  # seconds one replica may take to count a scope before another may
 CURSOR = re.compile(r"^(\d{1,12}(?:\.\d{1,20})?):(" + protocol.SESSION_ID_PATTERN[1:-1] + ")$")
 
 
@@ -169,18 +176,25 @@ def _format(position: Position) -> str:
 @dataclasses.dataclass
 class _Counted:
     counts: dict[str, int]
-    at: float
+    at: float  # wall clock: replicas share counts through Redis
     refreshing: asyncio.Task[None] | None = None
 
 
 async def counts_for(broker: Broker, scope: Scope) -> dict[str, int]:
     """Sessions per state in ``scope``: counted now for a small scope, else the cached
-    value, refreshed in the background once older than COUNTS_SECONDS."""
+    value, refreshed in the background once older than ``_max_age``. A replica
+    that has none yet takes the one another replica shared in Redis."""
     cache = broker.caches.setdefault("session counts", {})
     cached = cache.get(scope)
-    if cached is None or sum(cached.counts.values()) < COUNT_INLINE_BELOW:
-        cached = cache[scope] = _Counted(await _count(broker, scope), time.monotonic())
-    elif time.monotonic() - cached.at >= _max_age(cached) and cached.refreshing is None:
+    if cached is None:
+        cached = await _shared(broker, scope)
+        if cached is None or sum(cached.counts.values()) < COUNT_INLINE_BELOW:
+            cached = _Counted(await _count(broker, scope), time.time())
+            await _share(broker, scope, cached)
+        cache[scope] = cached
+    elif sum(cached.counts.values()) < COUNT_INLINE_BELOW:
+        cached.counts, cached.at = await _count(broker, scope), time.time()
+    elif time.time() - cached.at >= _max_age(cached) and cached.refreshing is None:
         cached.refreshing = asyncio.create_task(_refresh(broker, scope, cached))
     return cached.counts
 
@@ -190,34 +204,85 @@ def _max_age(cached: _Counted) -> float:
 
 
 async def _refresh(broker: Broker, scope: Scope, cached: _Counted) -> None:
+    """Take a fresh count another replica shared, else count (one replica at a time
+    per scope: the others keep theirs until the new one is shared)."""
     try:
-        cached.counts = await _count(broker, scope)
-        cached.at = time.monotonic()
+        shared = await _shared(broker, scope)
+        if shared is not None and time.time() - shared.at < _max_age(shared):
+            cached.counts, cached.at = shared.counts, shared.at
+        elif await broker.redis.set(_shared_key(scope, "counting"), "1", nx=True, ex=COUNT_LOCK):
+            cached.counts, cached.at = await _count(broker, scope), time.time()
+            await _share(broker, scope, cached)
     finally:
         cached.refreshing = None
 
 
+def _shared_key(scope: Scope, what: str) -> str:
+    """keys.counts: the scope's shared counts (or the lock of the replica counting them)."""
+    visible = "*" if scope.visible is None else ",".join(scope.visible)
+    name = json.dumps([scope.namespace, scope.job, visible])
+    return keys.counts(hashlib.sha256(name.encode()).hexdigest()[:32], what)
+
+
+async def _shared(broker: Broker, scope: Scope) -> _Counted | None:
+    raw = await broker.redis.get(_shared_key(scope, "counts"))
+    if raw is None:
+        return None
+    doc = json.loads(raw)
+    return _Counted({str(k): int(v) for k, v in doc["counts"].items()}, float(doc["at"]))
+
+
+async def _share(broker: Broker, scope: Scope, cached: _Counted) -> None:
+    doc = json.dumps({"counts": cached.counts, "at": cached.at})
+    ttl = int(_max_age(cached) * 3) + 10  # a count nobody refreshes goes away
+    await broker.redis.set(_shared_key(scope, "counts"), doc, ex=ttl)
+
+
 async def _count(broker: Broker, scope: Scope) -> dict[str, int]:
-    """Reads only the fields the scope and the state need, COUNT_CHUNK sessions per trip."""
+    """COUNT_CHUNK sessions per round trip; with one Redis, counted there (scripts.COUNT_LUA)."""
     counts: dict[str, int] = {}
     start = 0
     while True:
         ids = await broker.redis.zrange(scope.index, start, start + COUNT_CHUNK - 1)
-        async with broker.redis.pipeline(transaction=False) as pipe:
-            for session_id in ids:
-                pipe.hmget(keys.session(session_id), "state", "namespace", "job", "owner")
-                pipe.exists(keys.alive(session_id))
-            replies = await pipe.execute()
-        for (state, namespace, job, owner), alive in zip(replies[::2], replies[1::2], strict=True):
-            if owner is None or not _in_scope(scope, namespace, job):
-                continue  # expired (pruned when listed), or another namespace's
-            if not alive and state != protocol.FINAL_STATE:
-                state = protocol.LOST
-            state = state or protocol.INITIAL_STATE
-            counts[state] = counts.get(state, 0) + 1
+        chunk = await (_count_in_redis if not broker.cluster else _count_here)(broker, scope, ids)
+        for state, n in chunk.items():
+            counts[state] = counts.get(state, 0) + n
         if len(ids) < COUNT_CHUNK:
             return counts
         start += COUNT_CHUNK
+
+
+async def _count_in_redis(broker: Broker, scope: Scope, ids: list[str]) -> dict[str, int]:
+    if not ids:
+        return {}
+    reply = await broker.scripts.count(
+        keys=[*map(keys.session, ids), *map(keys.alive, ids)],
+        args=[
+            *(len(ids), protocol.FINAL_STATE, protocol.LOST, protocol.INITIAL_STATE),
+            "" if scope.namespace is None else f"={scope.namespace}",
+            "" if scope.job is None else f"={scope.job}",
+            *(("*",) if scope.visible is None else scope.visible),
+        ],
+    )
+    return {str(state): int(n) for state, n in zip(reply[::2], reply[1::2], strict=True)}
+
+
+async def _count_here(broker: Broker, scope: Scope, ids: list[str]) -> dict[str, int]:
+    """A Redis Cluster: the sessions' keys span slots, so they are read and counted here."""
+    counts: dict[str, int] = {}
+    async with broker.redis.pipeline(transaction=False) as pipe:
+        for session_id in ids:
+            pipe.hmget(keys.session(session_id), "state", "namespace", "job", "owner")
+            pipe.exists(keys.alive(session_id))
+        replies = await pipe.execute()
+    for (state, namespace, job, owner), alive in zip(replies[::2], replies[1::2], strict=True):
+        if owner is None or not _in_scope(scope, namespace, job):
+            continue  # expired (pruned when listed), or another namespace's
+        if not alive and state != protocol.FINAL_STATE:
+            state = protocol.LOST
+        state = state or protocol.INITIAL_STATE
+        counts[state] = counts.get(state, 0) + 1
+    return counts
 
 
 def _in_scope(scope: Scope, namespace: str | None, job: str | None) -> bool:

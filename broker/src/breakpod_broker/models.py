@@ -87,6 +87,15 @@ class SessionOut(SessionIn):
     owner: str = Field(description="id of the token that registered the session")
 
 
+class LiveSession(SessionOut):
+    """A session as its agent sees it after registering or beating."""
+
+    heartbeat_seconds: float = Field(
+        description="beat again within this many seconds (it grows with the sessions the "
+        "broker holds; a session silent for a few such intervals reads as lost)"
+    )
+
+
 class SessionList(BaseModel):
     sessions: list[SessionOut]
 
@@ -157,6 +166,41 @@ class Command(CommandIn):
     session: str
     created: float
     by: str = Field(description="id of the token that sent it")
+    job: str | None = Field(
+        None, description="set on a job-wide command: every session of this job gets it once"
+    )
+
+
+# a job name as a path segment: anything a session's job may be, but for "/"
+JobName = Annotated[
+    str, Path(min_length=1, max_length=protocol.DNS_SUBDOMAIN_MAX, pattern=r"^[^/]+$")
+]
+
+
+class JobCommandIn(CommandIn):
+    namespace: Label = Field(default=None, description="the job's namespace (none: no namespace)")
+
+
+class JobCommand(CommandIn):
+    """A job-wide command as stored once in the job's command stream."""
+
+    id: str
+    job: str
+    namespace: str | None = None
+    created: float
+    by: str = Field(description="id of the token that sent it")
+
+    def to(self, session_id: str) -> Command:
+        """The command as one session of the job receives it."""
+        return Command(
+            command=self.command,
+            reason=self.reason,
+            id=self.id,
+            session=session_id,
+            created=self.created,
+            by=self.by,
+            job=self.job,
+        )
 
 
 class CommandList(BaseModel):

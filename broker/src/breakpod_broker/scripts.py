@@ -171,6 +171,59 @@ return table.concat(out, ',')
 )
 
 
+# KEYS: session hash. ARGV: cursor field, the stream id of an acknowledged job
+# command. Moves the session's job cursor forward to it, never back, and never
+# creates the hash (an expired session stays expired). Returns 1 when moved.
+ADVANCE_JOB_CURSOR_LUA = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1])
+if not cur then return 0 end
+local a, b = string.match(cur, '^(%d+)-(%d+)$')
+local c, d = string.match(ARGV[2], '^(%d+)-(%d+)$')
+a, b, c, d = tonumber(a), tonumber(b), tonumber(c), tonumber(d)
+if c > a or (c == a and d > b) then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  return 1
+end
+return 0
+"""
+
+
+# KEYS: n session hashes, then their n alive keys. ARGV: n, final state, lost,
+# initial state, namespace filter ('' none, else '=' .. namespace), job filter
+# (the same), then the visible namespaces ('*' alone: all). Counts the sessions
+# the filters select per state (lost when the alive key is gone and not final),
+# in Redis: the broker parses one short reply per chunk, not two per session.
+COUNT_LUA = """
+local n = tonumber(ARGV[1])
+local final, lost, initial = ARGV[2], ARGV[3], ARGV[4]
+local ns_f, job_f = ARGV[5], ARGV[6]
+local visible = nil
+if ARGV[7] ~= '*' then
+  visible = {}
+  for i = 7, #ARGV do visible[ARGV[i]] = true end
+end
+local counts = {}
+for i = 1, n do
+  local f = redis.call('HMGET', KEYS[i], 'state', 'namespace', 'job', 'owner')
+  if f[4] then
+    local ns = f[2] or ''
+    if (not visible or visible[ns]) and (ns_f == '' or ns_f == '=' .. ns)
+        and (job_f == '' or job_f == '=' .. (f[3] or '')) then
+      local state = f[1] or initial
+      if state ~= final and redis.call('EXISTS', KEYS[n + i]) == 0 then state = lost end
+      counts[state] = (counts[state] or 0) + 1
+    end
+  end
+end
+local out = {}
+for k, v in pairs(counts) do
+  table.insert(out, k)
+  table.insert(out, v)
+end
+return out
+"""
+
+
 @dataclasses.dataclass(frozen=True)
 class Scripts:
     """The scripts, registered with one client (call them with ``client=pipe`` in a pipeline)."""
@@ -180,6 +233,8 @@ class Scripts:
     ingest: Any
     heartbeat: Any
     ingest_session: Any
+    advance_job_cursor: Any
+    count: Any
 
     @classmethod
     def register_with(cls, redis: Any) -> Scripts:
@@ -189,4 +244,6 @@ class Scripts:
             redis.register_script(INGEST_LUA),
             redis.register_script(HEARTBEAT_LUA),
             redis.register_script(INGEST_SESSION_LUA),
+            redis.register_script(ADVANCE_JOB_CURSOR_LUA),
+            redis.register_script(COUNT_LUA),
         )

@@ -13,10 +13,10 @@ from fastapi import APIRouter, HTTPException
 from pydantic import BaseModel, ValidationError
 
 from breakpod import protocol
-from breakpod_broker import keys, sharded
+from breakpod_broker import joblog, keys, sharded
 from breakpod_broker.auth import Agent, Viewer
 from breakpod_broker.context import Broker, BrokerDep
-from breakpod_broker.models import Heartbeat, SessionId, SessionIn, SessionOut
+from breakpod_broker.models import Heartbeat, LiveSession, SessionId, SessionIn, SessionOut
 from breakpod_broker.tokens import Principal
 
 router = APIRouter(tags=["sessions"])
@@ -24,10 +24,10 @@ log = logging.getLogger(__name__)
 SESSION = protocol.session_path("{session_id}")
 
 
-@router.put(SESSION, response_model=SessionOut)
+@router.put(SESSION, response_model=LiveSession)
 async def register(
     session_id: SessionId, body: SessionIn, who: Agent, broker: BrokerDep
-) -> SessionOut:
+) -> LiveSession:
     """Register (or re-register) a session; only its first registrant may update it."""
     if not who.may_see(body.namespace):
         raise HTTPException(
@@ -38,6 +38,9 @@ async def register(
     cleared = [k for k, v in body.model_dump().items() if v is None]
     s = broker.settings
     indexes = _indexes(body)
+    # read before the session exists: a job command sent meanwhile reaches it
+    job_stream = keys.job_commands(body.namespace or "", body.job) if body.job else None
+    job_cursor = await joblog.last_id(broker, job_stream) if job_stream else None
     refused = await broker.scripts.register(
         keys=[
             keys.session(session_id),
@@ -46,23 +49,27 @@ async def register(
         ],
         args=[
             *(who.token_id, body.namespace or "", now, s.retention_seconds),
-            *(s.heartbeat_ttl_seconds, session_id, len(cleared), *cleared),
+            *(broker.alive_ttl(), session_id, len(cleared), *cleared),
             *(x for pair in fields.items() for x in pair),
         ],
     )
     _refuse_registration(session_id, refused)
     if broker.cluster:  # the indexes live in other slots: added after the script
         await sharded.add_to_indexes(broker.redis, session_id, float(refused[1:]), indexes)
-    return await load(broker, session_id)
+    if job_cursor is not None:  # a new session: none of its job's earlier commands
+        await joblog.start_cursor(broker, session_id, job_cursor)
+    session = await load(broker, session_id)
+    return LiveSession(**session.model_dump(), heartbeat_seconds=broker.heartbeat_seconds())
 
 
-@router.post(protocol.heartbeat_path("{session_id}"), response_model=SessionOut)
+@router.post(protocol.heartbeat_path("{session_id}"), response_model=LiveSession)
 async def heartbeat(
     session_id: SessionId, body: Heartbeat, who: Agent, broker: BrokerDep
-) -> SessionOut:
+) -> LiveSession:
     """Keep a session alive (and optionally change its state): one Lua call.
     (fastpath.py serves the common case of this route below FastAPI, the same way.)"""
-    return _heartbeaten(who, session_id, await beat(broker, who, session_id, body))
+    reply = await beat(broker, who, session_id, body)
+    return _heartbeaten(who, session_id, reply, broker.heartbeat_seconds())
 
 
 async def beat(broker: Broker, who: Principal, session_id: str, body: Heartbeat) -> list[str]:
@@ -71,25 +78,29 @@ async def beat(broker: Broker, who: Principal, session_id: str, body: Heartbeat)
     reply: list[str] = await broker.scripts.heartbeat(
         keys=[keys.session(session_id), keys.alive(session_id)],
         args=[
-            *(who.token_id, time.time(), s.retention_seconds, s.heartbeat_ttl_seconds),
+            *(who.token_id, time.time(), s.retention_seconds, broker.alive_ttl()),
             *(x for pair in _strings(body).items() for x in pair),
         ],
     )
     return reply
 
 
-def heartbeat_session(session_id: str, reply: list[str]) -> SessionOut | None:
-    """The session as the heartbeat script left it; None when it wrote nothing."""
+def heartbeat_session(session_id: str, reply: list[str], interval: float) -> LiveSession | None:
+    """The session as the heartbeat script left it, with the interval to beat at;
+    None when the script wrote nothing."""
     if reply[0] != "ok":
         return None
-    return _decode(session_id, dict(zip(reply[1::2], reply[2::2], strict=True)), 1)
+    session = _decode(session_id, dict(zip(reply[1::2], reply[2::2], strict=True)), 1)
+    if session is None:
+        return None
+    return LiveSession(**session.model_dump(), heartbeat_seconds=interval)
 
 
-def _heartbeaten(who: Principal, session_id: str, reply: list[str]) -> SessionOut:
+def _heartbeaten(who: Principal, session_id: str, reply: list[str], interval: float) -> LiveSession:
     """The session as the heartbeat script left it; 404 or 403 as ``owned`` answers."""
     if reply[0] == "owner" and who.may_see(reply[1] or None):
         raise _not_owner(session_id)
-    session = heartbeat_session(session_id, reply)
+    session = heartbeat_session(session_id, reply, interval)
     if session is None:
         raise HTTPException(
             404,
@@ -151,15 +162,30 @@ async def owned(broker: Broker, who: Principal, session_id: str) -> SessionOut:
     return session
 
 
+def owned_from(who: Principal, session_id: str, fields: dict[str, str], alive: int) -> SessionOut:
+    """``owned`` for a session hash the caller read itself (in a pipeline of its own)."""
+    session = _decode(session_id, fields, alive)
+    if session is None:
+        raise _missing(session_id)
+    if not who.may_see(session.namespace):
+        raise HTTPException(404, f"no session {session_id!r}")
+    check_owner(who, session_id, session.owner)
+    return session
+
+
 async def load(broker: Broker, session_id: str) -> SessionOut:
     session = await _read(broker, session_id)
     if session is None:
-        raise HTTPException(
-            404,
-            f"no session {session_id!r}: an agent registers it with "
-            f"PUT {protocol.session_path(session_id)}",
-        )
+        raise _missing(session_id)
     return session
+
+
+def _missing(session_id: str) -> HTTPException:
+    return HTTPException(
+        404,
+        f"no session {session_id!r}: an agent registers it with "
+        f"PUT {protocol.session_path(session_id)}",
+    )
 
 
 async def _read(broker: Broker, session_id: str) -> SessionOut | None:

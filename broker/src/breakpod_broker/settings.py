@@ -56,6 +56,9 @@ class BrokerSettings(BaseSettings):
     global_stream_maxlen: int = Field(default=100_000, ge=100)
     session_stream_maxlen: int = Field(default=10_000, ge=10)
     heartbeat_ttl_seconds: int = Field(default=60, ge=1)
+    # beats per second all sessions together aim at: beyond 15 s x this many
+    # sessions, agents are asked to beat less often (and liveness scales with it)
+    heartbeat_rate: float = Field(default=200.0, gt=0)
     retention_seconds: int = Field(default=7 * 24 * 3600, ge=60)
     dedup_seconds: int = Field(default=3600, ge=1)
     max_poll_seconds: float = Field(default=30.0, gt=0, le=300)
@@ -90,7 +93,10 @@ HELP: dict[str, str] = {
     "max_batch": "most events in one batch an agent posts (more: 413)",
     "global_stream_maxlen": "events kept in the global stream (`XADD MAXLEN ~`)",
     "session_stream_maxlen": "events kept per session",
-    "heartbeat_ttl_seconds": "a session silent this long shows `lost` (reason: no heartbeat)",
+    "heartbeat_ttl_seconds": "a session silent this long shows `lost` (reason: no heartbeat), "
+    "with agents beating every 15 s; scaled with the interval when it grows",
+    "heartbeat_rate": "heartbeats per second all sessions together aim at: with more than "
+    "15 s x this many sessions, agents are asked to beat less often (`heartbeat_seconds`)",
     "retention_seconds": "how long a silent session (and its stream) is kept",
     "dedup_seconds": "window in which a retried event id is recognised",
     "max_poll_seconds": "longest command long-poll",

@@ -67,6 +67,12 @@ class BrokerClient:
         """Queue a command for a session; its id."""
         return str(self.request("POST", protocol.commands_path(session_id), command)["id"])
 
+    def send_job_command(self, job: str, namespace: str | None, command: dict[str, Any]) -> str:
+        """Queue one command for every session of a job in ``namespace``; its id."""
+        body = {**command, "namespace": namespace}
+        path = protocol.job_commands_path(urllib.parse.quote(job, safe=""))
+        return str(self.request("POST", path, body)["id"])
+
     def session(self, session_id: str) -> dict[str, Any]:
         return dict(self.request("GET", protocol.session_path(session_id)))
 

@@ -51,7 +51,8 @@ STATE_OF_KIND = protocol.STATE_OF_KIND
 BATCH_EVENTS = 500
 BATCH_BYTES = 512 * 1024
 MAX_EVENT_BYTES = 64 * 1024
-HEARTBEAT_SECONDS = 15.0
+HEARTBEAT_SECONDS = 15.0  # until the broker asks for another interval (heartbeat_seconds)
+MAX_HEARTBEAT_SECONDS = 300.0
 POLL_SECONDS = 20.0
 FIRST_BACKOFF = 0.25
 MAX_BACKOFF = 2.0
@@ -124,6 +125,7 @@ class Emitter:
         self._tries_started = self._tries_ended = 0
         self._registered = threading.Event()
         self._next_beat = 0.0
+        self.beat_seconds = HEARTBEAT_SECONDS  # what the broker last asked for
         self._warned: set[str] = set()
         self.url = url
         self._client = BrokerClient(url, token, timeout=5.0)
@@ -277,17 +279,20 @@ class Emitter:
         now = time.monotonic()
         try:
             if not self._registered.is_set():
-                self._client.register(self.session_id, {**self.info, **self.state})
+                reply = self._client.register(self.session_id, {**self.info, **self.state})
                 self._registered.set()
             elif now >= self._next_beat:
-                self._client.heartbeat(self.session_id)
+                reply = self._client.heartbeat(self.session_id)
             else:
                 return
         except BrokerError as e:
             if e.status == 404:
                 self._registered.clear()
             raise
-        self._next_beat = now + HEARTBEAT_SECONDS
+        self.beat_seconds = asked_interval(reply)
+        # a little early, at random: thousands of agents of one job do not beat in waves,
+        # and never later than asked (the broker counts missed beats of this interval)
+        self._next_beat = now + self.beat_seconds * random.uniform(0.8, 1.0)
 
     def _send_batch(self) -> bool:
         """Send one batch; False when the queue is empty."""
@@ -380,6 +385,15 @@ class Emitter:
         if key not in self._warned:
             self._warned.add(key)
             log.warning("breakpod: %s", message)
+
+
+def asked_interval(reply: Any) -> float:
+    """The interval the broker asks for (it grows with the sessions it holds); an
+    older broker asks for none: HEARTBEAT_SECONDS."""
+    asked = reply.get("heartbeat_seconds") if isinstance(reply, dict) else None
+    if not isinstance(asked, int | float) or isinstance(asked, bool) or not asked > 0:
+        return HEARTBEAT_SECONDS
+    return min(float(asked), MAX_HEARTBEAT_SECONDS)
 
 
 def jittered(seconds: float) -> float:

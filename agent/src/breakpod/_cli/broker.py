@@ -227,16 +227,30 @@ def _short(value: Any) -> str:
 
 def run_send(args: argparse.Namespace) -> int:
     """``breakpod send SESSION|JOB COMMAND``: to one session, or to every live rank of a job
-    (a job's ranks agree among themselves on the step a ``break`` parks them at)."""
+    (a job's ranks agree among themselves on the step a ``break`` parks them at): one
+    job-wide command per namespace the job runs in, which each of its ranks receives."""
     broker = client(args)
     body = {"command": args.command, "reason": args.reason}
-    targets = [args.session]
-    if not _is_session(broker, args.session):
-        targets = [s["id"] for s in job_sessions(broker.sessions(), args.session)]
-    for target in targets:
-        command_id = broker.send_command(target, body)
-        print(f"queued {args.command} for {target} (command {command_id})")
+    if _is_session(broker, args.session):
+        command_id = broker.send_command(args.session, body)
+        print(f"queued {args.command} for {args.session} (command {command_id})")
+        return 0
+    ranks = _job_ranks(broker, args.session)
+    for namespace in sorted({s.get("namespace") or "" for s in ranks}):
+        command_id = broker.send_job_command(args.session, namespace or None, body)
+        for s in ranks:
+            if (s.get("namespace") or "") == namespace:
+                print(f"queued {args.command} for {s['id']} (job command {command_id})")
     return 0
+
+
+def _job_ranks(broker: BrokerClient, job: str) -> list[dict[str, Any]]:
+    """The job's live ranks, listed by the broker's job filter; when there are none,
+    the error names the jobs the whole listing knows."""
+    try:
+        return job_sessions(broker.sessions(job=job), job)
+    except BrokerError:
+        return job_sessions(broker.sessions(), job)
 
 
 def _is_session(broker: BrokerClient, target: str) -> bool:
