@@ -36,6 +36,7 @@ post-event     401  401     200     403    403/404 403    403      403     403/4
 read-events    401  401     403     403    403     200+   200+/200- 200+   200+/200-
 stream         401  401     403     403    403     200    200      200     200
 send-command   401  401     403     403    403     403    403      202     202/404
+job-command    401  401     403     403    403     403    403      202     202/404
 poll           401  401     200     403    403/404 403    403      403     403/404
 ack            401  401     200     403    403/404 403    403      403     403/404
 make-token     401  401     403     403    403     403    403      201     201/403
@@ -81,7 +82,14 @@ class World:
                 body = {"role": role, "namespaces": ["team-a"]}
                 self.tokens[name] = admin.post("/v1/tokens", json=body).json()["token"]
             for s, ns in NAMESPACE.items():
-                made = register(broker, s, namespace=ns, address="127.0.0.1:5678", listener="pdb")
+                made = register(
+                    broker,
+                    s,
+                    namespace=ns,
+                    job=f"job-{s}",
+                    address="127.0.0.1:5678",
+                    listener="pdb",
+                )
                 self.owner = made["owner"]
                 if route == "read-events":
                     post_events(broker, *_event(s, f"seen-{s}")["events"])
@@ -132,6 +140,9 @@ ROUTES: dict[str, Call] = {
     "read-events": lambda c, s, w: _listed(c.get("/v1/events"), "events", s),
     "stream": lambda c, s, w: _stream(c, s),
     "send-command": lambda c, s, w: c.post(f"/v1/sessions/{s}/commands", json={"command": "break"}),
+    "job-command": lambda c, s, w: c.post(
+        f"/v1/jobs/job-{s}/commands", json={"command": "break", "namespace": NAMESPACE[s]}
+    ),
     "poll": lambda c, s, w: c.get(f"/v1/sessions/{s}/commands", params={"wait": 0}),
     "ack": lambda c, s, w: c.post(f"/v1/sessions/{s}/commands/{w.delivered[s]}/ack", json={}),
     "make-token": lambda c, s, w: c.post(
@@ -187,6 +198,7 @@ def test_the_matrix_covers_every_route_of_the_app(broker):
         "/v1/events/stream",
         "/v1/sessions/{session_id}/commands",
         "/v1/sessions/{session_id}/commands/{command_id}/ack",
+        "/v1/jobs/{job}/commands",
         "/v1/tokens",
         "/v1/tokens/{token_id}",
         "/v1/whoami",
