@@ -31,7 +31,7 @@ def ranks_registered(broker) -> list[int] | None:
 
 
 @pytest.mark.slow  # about 60 s on two loaded cores
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_a_job_wide_break_parks_every_rank_at_one_step_and_one_continue_resumes_all(
     broker, tmp_path: Path
 ):
@@ -40,7 +40,11 @@ def test_a_job_wide_break_parks_every_rank_at_one_step_and_one_continue_resumes_
     env.update(BREAKPOD_BROKER_URL=broker.url, BREAKPOD_AGENT_TOKEN=AGENT)
     job = Job(tmp_path, 4, PORT, **env)
     try:
-        wait_until(lambda: ranks_registered(broker), timeout=120)
+        try:
+            wait_until(lambda: ranks_registered(broker), timeout=180)
+        except AssertionError:
+            listing = cli(broker, VIEWER, "sessions", "--json").stdout
+            raise AssertionError(f"sessions: {listing}\njob stderr:\n{job.stderr}") from None
         missing = cli(broker, ADMIN, "attach", JOB, "--rank", "7", flag="--broker-token")
         assert missing.returncode == 2
         assert f"job '{JOB}' has no rank 7; its ranks: 0, 1, 2, 3" in missing.stderr
