@@ -40,7 +40,7 @@ from breakpod_broker import (
 from breakpod_broker.context import Broker
 from breakpod_broker.events import _decode
 from breakpod_broker.fanout import EventFanout
-from breakpod_broker.fastpath import HeartbeatFastPath, replay_body
+from breakpod_broker.fastpath import HeartbeatFastPath, read_body, replay_body
 from breakpod_broker.liveness import Liveness
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
@@ -225,14 +225,10 @@ class BodyLimit:
         if declared.isdigit() and int(declared) > limit:
             await _too_large(limit, send)
             return
-        body, more = b"", True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > limit:
-                await _too_large(limit, send)
-                return
+        body, _ = await read_body(receive, limit)
+        if len(body) > limit:
+            await _too_large(limit, send)
+            return
         await self.app(scope, replay_body(body, True, receive), send)
 
 

@@ -39,7 +39,7 @@ class HeartbeatFastPath:
         if match is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        body, complete = await _read(receive)
+        body, complete = await read_body(receive, MAX_BODY)
         small = complete and len(body) <= MAX_BODY
         answer = await _serve(scope, match.group(1), body) if small else None
         if answer is None:  # the ordinary path decides, and says why
@@ -81,15 +81,15 @@ def _bearer(scope: Scope) -> str | None:
     return None
 
 
-async def _read(receive: Receive) -> tuple[bytes, bool]:
-    """The body, and whether it is all there (not read past MAX_BODY: the app's
-    BodyLimit then reads the rest)."""
+async def read_body(receive: Receive, limit: int) -> tuple[bytes, bool]:
+    """The body, and whether it is all there: reading stops once it is past ``limit``
+    (the caller refuses it, or hands the rest on with :func:`replay_body`)."""
     body, more = b"", True
     while more:
         message = await receive()
         body += message.get("body", b"")
         more = message.get("more_body", False)
-        if len(body) > MAX_BODY:
+        if len(body) > limit:
             return body, not more
     return body, True
 
