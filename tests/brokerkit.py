@@ -6,9 +6,11 @@ server is session-scoped and flushed before each test (as arq and rq do).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,3 +157,27 @@ def wait_until(predicate: Any, timeout: float = 10.0, interval: float = 0.05) ->
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+class Follower(threading.Thread):
+    """A viewer reading /v1/events/stream in a thread: ``events`` as they come."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.events: list[dict] = []
+        self.ready = threading.Event()
+
+    def run(self) -> None:
+        headers = {"Authorization": f"Bearer {VIEWER}"}
+        try:
+            with (
+                httpx.Client(base_url=self.url, timeout=30) as c,
+                c.stream("GET", "/v1/events/stream", headers=headers) as response,
+            ):
+                self.ready.set()
+                for line in response.iter_lines():
+                    if line.startswith("data:"):
+                        self.events.append(json.loads(line[5:]))
+        except httpx.HTTPError:
+            pass  # the broker stopped at teardown

@@ -13,14 +13,13 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 import redis
 from redis.cluster import RedisCluster
 
 from breakpod_broker import keys
 from breakpod_broker.redis_server import find_binary, free_port
-from tests.brokerkit import ADMIN, AGENT, VIEWER, BrokerProcess, wait_until
+from tests.brokerkit import ADMIN, AGENT, VIEWER, BrokerProcess, Follower, wait_until
 
 NODES = 3
 
@@ -114,28 +113,6 @@ def cluster_broker(redis_cluster, tmp_path_factory):
 
 def _event(event_id, session, kind="anomaly", **fields):
     return {"id": event_id, "session": session, "kind": kind, "fields": fields}
-
-
-class Follower(threading.Thread):
-    def __init__(self, url: str) -> None:
-        super().__init__(daemon=True)
-        self.url = url
-        self.events: list[dict] = []
-        self.ready = threading.Event()
-
-    def run(self) -> None:
-        headers = {"Authorization": f"Bearer {VIEWER}"}
-        try:
-            with (
-                httpx.Client(base_url=self.url, timeout=30) as c,
-                c.stream("GET", "/v1/events/stream", headers=headers) as response,
-            ):
-                self.ready.set()
-                for line in response.iter_lines():
-                    if line.startswith("data:"):
-                        self.events.append(json.loads(line[5:]))
-        except httpx.HTTPError:
-            pass  # the broker stopped at teardown
 
 
 @pytest.mark.timeout(180)

@@ -3,37 +3,13 @@ commands sent through any; delivered and acknowledged exactly as with one broker
 
 from __future__ import annotations
 
-import json
 import threading
 
-import httpx
 import pytest
 
-from tests.brokerkit import ADMIN, AGENT, VIEWER, wait_until
+from tests.brokerkit import ADMIN, AGENT, Follower, wait_until
 
 SESSIONS = 30
-
-
-class Follower(threading.Thread):
-    def __init__(self, url):
-        super().__init__(daemon=True)
-        self.url = url
-        self.events: list[dict] = []
-        self.ready = threading.Event()
-
-    def run(self):
-        headers = {"Authorization": f"Bearer {VIEWER}"}
-        try:
-            with (
-                httpx.Client(base_url=self.url, timeout=30) as c,
-                c.stream("GET", "/v1/events/stream", headers=headers) as response,
-            ):
-                self.ready.set()
-                for line in response.iter_lines():
-                    if line.startswith("data:"):
-                        self.events.append(json.loads(line[5:]))
-        except httpx.HTTPError:
-            pass  # the broker stopped at teardown
 
 
 @pytest.mark.timeout(120)
