@@ -61,14 +61,8 @@ def add_enricher(kinds: tuple[str, ...], enrich: Enricher) -> None:
 
 
 def _enrich(enrich: Enricher, fields: dict[str, Any]) -> None:
-    try:
-        extra = enrich()
-    except Exception:
-        if id(enrich) not in _failed:
-            _failed.add(id(enrich))
-            log.exception("breakpod event enricher %r failed; further failures are silent", enrich)
-        return
-    for key, value in extra.items():
+    extra = _contained("enricher", enrich)
+    for key, value in (extra or {}).items():
         fields.setdefault(key, value)  # never over the event's own fields
 
 
@@ -104,12 +98,18 @@ def _remove(sinks: list[Sink], sink: Sink) -> None:
 
 def _deliver(sinks: list[Sink], event: Event) -> None:
     for sink in list(sinks):
-        try:
-            sink(event)
-        except Exception:
-            if id(sink) not in _failed:
-                _failed.add(id(sink))
-                log.exception("breakpod event sink %r failed; further failures are silent", sink)
+        _contained("sink", sink, event)
+
+
+def _contained(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, or None when it raised (logged once per callable, never to the caller)."""
+    try:
+        return fn(*args)
+    except Exception:
+        if id(fn) not in _failed:
+            _failed.add(id(fn))
+            log.exception("breakpod event %s %r failed; further failures are silent", what, fn)
+        return None
 
 
 _break = threading.Event()
