@@ -83,6 +83,7 @@ class FlightRecorder:
         self._rows: list[_Row | None] = [None] * size
         self._count = 0  # steps recorded
         self._last_end: float | None = None
+        self._fields: tuple[int, dict[str, Any]] | None = None  # (steps recorded, fields)
         RECORDERS.add(self)
         events.add_enricher((protocol.ANOMALY, protocol.STALL), event_fields)
 
@@ -155,6 +156,18 @@ class FlightRecorder:
             series=[loss, *series.values()] if loss.steps else list(series.values()),
         )
 
+    def fields(self) -> dict[str, Any]:
+        """:meth:`dump` as an event carries it; the events of one step (anomalies of
+        several modules) share one dump."""
+        if self._fields is None or self._fields[0] != self._count:
+            flight = self.dump()
+            unavailable = f"the device did not finish the copy within {DUMP_WAIT:g}s"
+            self._fields = (
+                self._count,
+                {"unavailable": unavailable} if flight is None else flight.fields(),
+            )
+        return dict(self._fields[1])
+
     def close(self) -> None:
         RECORDERS.discard(self)
 
@@ -183,23 +196,9 @@ def _kind(norm: float, low: float, high: float) -> str:
 
 
 def dump_fields() -> dict[str, Any] | None:
-    """The most recently active recorder's dump, as events carry it; None without one.
-
-    Several events of one step (anomalies of several modules) share one dump.
-    """
+    """The most recently active recorder's dump, as events carry it; None without one."""
     recorders = sorted(RECORDERS, key=lambda r: r._last_end or 0.0)
-    if not recorders:
-        return None
-    recorder = recorders[-1]
-    key = (id(recorder), recorder._count)
-    if _last_dump[0] != key:
-        flight = recorder.dump()
-        unavailable = f"the device did not finish the copy within {DUMP_WAIT:g}s"
-        _last_dump[:] = [key, {"unavailable": unavailable} if flight is None else flight.fields()]
-    return dict(_last_dump[1])
-
-
-_last_dump: list[Any] = [None, None]
+    return recorders[-1].fields() if recorders else None
 
 
 def event_fields() -> dict[str, Any]:
