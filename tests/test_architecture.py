@@ -105,6 +105,7 @@ AGENT_LAYERS = (
         "breakpod._monitor.replay",
         "breakpod._monitor.whatif",
         "breakpod._monitor.flight",
+        "breakpod._monitor.staging",
         independent=False,
     ),
     grimp.Layer(

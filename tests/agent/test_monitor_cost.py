@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import breakpod
-from breakpod._monitor import checks, stats
+from breakpod._monitor import staging, stats
 from tests.agent.nets import Net, batch
 
 SYNCING = ("item", "__bool__", "cpu", "tolist", "numpy", "__float__", "__int__", "__index__")
@@ -103,13 +103,13 @@ def test_the_enforcement_catches_a_hook_that_syncs(monkeypatch, capfd):
     """The test above can fail: a host read inside breakpod's own hooks is counted as an error."""
     monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
     monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
-    real = checks.write_stats
+    real = staging.Stager.put
 
-    def syncing(x, *args, **kwargs):
+    def syncing(self, slot, x, *args, **kwargs):
         x.sum().item()  # the mistake the enforcement must catch
-        return real(x, *args, **kwargs)
+        return real(self, slot, x, *args, **kwargs)
 
-    monkeypatch.setattr(checks, "write_stats", syncing)
+    monkeypatch.setattr(staging.Stager, "put", syncing)
     model = Net()
     monitor = breakpod.watch(model)
     with no_host_reads():

@@ -104,6 +104,8 @@ def unit_count(shape: Sequence[int]) -> int:
 def batch_dims(ndim: int) -> tuple[int, ...]:
     """The dims a unit spans: all but the features (2-d), channels (4-d, 5-d: N,C,H,W)
     or the last dim (3-d, taken as B,T,D); a 1-d tensor is one value per unit."""
+    if ndim <= 1:
+        return ()
     if ndim == 3:
         return (0, 1)
     return tuple(d for d in range(ndim) if d != 1)
@@ -115,27 +117,38 @@ def write_live_units(
     """The count of units that are non-zero somewhere in the batch, into ``cell``.
 
     A dead unit is zero over the whole batch (a dead ReLU), so the count is
-    taken over per-unit maxima: ``max |x|`` for an activation's output, or,
-    with ``pre_relu``, ``max(x, 0)`` of the output that a functional ``F.relu``
-    consumes (its unit is dead when it is <= 0 for every sample). For a
-    ``nonnegative`` ``x`` (>= 0 or NaN: a ReLU's output) ``max x`` is ``max |x|``,
-    and the plain max is the cheapest per-unit reduction on a CPU.
+    taken over per-unit maxima (:func:`unit_maxima`).
     """
     import torch
 
-    if x.dim() <= 1:
-        per_unit = x.clamp(min=0) if pre_relu else x
-    elif pre_relu:
-        per_unit = torch.amax(x, dim=batch_dims(x.dim())).clamp_(min=0)
-    elif nonnegative:
-        per_unit = torch.amax(x, dim=batch_dims(x.dim()))
-    elif x.device.type == "cpu":
+    per_unit = unit_maxima(x, batch_dims(x.dim()), pre_relu, nonnegative)
+    torch.linalg.vector_norm(per_unit, 0, dtype=torch.float32, out=cell)
+
+
+def unit_maxima(
+    x: torch.Tensor, dims: tuple[int, ...], pre_relu: bool, nonnegative: bool
+) -> torch.Tensor:
+    """Per unit, a value that is zero exactly when the unit is dead over ``dims``.
+
+    ``max |x|`` for an activation's output, or, with ``pre_relu``, ``max(x, 0)``
+    of the output that a functional ``F.relu`` consumes (its unit is dead when
+    it is <= 0 for every sample). For a ``nonnegative`` ``x`` (>= 0 or NaN: a
+    ReLU's output) ``max x`` is ``max |x|``, and the plain max is the cheapest
+    per-unit reduction on a CPU. With no ``dims`` each value is its own unit.
+    """
+    import torch
+
+    if not dims:
+        return x.clamp(min=0) if pre_relu else x
+    if pre_relu:
+        return torch.amax(x, dim=dims).clamp_(min=0)
+    if nonnegative:
+        return torch.amax(x, dim=dims)
+    if x.device.type == "cpu":
         # sum |x| is non-zero exactly when max |x| is (NaN and Inf alike); the CPU's
         # inf-norm over dims is a slow path (1.4-4x this, one kernel too)
-        per_unit = torch.linalg.vector_norm(x, 1, dim=batch_dims(x.dim()))
-    else:
-        per_unit = torch.linalg.vector_norm(x, math.inf, dim=batch_dims(x.dim()))
-    torch.linalg.vector_norm(per_unit, 0, dtype=torch.float32, out=cell)
+        return torch.linalg.vector_norm(x, 1, dim=dims)  # type: ignore[no-any-return]
+    return torch.linalg.vector_norm(x, math.inf, dim=dims)  # type: ignore[no-any-return]
 
 
 def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

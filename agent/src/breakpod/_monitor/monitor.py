@@ -52,6 +52,7 @@ from breakpod._monitor.compiled import apply_compile_policy, unwrap_compiled
 from breakpod._monitor.detect import Detector, ParamInfo, Slot
 from breakpod._monitor.flight import FlightRecorder, flight_steps
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
+from breakpod._monitor.staging import Stager
 from breakpod._monitor.stats import (
     Entry,
     HostBuffers,
@@ -260,6 +261,7 @@ class Monitor:
         ]
         self._install_input_hook()
         self._table = SlotTable(self._slots)
+        self._stager = Stager(self._table)
         self.flight = FlightRecorder(self._slots, steps) if steps else None
         self._install_grad_hooks()
         if optimizer is not None:  # before the update, so a bad step can still be dropped
@@ -365,6 +367,7 @@ class Monitor:
         if self._grad_enabled():
             self._ignore_pass = False
             if record.eval_only:
+                self._stager.drop()
                 record.ran.clear()
                 record.units.clear()
                 record.kept.clear()
@@ -495,10 +498,12 @@ class Monitor:
             record.units[device] = {}
         index = slot.index
         if index in ran:  # a second call in this step (micro-batches): the sums add
+            self._stager.flush()  # the first call's values first
             self._add_stats(record, device, slot, x, nonnegative)
         else:
-            cells = self._table.cells(device)
-            checks.write_stats(x, cells, slot.base, *slot.flags, nonnegative=nonnegative)
+            if not self._stager.put(slot, x, nonnegative):  # a large tensor: at once
+                cells = self._table.cells(device)
+                checks.write_stats(x, cells, slot.base, *slot.flags, nonnegative=nonnegative)
             ran[index] = x.numel()
             record.units[device][index] = checks.unit_count(x.shape) if slot.zeros else 0
         if slot.retain:
@@ -632,6 +637,7 @@ class Monitor:
             self._collect_grads()  # no backward ran through the model's output hook
         done, self._current = self._current, StepRecord(self.step_count + 1)
         self._ignore_pass = False
+        self._stager.flush()
         self._table.snapshot(done)
         if self.flight is not None:
             self.flight.record(done, self._table)

@@ -92,6 +92,11 @@ class SlotTable:
             found = self._buffers[device] = (buffer, list(buffer.unbind()))
         return found[1]
 
+    def write(self, device: Any, cells: Any, values: Any) -> None:
+        """``values`` into the buffer's ``cells`` (a staged block's statistics: one kernel)."""
+        self.cells(device)
+        self._buffers[device][0].index_copy_(0, cells, values)
+
     def add_into(self, device: Any, slot: Slot, scratch: Any) -> None:
         """A second call of a module in one step: its statistics add to the first's
         (the flight columns combine as norms and extremes do)."""

@@ -1,0 +1,172 @@
+"""Small watched tensors reduced a block at a time, not one kernel per statistic each.
+
+A model of hundreds of small modules pays a few µs of dispatch (a kernel
+launch on a GPU) per statistic per tensor, which dwarfs the arithmetic. So a
+hook copies a small tensor into a row of a staging block kept per shape,
+dtype, device and dead-unit mode (one copy, no allocation, the value as it
+was when the hook saw it, whatever in-place op follows), and each full block
+is reduced at once: a handful of kernels over up to :data:`BLOCK_BYTES`
+whatever the row count, whose results land in the slot table's columns with
+one indexed copy. The step's end reduces what is left. Large tensors, whose
+kernels cost more than their launch, keep the direct path
+(:func:`~breakpod._monitor.checks.write_stats`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from breakpod._monitor import checks
+from breakpod._monitor.detect import Slot
+from breakpod._monitor.stats import SlotTable
+
+MAX_NUMEL = 1 << 15  # larger tensors take the direct path: their kernels outweigh a launch
+BLOCK_BYTES = 1 << 20  # a block's memory: rows of one shape, reduced together
+MAX_ROWS = 256
+MAX_GROUPS = 32  # distinct (shape, dtype, device, mode): more take the direct path
+MAX_INDEXES = 256  # cached (slot order -> device index) maps
+
+# A row's columns, in the slot table's order (a slot takes those it watches).
+TOTAL, MEAN_ABS, ZEROS, NORM, LOW, HIGH = range(6)
+
+
+@dataclasses.dataclass
+class _Group:
+    """The staging block of one (shape, dtype, device, dead-unit mode)."""
+
+    block: Any  # (rows, *shape)
+    rows: list[Any]  # its row views, made once
+    mode: str  # "" (no dead units), "pre_relu", "nonnegative" or "abs"
+    slots: list[Slot] = dataclasses.field(default_factory=list)
+
+
+class Stager:
+    """Staging blocks in front of one :class:`SlotTable`."""
+
+    def __init__(self, table: SlotTable) -> None:
+        self.table = table
+        self.flushes = 0  # blocks reduced so far (tests read it)
+        self._groups: dict[tuple[Any, ...], _Group] = {}
+        self._indexes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self._busy = False  # some group holds rows
+
+    def put(self, slot: Slot, x: Any, nonnegative: bool) -> bool:
+        """Stage ``x`` (detached) for ``slot``; False when it takes the direct path."""
+        if x.numel() > MAX_NUMEL:
+            return False
+        mode = _mode(slot, nonnegative)
+        key = (x.shape, x.dtype, x.device, mode)
+        group = self._groups.get(key)
+        if group is None:
+            if len(self._groups) >= MAX_GROUPS:
+                return False
+            group = self._groups[key] = _new_group(x, mode)
+        group.rows[len(group.slots)].copy_(x)
+        group.slots.append(slot)
+        self._busy = True
+        if len(group.slots) == len(group.rows):
+            self._reduce(group)
+        return True
+
+    def flush(self) -> None:
+        """Reduce every staged row into the table (before anything reads its buffer)."""
+        if self._busy:
+            for group in self._groups.values():
+                if group.slots:
+                    self._reduce(group)
+            self._busy = False
+
+    def drop(self) -> None:
+        """Forget the staged rows (their pass was an evaluation, not the training step)."""
+        for group in self._groups.values():
+            group.slots.clear()
+        self._busy = False
+
+    def _reduce(self, group: _Group) -> None:
+        import torch
+
+        n, slots = len(group.slots), group.slots
+        block = group.block[:n]
+        flat = block.reshape(n, -1)
+        wanted = _columns(slots)
+        f32 = torch.float32
+        columns = []
+        for column in wanted:
+            if column == TOTAL:
+                columns.append(flat.sum(1, dtype=f32))
+            elif column == MEAN_ABS:
+                columns.append(torch.linalg.vector_norm(flat, 1, dim=1, dtype=f32))
+            elif column == ZEROS:
+                columns.append(_live_units(block, group.mode))
+            elif column == NORM:
+                columns.append(torch.linalg.vector_norm(flat, 2, dim=1, dtype=f32))
+            else:  # the CPU's aminmax over a dim is a slow path: amin and amax are not
+                columns.append((flat.amin(1) if column == LOW else flat.amax(1)).to(f32))
+        values = torch.stack(columns, 1).flatten()
+        source, target = self._index(block.device, slots, wanted)
+        self.table.write(block.device, target, values.index_select(0, source))
+        slots.clear()
+        self.flushes += 1
+
+    def _index(self, device: Any, slots: list[Slot], wanted: tuple[int, ...]) -> tuple[Any, Any]:
+        """Which computed values go to which buffer cells; the same slot order (step
+        after step) reuses its device tensors, so a step makes no host-to-device copy."""
+        key = (device, wanted, *(s.index for s in slots))
+        found = self._indexes.get(key)
+        if found is None:
+            if len(self._indexes) >= MAX_INDEXES:
+                self._indexes.clear()
+            found = self._indexes[key] = _index(device, slots, wanted)
+        return found
+
+
+def _mode(slot: Slot, nonnegative: bool) -> str:
+    if not slot.zeros:
+        return ""
+    return "pre_relu" if slot.pre_relu else "nonnegative" if nonnegative else "abs"
+
+
+def _new_group(x: Any, mode: str) -> _Group:
+    import torch
+
+    rows = max(1, min(MAX_ROWS, BLOCK_BYTES // max(1, x.numel() * x.element_size())))
+    block = torch.empty((rows, *x.shape), dtype=x.dtype, device=x.device)
+    return _Group(block, list(block.unbind()), mode)
+
+
+def _columns(slots: list[Slot]) -> tuple[int, ...]:
+    """The columns some slot of the block watches, in the table's order."""
+    flags = [
+        any(s.total for s in slots),
+        any(s.mean_abs for s in slots),
+        any(s.zeros for s in slots),
+    ]
+    flight = any(s.flight for s in slots)
+    return tuple(c for c, on in enumerate([*flags, flight, flight, flight]) if on)
+
+
+def _live_units(block: Any, mode: str) -> Any:
+    """Per row, the count of units non-zero somewhere in its batch (one or two kernels)."""
+    import torch
+
+    dims = tuple(d + 1 for d in checks.batch_dims(block.dim() - 1))
+    per_unit = checks.unit_maxima(block, dims, mode == "pre_relu", mode == "nonnegative")
+    return torch.linalg.vector_norm(per_unit.reshape(len(block), -1), 0, dim=1, dtype=torch.float32)
+
+
+def _index(device: Any, slots: list[Slot], wanted: tuple[int, ...]) -> tuple[Any, Any]:
+    """``(source, target)``: positions in the block's values and in the table's buffer."""
+    import torch
+
+    source, target = [], []
+    for row, slot in enumerate(slots):
+        watched = [slot.total, slot.mean_abs, slot.zeros, *[slot.flight] * 3]
+        for position, column in enumerate(wanted):
+            if watched[column]:
+                source.append(row * len(wanted) + position)
+                target.append(slot.base + sum(watched[:column]))
+    pair = torch.tensor(source), torch.tensor(target)
+    if getattr(device, "type", "cpu") == "cpu":
+        return pair
+    return tuple(t.pin_memory().to(device, non_blocking=True) for t in pair)  # type: ignore[return-value]

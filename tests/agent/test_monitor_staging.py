@@ -1,0 +1,152 @@
+"""Staged blocks: small tensors reduced a block at a time give the direct path's statistics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import breakpod
+from breakpod._monitor import checks, staging
+from breakpod._monitor.detect import Slot
+from breakpod._monitor.stats import SlotTable
+
+
+@pytest.fixture(autouse=True)
+def _monitor_on(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+
+
+def slots(n: int, **flags) -> list[Slot]:
+    width = 1 + sum(1 for k in ("mean_abs", "zeros") if flags.get(k)) + 3
+    return [
+        Slot(f"m{i}", "forward", frozenset({"r"}), index=i, base=i * width, flight=True, **flags)
+        for i in range(n)
+    ]
+
+
+def direct(table: SlotTable, xs: list[torch.Tensor], nonnegative: bool) -> torch.Tensor:
+    cells = table.cells(xs[0].device)
+    for slot, x in zip(table.slots, xs, strict=True):
+        checks.write_stats(x, cells, slot.base, *slot.flags, nonnegative=nonnegative)
+    return table.buffer(xs[0].device).clone()
+
+
+def staged(table: SlotTable, xs: list[torch.Tensor], nonnegative: bool) -> torch.Tensor:
+    stager = staging.Stager(table)
+    for slot, x in zip(table.slots, xs, strict=True):
+        assert stager.put(slot, x, nonnegative)
+    stager.flush()
+    return table.buffer(xs[0].device).clone()
+
+
+CASES = [
+    ((32, 64), torch.float32, {"zeros": True}, True),  # a ReLU's output
+    ((32, 64), torch.float32, {"zeros": True}, False),
+    ((8, 16, 24), torch.float32, {"mean_abs": True, "zeros": True}, False),  # B,T,D
+    ((4, 3, 5, 5), torch.float32, {"zeros": True, "pre_relu": True}, False),  # N,C,H,W
+    ((17,), torch.float32, {"zeros": True}, False),  # one value per unit
+    ((16, 32), torch.bfloat16, {"mean_abs": True}, False),
+]
+
+
+@pytest.mark.parametrize(("shape", "dtype", "flags", "nonnegative"), CASES)
+def test_a_staged_block_gives_the_direct_statistics(shape, dtype, flags, nonnegative):
+    torch.manual_seed(0)
+    xs = [torch.randn(shape).to(dtype) for _ in range(12)]
+    if nonnegative:
+        xs = [x.relu() for x in xs]
+    xs[1].view(-1)[0] = math.nan
+    xs[2].view(-1)[-1] = math.inf
+    xs[3].view(-1)[1] = -math.inf
+    xs[4].zero_()  # every unit dead
+    if len(shape) > 1:
+        xs[5].select(-1 if len(shape) == 3 else 1, 0).zero_()  # one dead unit
+    table = SlotTable(slots(len(xs), total=True, **flags))
+    want = direct(table, xs, nonnegative)
+    table = SlotTable(slots(len(xs), total=True, **flags))
+    got = staged(table, xs, nonnegative)
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance, equal_nan=True)
+
+
+def test_a_full_block_is_reduced_at_once_and_rows_are_reused(monkeypatch):
+    monkeypatch.setattr(staging, "MAX_ROWS", 4)
+    table = SlotTable(slots(10, total=True))
+    stager = staging.Stager(table)
+    xs = [torch.full((2, 3), float(i)) for i in range(10)]
+    for slot, x in zip(table.slots, xs, strict=True):
+        stager.put(slot, x, False)
+    assert stager.flushes == 2  # two full blocks so far, two rows staged
+    stager.flush()
+    assert stager.flushes == 3
+    sums = table.buffer(torch.device("cpu"))[[s.base for s in table.slots]]
+    assert sums.tolist() == [6.0 * i for i in range(10)]
+
+
+def test_large_tensors_and_too_many_shapes_take_the_direct_path(monkeypatch):
+    table = SlotTable(slots(3, total=True))
+    stager = staging.Stager(table)
+    assert not stager.put(table.slots[0], torch.zeros(staging.MAX_NUMEL + 1), False)
+    monkeypatch.setattr(staging, "MAX_GROUPS", 1)
+    assert stager.put(table.slots[1], torch.zeros(3, 4), False)
+    assert not stager.put(table.slots[2], torch.zeros(4, 3), False)
+
+
+def test_dropped_rows_never_reach_the_table():
+    table = SlotTable(slots(2, total=True))
+    stager = staging.Stager(table)
+    stager.put(table.slots[0], torch.ones(2, 2), False)
+    stager.drop()
+    stager.flush()
+    assert stager.flushes == 0
+    assert table.cells(torch.device("cpu"))[0] == 0
+
+
+class AddsInPlace(nn.Module):
+    """A Linear, then an in-place op on its output (as ``out += identity`` in a ResNet block)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc(x)
+        out.relu_()  # a -inf in fc's output becomes 0 here, after fc's hook saw it
+        return out
+
+
+def test_the_values_are_those_the_hook_saw_not_those_after_an_in_place_op():
+    model = AddsInPlace()
+    with torch.no_grad():
+        model.fc.bias[0] = -math.inf
+    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
+    model(torch.randn(4, 8))
+    monitor.step()
+    (anomaly,) = monitor.flush() or monitor.anomalies
+    assert (anomaly.module, anomaly.phase) == ("fc", "forward")
+    assert anomaly.details["-inf"] == "yes"
+    monitor.close()
+
+
+def test_the_first_bad_module_of_many_blocks_is_named(monkeypatch):
+    """More small modules than a block holds: blocks are reduced mid-forward and mid-backward,
+    and the first non-finite output is still the one named."""
+    monkeypatch.setattr(staging, "MAX_ROWS", 16)
+    layers: list[nn.Module] = []
+    for _ in range(60):
+        layers += [nn.Linear(8, 8), nn.Tanh()]
+    model = nn.Sequential(*layers)
+    with torch.no_grad():
+        model[70].weight[0, 0] = math.nan  # module 70 of 120: in the fifth block
+    monitor = breakpod.watch(model)
+    model(torch.randn(4, 8)).sum().backward()
+    monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    nonfinite = [a for a in found if a.check == "nonfinite"]
+    assert [(a.module, a.phase) for a in nonfinite] == [("70", "forward")]
+    assert monitor.errors == 0
+    monitor.close()
