@@ -123,6 +123,7 @@ AGENT_LAYERS = (
             "breakpod._monitor.compiled",
             "breakpod._monitor.summaries",
             "breakpod._monitor.flight_table",
+            "breakpod._monitor.baselines",
         ),
         independent=False,
     ),

@@ -105,9 +105,9 @@ def test_the_enforcement_catches_a_hook_that_syncs(monkeypatch, capfd):
     monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
     real = staging.Stager.put
 
-    def syncing(self, slot, x, *args, **kwargs):
+    def syncing(self, slot, x, *args):
         x.sum().item()  # the mistake the enforcement must catch
-        return real(self, slot, x, *args, **kwargs)
+        return real(self, slot, x, *args)
 
     monkeypatch.setattr(staging.Stager, "put", syncing)
     model = Net()

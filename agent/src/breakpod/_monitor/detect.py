@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from breakpod._monitor.anomaly import Anomaly
+from breakpod._monitor.baselines import EXPLODING, VANISHING, NormBaselines
 from breakpod._monitor.rules import Rule
 
 FLIGHT_COLUMNS = 3  # L2 norm, min, max
@@ -113,8 +114,7 @@ class Detector:
         self.batchnorm = batchnorm  # BatchNorm module -> names of the rules that watch it
         self._streak: dict[tuple[Any, ...], int] = defaultdict(int)
         self._active: set[tuple[Any, ...]] = set()
-        self._warmup: dict[tuple[str, str], list[float]] = defaultdict(list)
-        self._log_base: dict[tuple[str, str], float] = {}  # per (rule, group): log of its norm
+        self._baselines: dict[str, NormBaselines] = {}  # per grad_norm rule
         self._losses: dict[str, deque[float]] = {}
 
     def run(self, data: StepData) -> list[Found]:
@@ -183,6 +183,8 @@ class Detector:
     def _nonfinite_norms(
         self, rule: Rule, data: StepData, norms: dict[int, float], phase: str, what: str
     ) -> Iterator[Anomaly]:
+        if math.isfinite(sum(norms.values())):
+            return  # norms are >= 0, so their sum is finite only when each one is
         for index, norm in norms.items():
             info = self.params[index]
             if rule.name in info.rules and not math.isfinite(norm):
@@ -229,71 +231,24 @@ class Detector:
                 yield anomaly, rule
 
     def _grad_norm(self, rule: Rule, data: StepData) -> Iterator[Found]:
-        for group, norm in self._groups(rule, data.grads).items():
-            verdict = self._judge_norm(rule, group, norm, data.step)
-            for kind in ("exploding", "vanishing"):
-                if self._fires((rule.name, group, kind), verdict[0] == kind, rule):
+        baselines = self._baselines.get(rule.name)
+        if baselines is None:
+            baselines = self._baselines[rule.name] = NormBaselines(rule, self.params)
+        verdicts = baselines.judge(data.grads)
+        keys = (*self._streak, *self._active)
+        streaks = {k[1] for k in keys if len(k) == 3 and k[0] == rule.name}
+        for g, group in enumerate(baselines.names):
+            if not baselines.seen[g] or (g not in verdicts and group not in streaks):
+                continue  # no gradient, or fine now and before: nothing to count or clear
+            kind_now, norm, summary = verdicts.get(g, ("", math.nan, ""))
+            for kind in (EXPLODING, VANISHING):
+                if self._fires((rule.name, group, kind), kind_now == kind, rule):
                     module = group if rule["group"] == "module" else group.rpartition(".")[0]
                     details = {"group": group, "kind": kind}
                     yield (
-                        _anomaly(rule, data, module, "backward", verdict[1], norm, details=details),
+                        _anomaly(rule, data, module, "backward", summary, norm, details=details),
                         rule,
                     )
-
-    def _groups(self, rule: Rule, grads: dict[int, float]) -> dict[str, float]:
-        squares: dict[str, float] = defaultdict(float)
-        for index, norm in grads.items():
-            info = self.params[index]
-            if rule.name in info.rules:
-                key = {"module": info.module, "param": info.name, "total": "<total>"}[rule["group"]]
-                squares[key] += norm * norm
-        return {k: math.sqrt(v) for k, v in squares.items()}
-
-    def _judge_norm(self, rule: Rule, group: str, norm: float, step: int) -> tuple[str, str]:
-        if not math.isfinite(norm):
-            return "", ""  # the nonfinite rule reports these
-        name = group if group != "<total>" else "all parameters"
-        if rule["max_norm"] is not None and norm > rule["max_norm"]:
-            return (
-                "exploding",
-                f"gradient norm of {name} is {norm:.4g}, above max_norm {rule['max_norm']:g}",
-            )
-        if rule["min_norm"] is not None and norm < rule["min_norm"]:
-            return (
-                "vanishing",
-                f"gradient norm of {name} is {norm:.4g}, below min_norm {rule['min_norm']:g}",
-            )
-        key = (rule.name, group)
-        if key not in self._log_base:
-            self._warm_up(rule, key, norm)
-            return "", ""
-        base = math.exp(self._log_base[key])
-        ratio = f"gradient norm of {name} is {norm:.4g}, {norm / base:.3g}x its baseline {base:.4g}"
-        if norm > rule["explode_factor"] * base:
-            return "exploding", f"{ratio} (explode_factor {rule['explode_factor']:g})"
-        if norm < rule["vanish_factor"] * base:
-            return "vanishing", f"{ratio} (vanish_factor {rule['vanish_factor']:g})"
-        self._follow(rule, key, norm)
-        return "", ""
-
-    def _warm_up(self, rule: Rule, key: tuple[str, str], norm: float) -> None:
-        """The baseline starts as the median of the first ``warmup_steps`` norms (if positive)."""
-        warm = self._warmup[key]
-        warm.append(norm)
-        del warm[: -rule["warmup_steps"]]  # all zeros so far: keep the latest few only
-        median = statistics.median(warm)
-        if len(warm) == rule["warmup_steps"] and median > 0:
-            self._log_base[key] = math.log(median)
-            del self._warmup[key]
-
-    def _follow(self, rule: Rule, key: tuple[str, str], norm: float) -> None:
-        """A healthy step moves the baseline: an EMA of log norms over about ``window`` steps.
-
-        Norms drift down as training converges; a baseline frozen at the start
-        would call that drift vanishing. Anomalous steps never move it.
-        """
-        if norm > 0:
-            self._log_base[key] += 2 / (rule["window"] + 1) * (math.log(norm) - self._log_base[key])
 
     def _loss_spike(self, rule: Rule, data: StepData) -> Iterator[Found]:
         loss = data.loss

@@ -44,15 +44,14 @@ from breakpod._core.config import parse_bool
 from breakpod._core.errors import AnomalyError, ConfigError, RuleError
 from breakpod._debug import shim
 from breakpod._job import watchdog
-from breakpod._monitor import checks
+from breakpod._monitor import checks, staging
 from breakpod._monitor.anomaly import ActionContext, Anomaly, dispatch, merge_same_tensor
 from breakpod._monitor.anomaly import user_frame as _user_frame
-from breakpod._monitor.capture import Capture, capture_wanted, replaying  # timetravel
+from breakpod._monitor.capture import REPLAYING, Capture, capture_wanted, replaying
 from breakpod._monitor.compiled import apply_compile_policy, unwrap_compiled
 from breakpod._monitor.detect import Detector, ParamInfo, Slot
 from breakpod._monitor.flight import FlightRecorder, flight_steps
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
-from breakpod._monitor.staging import Stager
 from breakpod._monitor.stats import (
     Entry,
     HostBuffers,
@@ -261,7 +260,7 @@ class Monitor:
         ]
         self._install_input_hook()
         self._table = SlotTable(self._slots)
-        self._stager = Stager(self._table)
+        self._stager = staging.Stager(self._table)
         self.flight = FlightRecorder(self._slots, steps) if steps else None
         self._install_grad_hooks()
         if optimizer is not None:  # before the update, so a bad step can still be dropped
@@ -319,7 +318,7 @@ class Monitor:
             )
         if bwd:
             back = self._new_slot(name, "backward", bwd, retain=any(by_name[n].parks for n in bwd))
-        hook = self._forward_hook(name, slot, back, shapes)
+        hook = self._forward_hook(name, module, slot, back, shapes)
         self._handles.append(module.register_forward_hook(hook))
 
     def _new_slot(self, name: str, phase: str, rules: frozenset[str], **flags: Any) -> Slot:
@@ -336,6 +335,7 @@ class Monitor:
         import torch
 
         self._grad_enabled = torch.is_grad_enabled
+        self._tensor = torch.Tensor
         self._ignore_pass = False
         self._input_slot: Slot | None = None
         if not self._module_checks:
@@ -428,33 +428,39 @@ class Monitor:
     # pays their Python on each call. So each hook is one closure with its module's state
     # bound at install: no partials, no per-call tuples or closures, few lookups on self.
     def _forward_hook(
-        self, name: str, slot: Slot | None, back: Slot | None, shapes: list[tuple[Rule, Any]]
+        self,
+        name: str,
+        module: Any,
+        slot: Slot | None,
+        back: Slot | None,
+        shapes: list[tuple[Rule, Any]],
     ) -> Callable[..., None]:
         import torch
 
         tensor_type = torch.Tensor
         # outputs >= 0 (or NaN) by construction: dead units take one cheap max (checks.py)
-        nonnegative_types = (torch.nn.ReLU, torch.nn.ReLU6)
+        nonnegative = type(module) in (torch.nn.ReLU, torch.nn.ReLU6)
+        mode = staging.mode(slot, nonnegative) if slot is not None else ""
         grad_hook = self._grad_hook(back) if back is not None else None
         pre_hooks: dict[int, Callable[[Any], None]] = {}  # output index -> node pre-hook
         seen = self.shapes
         compiling = _is_compiling()
 
         def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            if compiling() or replaying():  # see _guarded
+            if compiling() or REPLAYING[0]:  # see _guarded
                 return
             try:
                 out = output if isinstance(output, tensor_type) else checks.first_tensor(output)
                 if out is None:
                     return
-                seen[name] = (_shapes(inputs), tuple(out.shape))
+                seen[name] = ([x.shape for x in inputs if isinstance(x, tensor_type)], out.shape)
                 for rule, contract in shapes:
                     self._check_shape(name, rule, contract, out)
                 if self._ignore_pass:
                     return  # an evaluation pass inside a training step
                 if slot is not None and out.is_floating_point() and _claim(out, _FWD, name):
-                    nonnegative = type(module) in nonnegative_types
-                    self._write_stats(slot, out.detach(), nonnegative)  # the value, not the graph
+                    # the value, not the graph
+                    self._write_stats(slot, out.detach(), nonnegative, mode)
                 if grad_hook is not None:
                     self._hook_inputs(name, grad_hook, pre_hooks, inputs)
             except AnomalyError:
@@ -469,7 +475,7 @@ class Monitor:
         compiling = _is_compiling()
 
         def hook(grad: Any) -> None:
-            if compiling() or replaying():
+            if compiling() or REPLAYING[0]:
                 return
             try:
                 self._write_stats(slot, grad.detach())
@@ -486,11 +492,14 @@ class Monitor:
         """Remember the last input/output shapes; returns the output tensor (or None)."""
         out = checks.first_tensor(output)
         if out is not None:
-            self.shapes[name] = (_shapes(inputs), tuple(out.shape))
+            self.shapes[name] = (_shapes(inputs), out.shape)
         return out
 
-    def _write_stats(self, slot: Slot, x: Any, nonnegative: bool = False) -> None:
-        """The slot's statistics into this step's buffer; the host notes that it ran."""
+    def _write_stats(self, slot: Slot, x: Any, nonnegative: bool = False, mode: str = "") -> None:
+        """The slot's statistics into this step's buffer; the host notes that it ran.
+
+        ``mode``: :func:`.staging.mode` of the slot (made once per hook, not per call).
+        """
         record, device = self._current, x.device
         ran = record.ran.get(device)
         if ran is None:
@@ -501,10 +510,10 @@ class Monitor:
             self._stager.flush()  # the first call's values first
             self._add_stats(record, device, slot, x, nonnegative)
         else:
-            if not self._stager.put(slot, x, nonnegative):  # a large tensor: at once
+            numel = ran[index] = x.numel()
+            if not self._stager.put(slot, x, mode, device, numel):  # a large tensor: at once
                 cells = self._table.cells(device)
                 checks.write_stats(x, cells, slot.base, *slot.flags, nonnegative=nonnegative)
-            ran[index] = x.numel()
             record.units[device][index] = checks.unit_count(x.shape) if slot.zeros else 0
         if slot.retain:
             record.kept[index] = x
@@ -535,10 +544,8 @@ class Monitor:
         """
         if not self._grad_enabled():
             return
-        import torch
-
         for x in inputs:
-            if isinstance(x, torch.Tensor) and x.requires_grad and _first_claim(x, name):
+            if isinstance(x, self._tensor) and x.requires_grad and _first_claim(x, name):
                 node = x.grad_fn
                 if node is None:
                     x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
@@ -821,7 +828,7 @@ class Monitor:
 
 
 def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
-    return [tuple(x.shape) for x in inputs if hasattr(x, "shape")]
+    return [x.shape for x in inputs if hasattr(x, "shape")]
 
 
 def _is_compiling() -> Callable[[], bool]:

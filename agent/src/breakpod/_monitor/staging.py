@@ -51,12 +51,12 @@ class Stager:
         self._indexes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
         self._busy = False  # some group holds rows
 
-    def put(self, slot: Slot, x: Any, nonnegative: bool) -> bool:
-        """Stage ``x`` (detached) for ``slot``; False when it takes the direct path."""
-        if x.numel() > MAX_NUMEL:
+    def put(self, slot: Slot, x: Any, mode: str, device: Any, numel: int) -> bool:
+        """Stage ``x`` (detached, ``numel`` values on ``device``) for ``slot``, whose
+        dead-unit ``mode`` is :func:`mode`; False when it takes the direct path."""
+        if numel > MAX_NUMEL:
             return False
-        mode = _mode(slot, nonnegative)
-        key = (x.shape, x.dtype, x.device, mode)
+        key = (x.shape, x.dtype, device, mode)
         group = self._groups.get(key)
         if group is None:
             if len(self._groups) >= MAX_GROUPS:
@@ -121,7 +121,11 @@ class Stager:
         return found
 
 
-def _mode(slot: Slot, nonnegative: bool) -> str:
+def mode(slot: Slot, nonnegative: bool) -> str:
+    """How a slot's dead units are counted: its rows share blocks with others alike.
+
+    ``nonnegative``: the module's output is >= 0 or NaN (a ReLU), see
+    :func:`~breakpod._monitor.checks.unit_maxima`."""
     if not slot.zeros:
         return ""
     return "pre_relu" if slot.pre_relu else "nonnegative" if nonnegative else "abs"

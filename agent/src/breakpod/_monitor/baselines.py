@@ -1,0 +1,132 @@
+"""Gradient-norm baselines of one ``grad_norm`` rule, judged as vectors.
+
+A model of hundreds of modules has hundreds of groups (a module's parameters,
+by default); judging each in Python every step cost more than the norms
+themselves. Here a step's norms become one vector: group norms by one
+``index_add_``, the absolute limits, the warm-up (the median of the first
+``warmup_steps`` norms, once positive) and the baseline (an EMA of log norms
+over about ``window`` steps, moved only by healthy steps) are all vector
+operations, and Python sees only the groups that are out of range.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from breakpod._monitor.rules import Rule
+
+EXPLODING, VANISHING = "exploding", "vanishing"
+
+
+class NormBaselines:
+    """One rule's parameter groups: :meth:`judge` a step's gradient norms against them."""
+
+    def __init__(self, rule: Rule, params: Sequence[Any]) -> None:
+        import torch
+
+        self.rule = rule
+        group = rule["group"]
+        self.ids = [i for i, info in enumerate(params) if rule.name in info.rules]
+        keys = [
+            {"module": params[i].module, "param": params[i].name, "total": "<total>"}[group]
+            for i in self.ids
+        ]
+        position: dict[str, int] = {}
+        for key in keys:
+            position.setdefault(key, len(position))
+        self.names = list(position)
+        self._group_of = torch.tensor([position[k] for k in keys], dtype=torch.long)
+        size, f64 = len(self.names), torch.float64
+        self._log_base = torch.full((size,), math.nan, dtype=f64)
+        self._warm = torch.full((rule["warmup_steps"], size), math.nan, dtype=f64)
+        self._warmed = torch.zeros(size, dtype=torch.long)  # norms seen during warm-up
+        self._alpha = 2 / (rule["window"] + 1)
+        self.seen = [False] * size
+
+    def judge(self, grads: dict[int, float]) -> dict[int, tuple[str, float, str]]:
+        """``{group: (kind, norm, summary)}`` for the groups out of range this step;
+        the others warm up or move their baselines."""
+        import torch
+
+        if not self.ids:
+            return {}
+        present = [i in grads for i in self.ids]
+        norms = torch.tensor([grads.get(i, 0.0) for i in self.ids], dtype=torch.float64)
+        mask = torch.tensor(present)
+        norm = torch.zeros(len(self.names), dtype=torch.float64)
+        norm.index_add_(0, self._group_of[mask], norms[mask].square()).sqrt_()
+        seen = torch.zeros(len(self.names), dtype=torch.bool)
+        seen[self._group_of[mask]] = True
+        self.seen = seen.tolist()  # groups with a gradient this step
+        judged = seen & torch.isfinite(norm)  # the nonfinite rule reports the others
+        out: dict[int, tuple[str, float, str]] = {}
+        absolute = self._absolute(norm, judged, out)
+        relative = judged & ~absolute
+        based = ~torch.isnan(self._log_base)
+        self._warm_up(norm, relative & ~based)
+        self._relative(norm, relative & based, out)
+        return out
+
+    def _absolute(self, norm: Any, judged: Any, out: dict[int, tuple[str, float, str]]) -> Any:
+        """``max_norm`` and ``min_norm``: out of range whatever the baseline."""
+        import torch
+
+        rule, flagged = self.rule, torch.zeros_like(judged)
+        for kind, limit, beyond, word in (
+            (EXPLODING, rule["max_norm"], norm.gt, "above max_norm"),
+            (VANISHING, rule["min_norm"], norm.lt, "below min_norm"),
+        ):
+            if limit is None:
+                continue
+            hit = judged & ~flagged & beyond(limit)
+            for g in hit.nonzero().flatten().tolist():
+                value = float(norm[g])
+                summary = f"gradient norm of {self._label(g)} is {value:.4g}, {word} {limit:g}"
+                out[g] = (kind, value, summary)
+            flagged |= hit
+        return flagged
+
+    def _warm_up(self, norm: Any, warming: Any) -> None:
+        """The latest ``warmup_steps`` norms per group; their median, once positive, is
+        the baseline."""
+        import torch
+
+        groups = warming.nonzero().flatten()
+        if not len(groups):
+            return
+        rows = self._warmed[groups] % len(self._warm)
+        self._warm[rows, groups] = norm[groups]
+        self._warmed[groups] += 1
+        full = groups[self._warmed[groups] >= len(self._warm)]
+        if len(full):
+            median = torch.quantile(self._warm[:, full], 0.5, dim=0)  # the mean of two middles
+            ready = full[median > 0]
+            self._log_base[ready] = median[median > 0].log()
+
+    def _relative(self, norm: Any, judged: Any, out: dict[int, tuple[str, float, str]]) -> None:
+        """Against the baseline: out of range, or a healthy step that moves it."""
+        import torch
+
+        rule, base = self.rule, self._log_base.exp()
+        exploding = judged & (norm > rule["explode_factor"] * base)
+        vanishing = judged & ~exploding & (norm < rule["vanish_factor"] * base)
+        for kind, hit, factor in (
+            (EXPLODING, exploding, "explode_factor"),
+            (VANISHING, vanishing, "vanish_factor"),
+        ):
+            for g in hit.nonzero().flatten().tolist():
+                value, was = float(norm[g]), float(base[g])
+                summary = (
+                    f"gradient norm of {self._label(g)} is {value:.4g}, {value / was:.3g}x its "
+                    f"baseline {was:.4g} ({factor} {rule[factor]:g})"
+                )
+                out[g] = (kind, value, summary)
+        healthy = judged & ~exploding & ~vanishing & (norm > 0)
+        moved = self._log_base[healthy]
+        self._log_base[healthy] = moved + self._alpha * (torch.log(norm[healthy]) - moved)
+
+    def _label(self, group: int) -> str:
+        name = self.names[group]
+        return name if name != "<total>" else "all parameters"
