@@ -88,22 +88,9 @@ class Stager:
 
         n, slots = len(group.slots), group.slots
         block = group.block[:n]
-        flat = block.reshape(n, -1)
         wanted = _columns(slots)
-        f32 = torch.float32
-        columns = []
-        for column in wanted:
-            if column == TOTAL:
-                columns.append(flat.sum(1, dtype=f32))
-            elif column == MEAN_ABS:
-                columns.append(torch.linalg.vector_norm(flat, 1, dim=1, dtype=f32))
-            elif column == ZEROS:
-                columns.append(_live_units(block, group.mode))
-            elif column == NORM:
-                columns.append(torch.linalg.vector_norm(flat, 2, dim=1, dtype=f32))
-            else:  # the CPU's aminmax over a dim is a slow path: amin and amax are not
-                columns.append((flat.amin(1) if column == LOW else flat.amax(1)).to(f32))
-        values = torch.stack(columns, 1).flatten()
+        computed = _statistics(block, group.mode, wanted)
+        values = torch.stack([computed[c] for c in wanted], 1).flatten()
         source, target = self._index(block.device, slots, wanted)
         self.table.write(block.device, target, values.index_select(0, source))
         slots.clear()
@@ -150,13 +137,42 @@ def _columns(slots: list[Slot]) -> tuple[int, ...]:
     return tuple(c for c, on in enumerate([*flags, flight, flight, flight]) if on)
 
 
-def _live_units(block: Any, mode: str) -> Any:
-    """Per row, the count of units non-zero somewhere in its batch (one or two kernels)."""
+def _statistics(block: Any, mode: str, wanted: tuple[int, ...]) -> dict[int, Any]:
+    """Each wanted column for every row of ``block``, in as few passes over it as may be.
+
+    The non-finite signal is ``min + max`` (NaN when either is, +Inf or -Inf as
+    a sum would be, NaN for both together), not a third pass for ``sum x``.
+    Rows of a ReLU's output (``nonnegative``) take their max and the live-unit
+    count from one per-unit max; their min is the least per-unit max (>= the
+    true min, >= 0: the same ``max |x|`` and non-finite kinds, which is what
+    the flight recorder reads of it).
+    """
     import torch
 
-    dims = tuple(d + 1 for d in checks.batch_dims(block.dim() - 1))
-    per_unit = checks.unit_maxima(block, dims, mode == "pre_relu", mode == "nonnegative")
-    return torch.linalg.vector_norm(per_unit.reshape(len(block), -1), 0, dim=1, dtype=torch.float32)
+    f32, n = torch.float32, len(block)
+    flat = block.reshape(n, -1)
+    out: dict[int, Any] = {}
+    if MEAN_ABS in wanted:
+        out[MEAN_ABS] = torch.linalg.vector_norm(flat, 1, dim=1, dtype=f32)
+    if NORM in wanted:
+        out[NORM] = torch.linalg.vector_norm(flat, 2, dim=1, dtype=f32)
+    per_unit = None
+    if ZEROS in wanted or mode == "nonnegative":
+        dims = tuple(d + 1 for d in checks.batch_dims(block.dim() - 1))
+        per_unit = checks.unit_maxima(block, dims, mode == "pre_relu", mode == "nonnegative")
+        per_unit = per_unit.reshape(n, -1)
+    if ZEROS in wanted:
+        out[ZEROS] = torch.linalg.vector_norm(per_unit, 0, dim=1, dtype=f32)
+    if TOTAL in wanted or LOW in wanted:
+        if mode == "nonnegative":
+            low, high = per_unit.amin(1), per_unit.amax(1)  # type: ignore[union-attr]
+        elif block.device.type == "cpu":  # the CPU's aminmax over a dim is a slow path
+            low, high = flat.amin(1), flat.amax(1)
+        else:
+            low, high = torch.aminmax(flat, dim=1)
+        out[LOW], out[HIGH] = low.to(f32), high.to(f32)
+        out[TOTAL] = out[LOW] + out[HIGH]
+    return out
 
 
 def _index(device: Any, slots: list[Slot], wanted: tuple[int, ...]) -> tuple[Any, Any]:
