@@ -514,7 +514,8 @@ class Monitor:
             if not self._stager.put(slot, x, mode, device, numel):  # a large tensor: at once
                 cells = self._table.cells(device)
                 checks.write_stats(x, cells, slot.base, *slot.flags, nonnegative=nonnegative)
-            record.units[device][index] = checks.unit_count(x.shape) if slot.zeros else 0
+            if slot.zeros:
+                record.units[device][index] = checks.unit_count(x.shape)
         if slot.retain:
             record.kept[index] = x
 

@@ -50,7 +50,7 @@ class StepRecord:
     eval_only: bool = False  # its stats so far come from no_grad passes (evaluation)
     # device -> {slot index: numel}, in execution order: the slots whose hooks ran
     ran: dict[Any, dict[int, int]] = dataclasses.field(default_factory=dict)
-    # device -> {slot index: units (0 without a dead_units column)}, in the same order as ran
+    # device -> {slot index: units}, for the slots with a dead_units column only
     units: dict[Any, dict[int, int]] = dataclasses.field(default_factory=dict)
     kept: dict[int, Any] = dataclasses.field(default_factory=dict)  # for break/snapshot rules
 
@@ -147,7 +147,7 @@ class SlotTable:
             return []
         index = torch.tensor(list(ran), dtype=torch.long)
         numel = torch.tensor(list(ran.values()), dtype=torch.float64)
-        unit = torch.tensor(list(units.values()), dtype=torch.float64)
+        unit = torch.tensor([units.get(i, 0) for i in ran], dtype=torch.float64)
         vals = values.double()
         total, absc, zeros = self._total[index], self._abs[index], self._zeros[index]
         flag = (total >= 0) & ~torch.isfinite(vals[total.clamp(min=0)])
