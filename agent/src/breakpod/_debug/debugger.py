@@ -10,7 +10,6 @@ Parking is a layer above (``shim``); :func:`start_listener` takes the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib.util
 import logging
 import os
@@ -19,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType, TracebackType
-from typing import Any
+from typing import Any, NamedTuple
 
 from breakpod import protocol
 from breakpod._core import events, net, wiring
@@ -34,8 +33,7 @@ DAP = protocol.DAP_LISTENER
 DEBUGPY_MODULE = DAP  # the listener is named after the package that provides it
 
 
-@dataclasses.dataclass(frozen=True)
-class Endpoint:
+class Endpoint(NamedTuple):  # not a dataclass: a fifth of its cost on a cold breakpoint()
     """Where a listener accepts clients."""
 
     backend: str
