@@ -3,6 +3,8 @@
 STALL_RANK=2 STALL_KIND=block|spin STALL_AT=5 STEPS=200 COLLECTIVE=ddp|all_reduce
 PARK_RANK=1 PARK_AT=3 (breakpoint() there)  PG_TIMEOUT=SECONDS (the process group's own)
 WATCH=1 (breakpod.watch the model: monitors and the flight recorder)
+STOP_FILE=PATH (every rank ends its loop at the step after PATH appears: a job that runs
+until the test is done with it, however slowly a loaded machine started it)
 """
 
 import datetime
@@ -28,6 +30,7 @@ COLLECTIVE = os.environ.get("COLLECTIVE", "ddp")
 PARK_RANK = int(os.environ.get("PARK_RANK", "-1"))
 PARK_AT = int(os.environ.get("PARK_AT", "3"))
 PG_TIMEOUT = float(os.environ.get("PG_TIMEOUT", "0")) or None
+STOP_FILE = os.environ.get("STOP_FILE")
 
 
 def fetch_batch(step):
@@ -44,6 +47,13 @@ def spin_forever():
     n = 0
     while True:  # pure Python, holding the GIL
         n += 1
+
+
+def told_to_stop():
+    """Rank 0 looks for STOP_FILE; every rank learns its answer, so all stop at one step."""
+    flag = torch.tensor([float(RANK == 0 and os.path.exists(STOP_FILE))])
+    dist.all_reduce(flag)
+    return bool(flag.item())
 
 
 def main():
@@ -66,6 +76,8 @@ def main():
         opt.step()
         breakpod.step()
         time.sleep(STEP_SLEEP)
+        if STOP_FILE and told_to_stop():
+            break
     dist.barrier()
     total = sum(float(p.detach().double().sum()) for p in model.parameters())
     print(f"rank {RANK} done, parameters {total!r}", file=sys.stderr, flush=True)

@@ -36,7 +36,8 @@ def test_a_job_wide_break_parks_every_rank_at_one_step_and_one_continue_resumes_
     broker, tmp_path: Path
 ):
     base = free_ports(4)
-    env = debug_env(base, STEPS="300", STEP_SLEEP="0.1")
+    stop = tmp_path / "stop"  # the job runs until told: a slow start cannot outrun the break
+    env = debug_env(base, STEPS="100000", STEP_SLEEP="0.1", STOP_FILE=str(stop))
     env.update(BREAKPOD_BROKER_URL=broker.url, BREAKPOD_AGENT_TOKEN=AGENT)
     job = Job(tmp_path, 4, PORT, **env)
     try:
@@ -58,6 +59,7 @@ def test_a_job_wide_break_parks_every_rank_at_one_step_and_one_continue_resumes_
         at = int(parked["3"])
         dialogue = pdb_session(base + 3, "p step", "c")
         assert f"\n{at - 1}\n" in dialogue  # the loop's step variable (0-based)
+        stop.touch()
         assert job.wait(timeout=150) == 0, job.stderr
     finally:
         job.kill()
