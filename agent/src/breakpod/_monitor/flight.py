@@ -83,6 +83,9 @@ class FlightRecorder:
         self._rows: list[_Row | None] = [None] * size
         self._count = 0  # steps recorded
         self._last_end: float | None = None
+        # the previous row's slots: a row of a model of 800 modules holds a dict of
+        # 1,600 entries, and 64 rows of the same dict cost megabytes of host memory
+        self._last_ran: dict[Any, dict[int, int]] = {}
         self._fields: tuple[int, dict[str, Any]] | None = None  # (steps recorded, fields)
         RECORDERS.add(self)
         events.add_enricher((protocol.ANOMALY, protocol.STALL), event_fields)
@@ -95,7 +98,10 @@ class FlightRecorder:
         now = time.perf_counter()
         seconds = math.nan if self._last_end is None else now - self._last_end
         self._last_end = now
-        self._rows[pos] = _Row(record.step, seconds, record.ran)
+        ran = record.ran
+        if ran == self._last_ran:  # the same slots as the step before, as usual: share it
+            ran = self._last_ran
+        self._rows[pos], self._last_ran = _Row(record.step, seconds, ran), ran
         self._count += 1
         loss = next((e.vec for e in record.entries if e.kind == "loss"), None)
         if loss is not None:

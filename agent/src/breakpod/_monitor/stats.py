@@ -68,7 +68,10 @@ class SlotTable:
 
         self.slots = list(slots)
         self.width = sum(s.width for s in slots)
-        self._buffers: dict[Any, tuple[Any, list[Any]]] = {}
+        self._buffers: dict[Any, Any] = {}
+        # 0-d views of each buffer for the direct path, made on its first use: one Python
+        # tensor object per column, megabytes on a model of hundreds of modules
+        self._cells: dict[Any, list[Any]] = {}
         self._by_module: dict[str, list[int]] = {}
         for s in slots:
             self._by_module.setdefault(s.module, []).append(s.index)
@@ -83,26 +86,22 @@ class SlotTable:
         self._any = n > 0
 
     def cells(self, device: Any) -> list[Any]:
-        """The 0-d views hooks write into on ``device`` (the buffer is made on first use)."""
-        found = self._buffers.get(device)
+        """The 0-d views the direct path writes into on ``device``."""
+        found = self._cells.get(device)
         if found is None:
-            import torch
-
-            buffer = torch.zeros(self.width, device=device)
-            found = self._buffers[device] = (buffer, list(buffer.unbind()))
-        return found[1]
+            found = self._cells[device] = list(self.buffer(device).unbind())
+        return found
 
     def write(self, device: Any, cells: Any, values: Any) -> None:
         """``values`` into the buffer's ``cells`` (a staged block's statistics: one kernel)."""
-        self.cells(device)
-        self._buffers[device][0].index_copy_(0, cells, values)
+        self.buffer(device).index_copy_(0, cells, values)
 
     def add_into(self, device: Any, slot: Slot, scratch: Any) -> None:
         """A second call of a module in one step: its statistics add to the first's
         (the flight columns combine as norms and extremes do)."""
         import torch
 
-        buffer = self._buffers[device][0]
+        buffer = self._buffers[device]
         end = slot.base + slot.rule_width
         buffer[slot.base : end].add_(scratch[: slot.rule_width])
         if slot.flight:
@@ -112,13 +111,18 @@ class SlotTable:
             torch.maximum(high, scratch[-1], out=high)
 
     def buffer(self, device: Any) -> Any:
-        """This step's buffer on ``device`` (made by the first hook that wrote there)."""
-        return self._buffers[device][0]
+        """This step's buffer on ``device`` (made on first use)."""
+        found = self._buffers.get(device)
+        if found is None:
+            import torch
+
+            found = self._buffers[device] = torch.zeros(self.width, device=device)
+        return found
 
     def snapshot(self, record: StepRecord) -> None:
         """The step's end: one copy of each device's buffer that some hook wrote."""
         for device, ran in record.ran.items():
-            buffer = self._buffers[device][0].clone()
+            buffer = self._buffers[device].clone()
             units = record.units[device]
             record.entries.append(Entry("slots", buffer, keys=ran, tensor=record.kept, units=units))
 
