@@ -7,9 +7,9 @@ dtype, device and dead-unit mode (one copy, no allocation, the value as it
 was when the hook saw it, whatever in-place op follows), and each full block
 is reduced at once: a handful of kernels over up to :data:`BLOCK_BYTES`
 (:data:`CPU_BLOCK_BYTES` on a CPU) whatever the row count, whose results land
-in the slot table's columns with one indexed copy. The step's end reduces what is left. Large tensors, whose
-kernels cost more than their launch, keep the direct path
-(:func:`~breakpod._monitor.checks.write_stats`).
+in the slot table's columns with one indexed copy. The step's end reduces
+what is left. Large tensors, whose kernels cost more than their launch, keep
+the direct path (:func:`~breakpod._monitor.checks.write_stats`).
 """
 
 from __future__ import annotations
