@@ -29,7 +29,7 @@ def slots(n: int, **flags) -> list[Slot]:
 
 
 def put(stager: staging.Stager, slot: Slot, x: torch.Tensor, nonnegative: bool = False) -> bool:
-    return stager.put(slot, x, staging.mode(slot, nonnegative), x.device, x.numel())
+    return stager.put(slot, x, staging.unit_mode(slot, nonnegative), x.device, x.numel())
 
 
 def verdict(column: torch.Tensor) -> torch.Tensor:

@@ -440,7 +440,7 @@ class Monitor:
         tensor_type = torch.Tensor
         # outputs >= 0 (or NaN) by construction: dead units take one cheap max (checks.py)
         nonnegative = type(module) in (torch.nn.ReLU, torch.nn.ReLU6)
-        mode = staging.mode(slot, nonnegative) if slot is not None else ""
+        mode = staging.unit_mode(slot, nonnegative) if slot is not None else ""
         grad_hook = self._grad_hook(back) if back is not None else None
         pre_hooks: dict[int, Callable[[Any], None]] = {}  # output index -> node pre-hook
         seen = self.shapes
@@ -498,7 +498,7 @@ class Monitor:
     def _write_stats(self, slot: Slot, x: Any, nonnegative: bool = False, mode: str = "") -> None:
         """The slot's statistics into this step's buffer; the host notes that it ran.
 
-        ``mode``: :func:`.staging.mode` of the slot (made once per hook, not per call).
+        ``mode``: :func:`.staging.unit_mode` of the slot (made once per hook, not per call).
         """
         record, device = self._current, x.device
         ran = record.ran.get(device)

@@ -56,7 +56,7 @@ class Stager:
 
     def put(self, slot: Slot, x: Any, mode: str, device: Any, numel: int) -> bool:
         """Stage ``x`` (detached, ``numel`` values on ``device``) for ``slot``, whose
-        dead-unit ``mode`` is :func:`mode`; False when it takes the direct path."""
+        dead-unit ``mode`` is :func:`unit_mode`; False when it takes the direct path."""
         if numel > MAX_NUMEL:
             return False
         key = (x.shape, x.dtype, device, mode)
@@ -111,7 +111,7 @@ class Stager:
         return found
 
 
-def mode(slot: Slot, nonnegative: bool) -> str:
+def unit_mode(slot: Slot, nonnegative: bool) -> str:
     """How a slot's dead units are counted: its rows share blocks with others alike.
 
     ``nonnegative``: the module's output is >= 0 or NaN (a ReLU), see
