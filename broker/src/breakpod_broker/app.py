@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import reprlib
@@ -33,6 +34,7 @@ from breakpod_broker import (
     commands,
     dashboard,
     events,
+    joblog,
     listing,
     redis_clients,
     sessions,
@@ -61,7 +63,13 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with _running(settings or BrokerSettings()) as broker:
             app.state.broker = broker
-            yield
+            closing: asyncio.Event | None = getattr(app.state, "closing", None)
+            shut = asyncio.create_task(_shut_when(closing, broker.wakeups)) if closing else None
+            try:
+                yield
+            finally:
+                if shut is not None:
+                    shut.cancel()
 
     # no public /docs: every endpoint but the health checks needs a token, the schema too
     app = FastAPI(
@@ -78,6 +86,13 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit)
     app.add_middleware(HeartbeatFastPath)  # outside BodyLimit: it reads the few bytes itself
     return app
+
+
+async def _shut_when(closing: asyncio.Event, wakeups: CommandWakeups) -> None:
+    """Once the server begins to shut down (serving.py), waiting command polls answer
+    503 at once: one task per replica, not one per poll."""
+    await closing.wait()
+    wakeups.shut()
 
 
 @contextlib.asynccontextmanager
@@ -118,7 +133,7 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
         liveness = Liveness(settings, client)
         stack.push_async_callback(liveness.close)
         await liveness.count()
-        yield Broker(
+        broker = Broker(
             settings,
             client,
             TokenStore(static, client),
@@ -132,6 +147,9 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
             cluster=clients.cluster,
             liveness=liveness,
         )
+        # a job-wide command's new entries read once for all the polls it wakes
+        wakeups.read_job = functools.partial(joblog.after, broker)
+        yield broker
 
 
 def _static_tokens(settings: BrokerSettings) -> dict[str, Principal]:
