@@ -39,6 +39,7 @@ from breakpod_broker.models import (
     SessionOut,
 )
 from breakpod_broker.sessions import owned, owned_from, visible
+from breakpod_broker.tokens import Principal
 
 router = APIRouter(tags=["commands"])
 MAX_PER_POLL = 16
@@ -120,7 +121,14 @@ async def poll(
 
     Commands come oldest first, redelivered ones too; ``delivered`` is recorded
     once per command, when it first leaves the queue. Commands sent to the
-    session's job follow its own, until acknowledged."""
+    session's job follow its own, until acknowledged. (fastpath.py serves the
+    common case of this route below FastAPI, with :func:`answer_poll`.)"""
+    answer = await answer_poll(broker, who, session_id, wait)
+    return Response(answer, media_type="application/json")
+
+
+async def answer_poll(broker: Broker, who: Principal, session_id: str, wait: float) -> bytes:
+    """The poll's answer, a CommandList's JSON; HTTPException as the route answers."""
     # two round trips before a poll waits (a job's thousands of polls arrive at once):
     # the session with what it has yet to acknowledge, then (in the first look)
     # its alive key with its queue
@@ -149,13 +157,13 @@ async def poll(
     return _answer(session_id, commands, for_job)
 
 
-def _answer(session_id: str, own: list[Command], for_job: list[joblog.Entry]) -> Response:
+def _answer(session_id: str, own: list[Command], for_job: list[joblog.Entry]) -> bytes:
     """The poll's CommandList as JSON, written by hand: a job command's JSON is encoded
     once per replica (joblog.Entry), not once per poll (a ``break`` to a job answers
     thousands of polls at once)."""
     parts = [c.model_dump_json().encode() for c in own]
     parts += [entry.json_for(session_id) for entry in for_job]
-    return Response(b'{"commands":[' + b",".join(parts) + b"]}", media_type="application/json")
+    return b'{"commands":[' + b",".join(parts) + b"]}"
 
 
 JobCursor = tuple[str, str]  # (the job's command stream, the session's cursor in it)
