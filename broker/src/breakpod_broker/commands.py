@@ -13,14 +13,11 @@ commands; it is recorded on a session when that session acknowledges it
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import Coroutine
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi import APIRouter, HTTPException, Query, Response
 from redis.exceptions import RedisError
 
 from breakpod import protocol
@@ -42,6 +39,7 @@ from breakpod_broker.models import (
     SessionOut,
 )
 from breakpod_broker.sessions import owned, owned_from, visible
+from breakpod_broker.tokens import Principal
 
 router = APIRouter(tags=["commands"])
 MAX_PER_POLL = 16
@@ -117,14 +115,20 @@ async def poll(
     session_id: SessionId,
     who: Agent,
     broker: BrokerDep,
-    request: Request,
     wait: Annotated[float, Query(ge=0, le=300, description="seconds to wait for a command")] = 20.0,
-) -> CommandList:
+) -> Response:
     """Long-poll: unacknowledged commands at once, else wait up to ``wait`` seconds for new ones.
 
     Commands come oldest first, redelivered ones too; ``delivered`` is recorded
     once per command, when it first leaves the queue. Commands sent to the
-    session's job follow its own, until acknowledged."""
+    session's job follow its own, until acknowledged. (fastpath.py serves the
+    common case of this route below FastAPI, with :func:`answer_poll`.)"""
+    answer = await answer_poll(broker, who, session_id, wait)
+    return Response(answer, media_type="application/json")
+
+
+async def answer_poll(broker: Broker, who: Principal, session_id: str, wait: float) -> bytes:
+    """The poll's answer, a CommandList's JSON; HTTPException as the route answers."""
     # two round trips before a poll waits (a job's thousands of polls arrive at once):
     # the session with what it has yet to acknowledge, then (in the first look)
     # its alive key with its queue
@@ -139,19 +143,31 @@ async def poll(
     if pending:
         await _touch(broker, session_id)
         own = [Command.model_validate_json(raw) for raw in pending]
-        return CommandList(
-            commands=own + (await joblog.pending(broker, session_id, *job) if job else [])
-        )
+        return _answer(session_id, own, await joblog.after(broker, *job) if job else [])
     wait = min(wait, broker.settings.max_poll_seconds)
-    taken, for_job = await unless_closing(request, _take_when_queued(broker, session_id, wait, job))
+    try:
+        taken, for_job = await _take_when_queued(broker, session_id, wait, job)
+    except RedisError as e:
+        raise HTTPException(
+            503, f"Redis unavailable ({type(e).__name__}): poll again", {"Retry-After": "1"}
+        ) from None
     commands = [Command.model_validate_json(raw) for raw in taken]
     for command in commands:
         await _record(broker, session, command, "delivered")
-    return CommandList(commands=commands + for_job)
+    return _answer(session_id, commands, for_job)
+
+
+def _answer(session_id: str, own: list[Command], for_job: list[joblog.Entry]) -> bytes:
+    """The poll's CommandList as JSON, written by hand: a job command's JSON is encoded
+    once per replica (joblog.Entry), not once per poll (a ``break`` to a job answers
+    thousands of polls at once)."""
+    parts = [c.model_dump_json().encode() for c in own]
+    parts += [entry.json_for(session_id) for entry in for_job]
+    return b'{"commands":[' + b",".join(parts) + b"]}"
 
 
 JobCursor = tuple[str, str]  # (the job's command stream, the session's cursor in it)
-Taken = tuple[list[str], list[Command]]  # the session's own commands (JSON), its job's
+Taken = tuple[list[str], list[joblog.Entry]]  # the session's own commands (JSON), its job's
 
 
 async def _job_cursor(broker: Broker, session: SessionOut, cursor: str | None) -> JobCursor | None:
@@ -165,50 +181,34 @@ async def _job_cursor(broker: Broker, session: SessionOut, cursor: str | None) -
     return stream, cursor
 
 
-async def unless_closing(request: Request, work: Coroutine[Any, Any, Taken]) -> Taken:
-    """``work``'s result, or 503 once the broker begins to shut down (or loses Redis)
-    while it waits: the agent polls again. A command taken meanwhile stays in
-    ``delivered`` and is handed out by the next poll."""
-    closing: asyncio.Event | None = getattr(request.app.state, "closing", None)
-    task = asyncio.ensure_future(work)
-    stop = asyncio.ensure_future(closing.wait() if closing else asyncio.Future())
-    try:
-        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, RedisError):
-            await task
-        raise HTTPException(503, "the broker is shutting down: poll again", {"Retry-After": "1"})
-    try:
-        return task.result()
-    except RedisError as e:
-        raise HTTPException(
-            503, f"Redis unavailable ({type(e).__name__}): poll again", {"Retry-After": "1"}
-        ) from None
-
-
 async def _take_when_queued(
     broker: Broker, session_id: str, wait: float, job: JobCursor | None
 ) -> Taken:
     """Queued commands (and the job's unacknowledged ones) at once, else the first
     ones within ``wait`` seconds: woken by the replica's subscription (wakeups.py),
-    taken with a plain LMOVE (read from the job's stream)."""
+    taken with a plain LMOVE; the job's read once for all the polls it wakes. 503
+    at once when the broker begins to shut down (the agent polls again; a command
+    taken meanwhile stays in ``delivered`` and is handed out by the next poll)."""
     deadline = time.monotonic() + wait
-    stream = job[0] if job else None
+    stream, cursor = job if job else (None, None)
     first = True
-    with broker.wakeups.waiter(session_id, stream) as woken:  # before the first look: none missed
+    # registered before the first look: no command is missed
+    with broker.wakeups.waiter(session_id, stream, cursor) as woken:
         while True:
-            taken = await _take(broker, session_id, touch=first) if woken.own else []
+            if broker.wakeups.closing:
+                raise HTTPException(
+                    503, "the broker is shutting down: poll again", {"Retry-After": "1"}
+                )
+            own, for_job, found = woken.own, woken.job and stream, woken.found
+            woken.clear()  # a wake-up during this look makes the next wait return at once
+            taken = await _take(broker, session_id, touch=first) if own else []
             first = False
-            for_job = await joblog.pending(broker, session_id, *job) if job and woken.job else []
+            if for_job and found is None:
+                found = await joblog.after(broker, *job) if job else []
             left = deadline - time.monotonic()
-            if taken or for_job or left <= 0:
-                return taken, for_job
-            woken.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(woken.event.wait(), left)
+            if taken or (for_job and found) or left <= 0:
+                return taken, (found or []) if for_job else []
+            await woken.wait(left)
 
 
 async def _touch(broker: Broker, session_id: str) -> None:

@@ -1,4 +1,5 @@
-"""The heartbeat's fast path: the common case served below FastAPI's routing.
+"""The heartbeat's and the command poll's fast paths: the common case served below
+FastAPI's routing.
 
 A heartbeat is the broker's most frequent request (every session, every few
 seconds). Profiled under bench/scale.py, the handler (one Lua call) was a
@@ -10,24 +11,45 @@ valid body, a session the token owns. It does exactly what
 unknown token, wrong role, invalid body, a missing or foreign session: the
 script then wrote nothing) goes to the app unchanged, which answers with its
 usual status and message.
+
+A command long-poll (``PollFastPath``) is the other request that comes by the
+thousand: a job-wide ``break`` answers every waiting poll of the job at once,
+and what each answer costs after the wake-up is the ``break``'s latency. Served
+here, an answer is two ASGI messages to the server; through FastAPI it was the
+unwinding of its routing, dependencies, exception middleware and response
+classes, about half of the broker's CPU per answer (profiled under
+bench/scale.py). The fast path takes a known agent (or admin) bearer token and
+a plain ``wait`` (or none), and then does exactly what the route does
+(``commands.answer_poll``), answering its errors as FastAPI would (``{"detail":
+...}``, the status and headers of the HTTPException). Anything else goes to
+the app, which answers with its usual status and message.
 """
 
 from __future__ import annotations
 
+import json
 import re
 
+from fastapi import HTTPException
 from pydantic import ValidationError
 from redis.exceptions import RedisError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from breakpod import protocol
+from breakpod_broker.commands import answer_poll
 from breakpod_broker.models import Heartbeat
 from breakpod_broker.sessions import beat, heartbeat_session
-from breakpod_broker.tokens import Role
+from breakpod_broker.tokens import Principal, Role
 
-PATH = re.compile("^" + protocol.heartbeat_path(f"({protocol.SESSION_ID_PATTERN[1:-1]})") + "$")
+SESSION = f"({protocol.SESSION_ID_PATTERN[1:-1]})"
+PATH = re.compile("^" + protocol.heartbeat_path(SESSION) + "$")
+POLL_PATH = re.compile("^" + protocol.commands_path(SESSION) + "$")
+WAIT = re.compile(rb"^wait=([0-9]{1,3}(?:\.[0-9]{0,6})?)$")  # as the agent writes it (%g)
+DEFAULT_WAIT = 20.0  # the route's default
+MAX_WAIT = 300.0  # the route's bound
 ALLOWED = {Role.agent, Role.admin}
 MAX_BODY = 4096  # a heartbeat body is a few bytes; larger ones take the ordinary path
+JSON = (b"content-type", b"application/json")
 
 
 class HeartbeatFastPath:
@@ -45,22 +67,74 @@ class HeartbeatFastPath:
         if answer is None:  # the ordinary path decides, and says why
             await self.app(scope, replay_body(body, complete, receive), send)
             return
-        headers = [(b"content-type", b"application/json")]
-        headers.append((b"content-length", str(len(answer)).encode()))
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": answer})
+        await _respond(send, 200, answer)
+
+
+class PollFastPath:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        match = POLL_PATH.match(scope["path"]) if scope["type"] == "http" else None
+        wait = _wait(scope["query_string"]) if match is not None else None
+        if match is None or wait is None or scope["method"] != "GET":
+            await self.app(scope, receive, send)
+            return
+        who = await _principal(scope)
+        if who is None:
+            await self.app(scope, receive, send)
+            return
+        broker = scope["app"].state.broker
+        try:
+            answer = await answer_poll(broker, who, match.group(1), wait)
+        except HTTPException as e:  # as FastAPI's handler answers it
+            detail = json.dumps(
+                {"detail": e.detail}, ensure_ascii=False, separators=(",", ":")
+            ).encode()
+            extra = [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()]
+            await _respond(send, e.status_code, detail, extra)
+            return
+        except RedisError:  # the app polls again and answers as it does (503)
+            await self.app(scope, receive, send)
+            return
+        await _respond(send, 200, answer)
+
+
+def _wait(query: bytes) -> float | None:
+    """The poll's ``wait``; None when the query is anything else (the app decides)."""
+    if not query:
+        return DEFAULT_WAIT
+    found = WAIT.match(query)
+    wait = float(found.group(1)) if found else None
+    return wait if wait is not None and wait <= MAX_WAIT else None
+
+
+async def _respond(
+    send: Send, status: int, body: bytes, extra: list[tuple[bytes, bytes]] | None = None
+) -> None:
+    headers = [JSON, (b"content-length", str(len(body)).encode()), *(extra or ())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _principal(scope: Scope) -> Principal | None:
+    """The bearer token's principal when it may take a fast path; None otherwise."""
+    token = _bearer(scope)
+    try:
+        who: Principal | None = (
+            await scope["app"].state.broker.tokens.lookup(token) if token else None
+        )
+    except RedisError:
+        return None
+    return who if who is not None and who.role in ALLOWED else None
 
 
 async def _serve(scope: Scope, session_id: str, body: bytes) -> bytes | None:
     """The session's JSON after the heartbeat, or None when the app must answer."""
-    token = _bearer(scope)
+    who = await _principal(scope)
+    if who is None:
+        return None
     broker = scope["app"].state.broker
-    try:
-        who = await broker.tokens.lookup(token) if token else None
-    except RedisError:
-        return None
-    if who is None or who.role not in ALLOWED:
-        return None
     try:
         heartbeat = Heartbeat.model_validate_json(body or b"{}")
     except ValidationError:

@@ -16,14 +16,17 @@ id after a ``break`` does not park for that old ``break``, and an old ``resume``
 does not reach it either: both were meant for the ranks that were there.
 
 Replicas wake the polls of a job's sessions through the one subscription they
-already hold (wakeups.py, keys.JOB_COMMANDS_QUEUED). Thousands of polls woken
-at once read the stream through one shared XRANGE per cursor (``after``), not
-one each.
+already hold (wakeups.py, keys.JOB_COMMANDS_QUEUED), and read the stream for
+them once per cursor (``after``), not once each. Each entry is decoded and
+encoded once per replica (:class:`Entry`): a poll's answer is the entry's JSON
+with the session id put in, not a model validated and serialized per poll.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 import uuid
 from typing import Any
@@ -36,6 +39,34 @@ FIELD = "doc"  # the stream entry's one field: the JobCommand's JSON
 START = "0-0"  # the cursor of a session whose job has no command yet
 ACK_SCAN = 1000  # entries after its cursor an acknowledgement looks through
 MAX_PER_POLL = 16
+ENCODED_KEPT = 1000  # entries kept encoded per replica (a job's commands: a handful)
+PLACEHOLDER = "\x00"  # never in a session id (protocol.SESSION_ID_PATTERN)
+PLACEHOLDER_JSON = b'"\\u0000"'  # how pydantic writes it
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Entry:
+    """A job command as read from its stream, encoded once for every session: a
+    session's copy is ``head`` + the session id as JSON + ``tail``, byte for byte
+    what ``command.to(session_id).model_dump_json()`` writes."""
+
+    entry_id: str
+    command: JobCommand
+    head: bytes
+    tail: bytes
+
+    @classmethod
+    def decode(cls, entry_id: str, raw: str) -> Entry:
+        command = JobCommand.model_validate_json(raw)
+        head, mark, tail = (
+            command.to(PLACEHOLDER).model_dump_json().encode().partition(PLACEHOLDER_JSON)
+        )
+        assert mark, "the placeholder session id is in the encoded command"
+        return cls(entry_id, command, head, tail)
+
+    def json_for(self, session_id: str) -> bytes:
+        """The command as ``session_id`` receives it, as JSON."""
+        return self.head + json.dumps(session_id).encode() + self.tail
 
 
 def stream_of(session: SessionOut) -> str | None:
@@ -86,12 +117,13 @@ async def append(broker: Broker, job: str, body: JobCommandIn, by: str) -> JobCo
     return command
 
 
-async def after(broker: Broker, stream: str, cursor: str) -> list[tuple[str, JobCommand]]:
+async def after(broker: Broker, stream: str, cursor: str) -> list[Entry]:
     """The stream's entries after ``cursor``, oldest first (MAX_PER_POLL at most).
 
     One XRANGE per (stream, cursor) in flight on this replica: the thousands of
-    polls a job-wide command wakes at once mostly share one cursor."""
-    flights: dict[Any, asyncio.Future[list[tuple[str, JobCommand]]]]
+    polls arriving at once mostly share one cursor (and those a job-wide command
+    wakes get one reading from the replica's wake-ups)."""
+    flights: dict[Any, asyncio.Future[list[Entry]]]
     flights = broker.caches.setdefault("job command reads", {})
     key = (stream, cursor)
     flight = flights.get(key)
@@ -101,14 +133,23 @@ async def after(broker: Broker, stream: str, cursor: str) -> list[tuple[str, Job
     return await asyncio.shield(flight)  # a poll that goes away leaves the read to the others
 
 
-async def _read(broker: Broker, stream: str, cursor: str) -> list[tuple[str, JobCommand]]:
+async def _read(broker: Broker, stream: str, cursor: str) -> list[Entry]:
     entries = await broker.redis.xrange(stream, f"({cursor}", "+", count=MAX_PER_POLL)
-    return [(str(i), JobCommand.model_validate_json(f[FIELD])) for i, f in entries]
+    encoded: dict[tuple[str, str], Entry] = broker.caches.setdefault("job commands encoded", {})
+    found = []
+    for entry_id, fields in entries:
+        entry = encoded.get((stream, entry_id))
+        if entry is None:
+            if len(encoded) >= ENCODED_KEPT:
+                encoded.clear()
+            entry = encoded[stream, entry_id] = Entry.decode(str(entry_id), fields[FIELD])
+        found.append(entry)
+    return found
 
 
 async def pending(broker: Broker, session_id: str, stream: str, cursor: str) -> list[Command]:
     """The job commands the session has not acknowledged, as it receives them."""
-    return [command.to(session_id) for _, command in await after(broker, stream, cursor)]
+    return [entry.command.to(session_id) for entry in await after(broker, stream, cursor)]
 
 
 async def acknowledge(broker: Broker, session: SessionOut, command_id: str) -> Command | None:

@@ -11,10 +11,18 @@ client on that node.
 from __future__ import annotations
 
 import dataclasses
+import urllib.parse
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+
+try:
+    from redis.connection import HiredisRespSerializer
+    from redis.utils import HIREDIS_AVAILABLE
+except ImportError:  # an older redis-py: its own packer
+    HIREDIS_AVAILABLE = False
 
 from breakpod_broker.fanout import BLOCK_MS
 from breakpod_broker.settings import BrokerSettings
@@ -24,6 +32,41 @@ REDIS_TIMEOUT = 5.0  # seconds, for every non-blocking command and connection
 # (every agent of a job at once) waited past REDIS_TIMEOUT for one of 64
 POOL = 256
 CLUSTER_CONNECTIONS = 1000  # per node; RedisCluster fails (not waits) past it
+
+
+_SERIALIZER = HiredisRespSerializer() if HIREDIS_AVAILABLE else None
+
+
+class _HiredisPacked:
+    """A connection that packs commands with hiredis (C), as redis-py's sync client does
+    when hiredis is installed; its asyncio client packs in Python, ~60 us for one
+    ingest batch's Lua call of 50 events (8x hiredis). The same bytes, the same errors."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        assert _SERIALIZER is not None  # used only with hiredis
+        packed: list[bytes] = _SERIALIZER.pack(*args)
+        return packed
+
+
+class _PackedConnection(_HiredisPacked, Connection):
+    pass
+
+
+class _PackedSSLConnection(_HiredisPacked, SSLConnection):
+    pass
+
+
+class _PackedUnixConnection(_HiredisPacked, UnixDomainSocketConnection):
+    pass
+
+
+PACKED = {"redis": _PackedConnection, "rediss": _PackedSSLConnection, "unix": _PackedUnixConnection}
+
+
+def _packed(url: str) -> dict[str, Any]:
+    """The pool's connection class for ``url``, hiredis-packed (nothing without hiredis)."""
+    scheme = urllib.parse.urlsplit(url).scheme
+    return {"connection_class": PACKED[scheme]} if HIREDIS_AVAILABLE and scheme in PACKED else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +103,7 @@ async def connect(url: str, settings: BrokerSettings) -> Clients:
             cluster=True,
         )
     common["health_check_interval"] = 30
+    common.update(_packed(url))
     ordinary = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=POOL, timeout=REDIS_TIMEOUT, socket_timeout=REDIS_TIMEOUT, **common
     )
