@@ -168,3 +168,46 @@ def test_the_first_bad_module_of_many_blocks_is_named(monkeypatch):
     assert [(a.module, a.phase) for a in nonfinite] == [("70", "forward")]
     assert monitor.errors == 0
     monitor.close()
+
+
+class Varying(nn.Module):
+    """A sequence model's shape: the length changes from step to step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.act = nn.ReLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+def test_blocks_of_shapes_no_longer_seen_are_freed_and_new_shapes_still_staged():
+    model = Varying()
+    monitor = breakpod.watch(model)
+    stager = monitor._stager
+    for length in range(1, 3 * staging.MAX_GROUPS):
+        model(torch.randn(2, length, 8)).sum().backward()
+        monitor.step()
+        assert len(stager._groups) <= staging.MAX_GROUPS // 2 + 2  # two per step, pruned
+    with torch.no_grad():
+        model.fc.bias[3] = math.nan
+    model(torch.randn(2, 500, 8)).sum().backward()  # a shape never seen: staged all the same
+    monitor.step()
+    assert torch.Size([2, 500, 8]) in {key[0] for key in stager._groups}
+    found = [a for a in monitor.flush() + monitor.anomalies if a.check == "nonfinite"]
+    assert found and found[0].module == "fc" and found[0].phase == "forward"
+    assert monitor.errors == 0
+    monitor.close()
+
+
+def test_an_empty_batch_is_no_error_and_checks_nothing():
+    model = Varying()
+    monitor = breakpod.watch(model)
+    model(torch.randn(0, 3, 8)).sum().backward()
+    monitor.step()
+    model(torch.randn(2, 3, 8)).sum().backward()
+    monitor.step()
+    monitor.flush()
+    assert monitor.errors == 0 and monitor.anomalies == []
+    monitor.close()

@@ -500,6 +500,9 @@ class Monitor:
 
         ``mode``: :func:`.staging.unit_mode` of the slot (made once per hook, not per call).
         """
+        numel = x.numel()
+        if not numel:
+            return  # an empty batch's tensor: no value to check
         record, device = self._current, x.device
         ran = record.ran.get(device)
         if ran is None:
@@ -510,7 +513,7 @@ class Monitor:
             self._stager.flush()  # the first call's values first
             self._add_stats(record, device, slot, x, nonnegative)
         else:
-            numel = ran[index] = x.numel()
+            ran[index] = numel
             if not self._stager.put(slot, x, mode, device, numel):  # a large tensor: at once
                 cells = self._table.cells(device)
                 checks.write_stats(x, cells, slot.base, *slot.flags, nonnegative=nonnegative)
@@ -645,7 +648,7 @@ class Monitor:
             self._collect_grads()  # no backward ran through the model's output hook
         done, self._current = self._current, StepRecord(self.step_count + 1)
         self._ignore_pass = False
-        self._stager.flush()
+        self._stager.end_step()
         self._table.snapshot(done)
         if self.flight is not None:
             self.flight.record(done, self._table)

@@ -42,6 +42,7 @@ class _Group:
     rows: list[Any]  # its row views, made once
     mode: str  # "" (no dead units), "pre_relu", "nonnegative" or "abs"
     slots: list[Slot] = dataclasses.field(default_factory=list)
+    used: bool = True  # some tensor was staged here since the last step's end
 
 
 class Stager:
@@ -67,7 +68,7 @@ class Stager:
             group = self._groups[key] = _new_group(x, mode)
         group.rows[len(group.slots)].copy_(x)
         group.slots.append(slot)
-        self._busy = True
+        group.used = self._busy = True
         if len(group.slots) == len(group.rows):
             self._reduce(group)
         return True
@@ -79,6 +80,16 @@ class Stager:
                 if group.slots:
                     self._reduce(group)
             self._busy = False
+
+    def end_step(self) -> None:
+        """The step's end: reduce what is staged, and free the blocks of shapes this step
+        did not use once there are many (a varying sequence length makes a new shape
+        each step; its blocks must not pile up, nor keep later shapes off the fast path)."""
+        self.flush()
+        if len(self._groups) > MAX_GROUPS // 2:
+            self._groups = {k: g for k, g in self._groups.items() if g.used}
+        for group in self._groups.values():
+            group.used = False
 
     def drop(self) -> None:
         """Forget the staged rows (their pass was an evaluation, not the training step)."""
@@ -92,11 +103,13 @@ class Stager:
         n, slots = len(group.slots), group.slots
         block = group.block[:n]
         wanted = _columns(slots)
-        computed = _statistics(block, group.mode, wanted)
-        values = torch.stack([computed[c] for c in wanted], 1).flatten()
-        source, target = self._index(block.device, slots, wanted)
-        self.table.write(block.device, target, values.index_select(0, source))
-        slots.clear()
+        try:
+            computed = _statistics(block, group.mode, wanted)
+            values = torch.stack([computed[c] for c in wanted], 1).flatten()
+            source, target = self._index(block.device, slots, wanted)
+            self.table.write(block.device, target, values.index_select(0, source))
+        finally:  # a failure loses this block's rows, never wedges the group
+            slots.clear()
         self.flushes += 1
 
     def _index(self, device: Any, slots: list[Slot], wanted: tuple[int, ...]) -> tuple[Any, Any]:
