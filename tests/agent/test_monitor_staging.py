@@ -211,3 +211,27 @@ def test_an_empty_batch_is_no_error_and_checks_nothing():
     monitor.flush()
     assert monitor.errors == 0 and monitor.anomalies == []
     monitor.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_staged_block_on_cuda_matches_the_cpu_and_never_syncs():
+    """Rows copied, blocks reduced and written into the table on the device, with the
+    index made once and kept there: no host sync, the CPU's values."""
+    torch.manual_seed(0)
+    xs = [torch.randn(32, 64).relu() for _ in range(40)]
+    xs[7][0, 0] = math.nan
+    want = staged(SlotTable(slots(len(xs), total=True, zeros=True)), xs, True)
+    table = SlotTable(slots(len(xs), total=True, zeros=True))
+    stager = staging.Stager(table)
+    cuda = [x.cuda() for x in xs]
+    for _ in range(2):  # the second pass reuses the index kept on the device
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for slot, x in zip(table.slots, cuda, strict=True):
+                assert put(stager, slot, x, True)
+            stager.flush()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    got = table.buffer(cuda[0].device).cpu()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4, equal_nan=True)
