@@ -35,7 +35,7 @@ BROKER_LAYERS = (
     grimp.Layer("cli"),
     grimp.Layer("serving"),  # uvicorn: TLS, shutdown
     grimp.Layer("app", "admission"),  # the two ASGI apps
-    grimp.Layer("fastpath"),  # the heartbeat served below FastAPI's routing
+    grimp.Layer("fastpath"),  # heartbeat, command poll and event ingest below FastAPI's routing
     grimp.Layer(
         *("admin", "attach", "commands", "dashboard", "events", "listing", "sessions"),
         "joblog",  # the job-wide command log that sessions and commands share

@@ -4,10 +4,12 @@ status and message."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
-from breakpod_broker import commands, sessions
+from breakpod_broker import commands, events, sessions
 from breakpod_broker.app import create_app
 from breakpod_broker.models import CommandList
 from breakpod_broker.settings import BrokerSettings
@@ -32,6 +34,13 @@ def app_client(redis_url, monkeypatch):
         return await original_poll(broker, who, session_id, wait)
 
     monkeypatch.setattr(commands, "answer_poll", counting_poll)  # the route's, not fastpath's
+    original_accept = events.accept
+
+    async def counting_accept(broker, who, batch, raw):
+        routed.append("events")
+        return await original_accept(broker, who, batch, raw)
+
+    monkeypatch.setattr(events, "accept", counting_accept)  # the route's, not fastpath's
     settings = BrokerSettings(redis_url=redis_url, broker_tokens=TOKENS)
     with TestClient(create_app(settings)) as client:
         client.routed = routed
@@ -135,3 +144,179 @@ def test_every_other_poll_gets_the_routes_status_and_message(
     assert says in reply.text
     if status in (404, 403) and token in (AGENT, AGENT2):  # answered by the fast path
         assert c.routed == [] and list(reply.json()) == ["detail"]
+
+
+# -- event ingest ---------------------------------------------------------------
+
+PLAIN = {"Content-Type": "application/json"}  # what the agent sends: the fast path takes it
+# the same declaration in other words: FastAPI reads it as JSON, the fast path leaves it
+ROUTED = {"Content-Type": "application/json; charset=utf-8"}
+
+
+def _event(session, event_id, kind="anomaly", **fields):
+    return {"id": event_id, "session": session, "kind": kind, "fields": fields}
+
+
+def _body(*events):
+    return json.dumps({"events": list(events)}).encode()
+
+
+def _nested(depth):
+    value: dict = {}
+    for _ in range(depth):
+        value = {"x": value}
+    return value
+
+
+def test_an_event_post_is_served_below_the_router_with_the_routes_answer(app_client):
+    c = app_client
+    for s in ("fast", "fast2"):
+        assert (
+            c.put(f"/v1/sessions/{s}", json={"job": "j"}, headers=_auth(AGENT)).status_code == 200
+        )
+    events = [_event("fast", "e1", loss=1.5), _event("fast2", "e2", "parked", reason="step 7")]
+    headers = {**_auth(AGENT), **PLAIN}
+    fast = c.post("/v1/events", content=_body(*events), headers=headers)
+    assert c.routed == []  # the route never ran
+    assert fast.status_code == 200, fast.text
+    assert fast.headers["content-type"] == "application/json"
+    got = fast.json()
+    assert got["accepted"] == 2 and got["duplicates"] == 0 and all(got["cursors"])
+    # the state change applied, as through the route
+    assert c.get("/v1/sessions/fast2", headers=_auth(VIEWER)).json()["state"] == "parked"
+    # a retry: the route's answer (all duplicates), byte for byte
+    again = c.post("/v1/events", content=_body(*events), headers=headers)
+    routed = c.post("/v1/events", content=_body(*events), headers={**_auth(AGENT), **ROUTED})
+    assert c.routed == ["events"]
+    assert again.status_code == routed.status_code == 200
+    assert again.content == routed.content == b'{"accepted":0,"duplicates":2,"cursors":[null,null]}'
+    stored = c.get("/v1/events", headers=_auth(VIEWER)).json()["events"]
+    assert [(e["id"], e["kind"], e["fields"]) for e in stored] == [
+        ("e1", "anomaly", {"loss": 1.5}),
+        ("e2", "parked", {"reason": "step 7"}),
+    ]
+
+
+@pytest.fixture
+def limited_agent(broker):
+    """An agent token limited to namespace team-a (made through the API)."""
+    with broker.client(ADMIN) as c:
+        made = c.post("/v1/tokens", json={"role": "agent", "namespaces": ["team-a"]})
+        assert made.status_code == 201, made.text
+        return made.json()["token"]
+
+
+FIELDS_OVER = "x" * (64 * 1024 + 10)  # one event's fields past MAX_FIELDS_BYTES
+CASES = {
+    # name: (token, body); "own"/"other" stand for the sessions of AGENT
+    "one event": (AGENT, _body(_event("own", "{id}", loss=1.5, step=3))),
+    "a batch over two sessions": (
+        AGENT,
+        _body(
+            *(_event(s, f"{{id}}-{s}-{n}", "log", n=n) for s in ("own", "other") for n in (1, 2))
+        ),
+    ),
+    "a state change and a listener": (
+        AGENT,
+        _body(_event("own", "{id}", "listening", address="127.0.0.1:5678", backend="pdb")),
+    ),
+    "duplicate keys (the last one counts)": (
+        AGENT,
+        b'{"events": [{"id": "{id}", "session": "own", "kind": "log", "kind": "anomaly"}]}',
+    ),
+    "unicode": (AGENT, _body(_event("own", "{id}", note="grad \u00e9\u65e5 \U0001f525"))),
+    "no token": (None, _body(_event("own", "{id}"))),
+    "unknown token": ("nope-not-a-token", _body(_event("own", "{id}"))),
+    "a viewer": (VIEWER, _body(_event("own", "{id}"))),
+    "an admin (not the owner)": (ADMIN, _body(_event("own", "{id}"))),
+    "another agent's session": (AGENT2, _body(_event("own", "{id}"))),
+    "a namespace the token may not see": ("limited", _body(_event("other", "{id}"))),
+    "a session nobody registered": (AGENT, _body(_event("ghost", "{id}"))),
+    "an unknown kind": (AGENT, _body(_event("own", "{id}", "dancing"))),
+    "no id": (AGENT, _body({"session": "own", "kind": "log"})),
+    "a bad session id": (AGENT, _body(_event("no:colons", "{id}"))),
+    "no events": (AGENT, _body()),
+    "fields too deep": (AGENT, _body(_event("own", "{id}", deep=_nested(40)))),
+    "fields over 64 KiB": (AGENT, _body(_event("own", "{id}", blob=FIELDS_OVER))),
+    "NaN": (
+        AGENT,
+        b'{"events": [{"id": "{id}", "session": "own", "kind": "log", "fields": {"loss": NaN}}]}',
+    ),
+    "too many events": (AGENT, _body(*(_event("own", f"{{id}}-{n}") for n in range(1001)))),
+    "a body over the limit": (
+        AGENT,
+        _body(*(_event("own", f"{{id}}-{n}", pad="p" * 60_000) for n in range(20))),
+    ),
+    "malformed JSON": (AGENT, b'{"events": [{"id": "{id}", '),
+    "not an object": (AGENT, b'[{"id": "{id}"}]'),
+    "not UTF-8": (AGENT, b'{"events": [{"id": "{id}", "session": "own", "kind": "\xff"}]}'),
+    "empty": (AGENT, b""),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_event_post_gets_the_same_answer_from_the_fast_path_and_the_route(
+    broker, limited_agent, case
+):
+    """A real broker process: each body through the fast path (the agent's plain
+    Content-Type) and through the route (the same type, with a charset, which the fast
+    path leaves to it): the same status, headers and body (the cursors aside: each
+    copy gets its own event ids, of one length), and the same events stored."""
+    with broker.client(AGENT) as c:
+        for s, ns in (("own", "team-a"), ("other", "team-b")):
+            assert c.put(f"/v1/sessions/{s}", json={"namespace": ns}).status_code == 200
+    token, body = CASES[case]
+    token = limited_agent if token == "limited" else token
+    answers = []
+    for how, headers in (("fast", PLAIN), ("slow", ROUTED)):
+        with broker.client(token) as c:
+            reply = c.post(
+                "/v1/events", content=body.replace(b"{id}", how.encode()), headers=headers
+            )
+        answers.append(reply)
+    fast, routed = answers
+    assert fast.status_code == routed.status_code, (fast.text, routed.text)
+    for name in ("content-type", "www-authenticate"):
+        assert fast.headers.get(name) == routed.headers.get(name)
+    if fast.status_code != 200:
+        # the same bytes, but for the ids each copy sent (422s echo their input)
+        assert fast.content.replace(b"fast", b"{id}") == routed.content.replace(b"slow", b"{id}")
+        return
+    a, b = fast.json(), routed.json()
+    assert len(a["cursors"]) == len(b["cursors"]) and all(a["cursors"]) and all(b["cursors"])
+    assert {**a, "cursors": None} == {**b, "cursors": None}
+    assert len(fast.content) == len(routed.content)  # cursors of one length: same encoding
+    with broker.client(VIEWER) as c:
+        stored = c.get("/v1/events", params={"limit": 1000}).json()["events"]
+    copies = {how: [] for how in ("fast", "slow")}
+    for e in stored:
+        how = e["id"].split("-")[0]
+        copies[how].append({**e, "id": e["id"].removeprefix(how)} | _times_left_out)
+    assert copies["fast"] == copies["slow"] and copies["fast"]
+
+
+_times_left_out = {"cursor": None, "received": None, "time": None}
+
+
+@pytest.mark.parametrize(
+    ("case", "status"),
+    [
+        ("another agent's session", 403),
+        ("a session nobody registered", 404),
+        ("too many events", 413),
+        ("fields over 64 KiB", 422),
+    ],
+)
+def test_the_routes_refusals_after_validation_are_answered_by_the_fast_path(
+    app_client, case, status
+):
+    """The cases the test above compares that the fast path answers itself (the route,
+    had it run, would have counted)."""
+    c = app_client
+    for s, ns in (("own", "team-a"), ("other", "team-b")):
+        assert c.put(f"/v1/sessions/{s}", json={"namespace": ns}, headers=_auth(AGENT)).is_success
+    token, body = CASES[case]
+    body = body.replace(b"{id}", b"fast")
+    reply = c.post("/v1/events", content=body, headers={**_auth(token), **PLAIN})
+    assert reply.status_code == status, reply.text
+    assert c.routed == [] and list(reply.json()) == ["detail"]

@@ -43,7 +43,13 @@ from breakpod_broker import (
 from breakpod_broker.context import Broker
 from breakpod_broker.events import _decode
 from breakpod_broker.fanout import EventFanout
-from breakpod_broker.fastpath import HeartbeatFastPath, PollFastPath, read_body, replay_body
+from breakpod_broker.fastpath import (
+    EventsFastPath,
+    HeartbeatFastPath,
+    PollFastPath,
+    read_body,
+    replay_body,
+)
 from breakpod_broker.liveness import Liveness
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
@@ -88,6 +94,7 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
     for module in (sessions, listing, events, commands, attach, admin, dashboard):
         app.include_router(module.router)
     _add_error_handlers(app)
+    app.add_middleware(EventsFastPath)  # inside BodyLimit: the same 413 for a large body
     app.add_middleware(BodyLimit)
     app.add_middleware(HeartbeatFastPath)  # outside BodyLimit: it reads the few bytes itself
     app.add_middleware(PollFastPath)  # a GET: no body to limit

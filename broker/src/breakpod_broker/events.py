@@ -59,12 +59,19 @@ ADDRESS = re.compile(protocol.ADDRESS_PATTERN)
 async def post_events(
     batch: EventBatch, who: Agent, broker: BrokerDep, request: Request
 ) -> IngestResult:
-    """Store a batch of events; an agent token may write only its own sessions' events."""
+    """Store a batch of events; an agent token may write only its own sessions' events.
+    (fastpath.py serves the common case of this route below FastAPI, the same way.)"""
+    return await accept(broker, who, batch, await request.body())  # kept by the body parser
+
+
+async def accept(broker: Broker, who: Principal, batch: EventBatch, raw: bytes) -> IngestResult:
+    """The route's work once the batch is valid and ``who`` is an agent (or admin):
+    413 for too many events, 404/403 for a session it may not write, 422 from
+    :func:`ingest`. ``raw``: the request's body, as sent."""
     most = broker.settings.max_batch
     if len(batch.events) > most:
         raise HTTPException(413, f"{len(batch.events)} events in one batch: send at most {most}")
     sessions = await _sessions_for(broker, who, {e.session for e in batch.events})
-    raw = await request.body()  # already read (and kept) by the body parser
     finite = b"NaN" not in raw and b"Infinity" not in raw
     return await ingest(broker, batch.events, sessions, finite=finite)
 

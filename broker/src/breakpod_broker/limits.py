@@ -17,20 +17,33 @@ MAX_FIELDS_BYTES = 64 * 1024  # an event's fields as JSON; the agent caps whole 
 
 
 def too_deep(value: Any, limit: int = MAX_DEPTH) -> list[Any] | None:
-    """The path of the first container nested more than ``limit`` deep, else None."""
-    stack: list[tuple[Any, list[Any]]] = [(value, [])]
+    """The path of the first container nested more than ``limit`` deep, else None.
+    (Only containers are walked, each with its depth and a link to its parent: the
+    path is built for the one found. It runs on every event ingested or decoded.)"""
+    stack: list[tuple[Any, int, Any]] = [(value, 0, None)]
     while stack:
-        item, path = stack.pop()
+        item, depth, link = stack.pop()
         if isinstance(item, dict):
             children: Any = item.items()
         elif isinstance(item, list):
             children = enumerate(item)
         else:
             continue
-        if len(path) > limit:
-            return path
-        stack.extend((child, [*path, key]) for key, child in children)
+        if depth > limit:
+            return _path(link)
+        for key, child in children:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1, (link, key)))
     return None
+
+
+def _path(link: Any) -> list[Any]:
+    path: list[Any] = []
+    while link is not None:
+        link, key = link
+        path.append(key)
+    path.reverse()
+    return path
 
 
 def dotted(path: list[Any]) -> str:
