@@ -275,6 +275,33 @@ def test_nan_and_infinity_in_fields_get_422_naming_the_path(broker):
     assert detail.startswith("events.0.fields.grad.1:") and '"inf"' in detail
 
 
+def _post_loss(broker, literal: str):
+    register(broker, "s1")
+    raw = protocol.dumps({"events": [event("e1", loss=1.0)]}).replace("1.0", literal)
+    assert literal in raw
+    with broker.client(AGENT) as c:
+        return c.post("/v1/events", content=raw, headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize("literal", ["1e400", "-2.5E+309", "1" + "0" * 400])
+def test_a_number_past_float64_gets_422_not_a_stored_null(broker, literal):
+    """Read as an infinity, it would be stored (and come back) as null."""
+    response = _post_loss(broker, literal + ".0" if literal.startswith("1" + "0" * 9) else literal)
+    assert response.status_code == 422, response.text
+    detail = response.json()["detail"]
+    assert detail.startswith("events.0.fields.loss:") and "infinities" in detail, detail
+    with broker.client(VIEWER) as c:
+        assert c.get("/v1/events").json()["events"] == []
+
+
+def test_an_integer_past_64_bits_is_stored_as_the_same_number(broker):
+    big = 9 * 10**40
+    assert _post_loss(broker, str(big)).status_code == 200
+    with broker.client(VIEWER) as c:
+        (stored,) = c.get("/v1/events").json()["events"]
+    assert stored["fields"]["loss"] == big
+
+
 def test_agent_encoded_nan_and_stored_nan_read_as_strings(broker, redis_url):
     register(broker, "s1")
     body = {"events": [event("e1", loss=math.nan, grad=[math.inf, -math.inf, 1.5])]}

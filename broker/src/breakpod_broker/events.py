@@ -72,8 +72,20 @@ async def accept(broker: Broker, who: Principal, batch: EventBatch, raw: bytes) 
     if len(batch.events) > most:
         raise HTTPException(413, f"{len(batch.events)} events in one batch: send at most {most}")
     sessions = await _sessions_for(broker, who, {e.session for e in batch.events})
-    finite = b"NaN" not in raw and b"Infinity" not in raw
-    return await ingest(broker, batch.events, sessions, finite=finite)
+    return await ingest(broker, batch.events, sessions, finite=plain_numbers(raw))
+
+
+# A long run of digits (an integer past 64 bits, a float that rounds) or a 3-digit
+# exponent (past float64: read as an infinity): the strict path reads and writes these
+# (it refuses an infinity; orjson would write it as null, and read a big integer as a
+# float). False alarms in strings cost only the strict path's speed.
+_UNUSUAL_NUMBER = re.compile(rb"[0-9]{16}|[eE][+-]?0*[0-9]{3}")
+
+
+def plain_numbers(raw: bytes) -> bool:
+    """May orjson read and write this body's numbers as the strict path would? No NaN or
+    infinity tokens, no number past float64 or 64-bit integers (nor any look-alike)."""
+    return b"NaN" not in raw and b"Infinity" not in raw and not _UNUSUAL_NUMBER.search(raw)
 
 
 async def _sessions_for(broker: Broker, who: Principal, ids: set[str]) -> dict[str, SessionOut]:

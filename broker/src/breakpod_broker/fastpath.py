@@ -55,7 +55,7 @@ try:
 except ImportError:  # optional: json.loads then, as Starlette's request.json()
     from json import loads as _loads  # type: ignore[assignment]
 from breakpod_broker.commands import answer_poll
-from breakpod_broker.events import accept
+from breakpod_broker.events import accept, plain_numbers
 from breakpod_broker.models import EventBatch, Heartbeat
 from breakpod_broker.sessions import beat, heartbeat_session
 from breakpod_broker.tokens import Principal, Role
@@ -160,7 +160,10 @@ def _json_body(scope: Scope) -> bool:
 
 def _batch(body: bytes) -> EventBatch | None:
     """The body as the route validates it (FastAPI: JSON, then ``validate_python``);
-    None when the app must answer (not JSON to orjson, or not a valid batch)."""
+    None when the app must answer (not JSON to orjson, numbers orjson would change,
+    or not a valid batch)."""
+    if not plain_numbers(body):
+        return None
     try:
         data = _loads(body)
     except (ValueError, RecursionError):
