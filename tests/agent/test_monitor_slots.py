@@ -215,9 +215,10 @@ def test_live_units_are_counted_alike_by_every_reduction(shape):
     reference_relu = torch.linalg.vector_norm(
         torch.linalg.vector_norm(relu, float("inf"), dim=checks.batch_dims(x.dim())), 0
     )
-    cells = torch.zeros(3).unbind()
-    checks.write_live_units(x, cells[0], pre_relu=False)
-    checks.write_live_units(relu, cells[1], pre_relu=False)
-    checks.write_live_units(relu, cells[2], pre_relu=False, nonnegative=True)
-    assert cells[0] == reference < checks.unit_count(shape)
-    assert cells[1] == cells[2] == reference_relu < checks.unit_count(shape)
+    dims = checks.batch_dims(x.dim())
+
+    def live(t: torch.Tensor, nonnegative: bool = False) -> torch.Tensor:
+        return torch.linalg.vector_norm(checks.unit_maxima(t, dims, False, nonnegative), 0)
+
+    assert live(x) == reference < checks.unit_count(shape)
+    assert live(relu) == live(relu, nonnegative=True) == reference_relu < checks.unit_count(shape)

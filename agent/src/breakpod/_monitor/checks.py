@@ -48,11 +48,13 @@ def write_stats(
     *,
     nonnegative: bool = False,
 ) -> None:
-    """Write ``[sum x, sum |x|, live units, |x|_2, min, max]`` (those asked for) into
-    ``cells[base:]`` on ``x``'s device.
+    """Write ``[non-finite signal, sum |x|, live units, |x|_2, min, max]`` (those asked
+    for) into ``cells[base:]`` on ``x``'s device.
 
-    ``nonnegative``: ``x`` cannot hold a negative value (a ReLU's output), see
-    :func:`write_live_units`.
+    The non-finite signal is ``sum x``, or, with the flight recorder's columns,
+    ``min + max`` (NaN, +Inf and -Inf as a sum shows them, and no pass of its own).
+    ``nonnegative``: ``x`` cannot hold a negative value (a ReLU's output); its
+    per-unit maxima then also give its max (see :func:`unit_maxima`).
 
     ``cells`` are 0-d views of the monitor's per-step buffer, so each statistic
     is one kernel writing into preallocated memory (no result allocated per
@@ -62,34 +64,44 @@ def write_stats(
     import torch
 
     i = base
-    if total:
+    if total and not flight:
         torch.sum(x, dim=None, dtype=torch.float32, out=cells[i])
-        i += 1
+    i += int(total)
     if mean_abs:
         torch.linalg.vector_norm(x, 1, dtype=torch.float32, out=cells[i])
         i += 1
+    maxima = None
     if zeros:
-        write_live_units(x, cells[i], pre_relu, nonnegative)
+        maxima = unit_maxima(x, batch_dims(x.dim()), pre_relu, nonnegative)
+        torch.linalg.vector_norm(maxima, 0, dtype=torch.float32, out=cells[i])
         i += 1
     if flight:
-        write_flight(x, cells, i)
+        write_flight(x, cells, i, maxima if nonnegative and not pre_relu else None)
+        if total:
+            torch.add(cells[i + 1], cells[i + 2], out=cells[base])
 
 
-def write_flight(x: torch.Tensor, cells: Sequence[torch.Tensor], i: int) -> None:
+def write_flight(
+    x: torch.Tensor, cells: Sequence[torch.Tensor], i: int, maxima: torch.Tensor | None = None
+) -> None:
     """The flight recorder's ``|x|_2, min, max``: two kernels (NaN and Inf propagate).
 
-    ``aminmax`` writes into float32 cells only from float32 input; other dtypes
-    (bf16, fp16) take two small copies. (A per-step non-finite *count* would cost
-    ``isfinite`` plus a boolean sum, 30x a plain sum on CPU: the kind is read from
-    these values instead, and the park counts exactly.)
+    ``maxima``: a ReLU output's per-unit maxima (>= 0 or NaN), whose least and
+    greatest stand for its min and max (the same ``max |x|`` and non-finite
+    kinds): a tiny reduction, not a second pass over ``x``. ``aminmax`` writes
+    into float32 cells only from float32 input; other dtypes (bf16, fp16) take
+    two small copies. (A per-step non-finite *count* would cost ``isfinite``
+    plus a boolean sum, 30x a plain sum on CPU: the kind is read from these
+    values instead, and the park counts exactly.)
     """
     import torch
 
     torch.linalg.vector_norm(x, 2, dtype=torch.float32, out=cells[i])
-    if x.dtype == torch.float32:
-        torch.aminmax(x, out=(cells[i + 1], cells[i + 2]))
+    source = x if maxima is None else maxima
+    if source.dtype == torch.float32:
+        torch.aminmax(source, out=(cells[i + 1], cells[i + 2]))
     else:
-        low, high = torch.aminmax(x)
+        low, high = torch.aminmax(source)
         cells[i + 1].copy_(low)
         cells[i + 2].copy_(high)
 
@@ -109,20 +121,6 @@ def batch_dims(ndim: int) -> tuple[int, ...]:
     if ndim == 3:
         return (0, 1)
     return tuple(d for d in range(ndim) if d != 1)
-
-
-def write_live_units(
-    x: torch.Tensor, cell: torch.Tensor, pre_relu: bool, nonnegative: bool = False
-) -> None:
-    """The count of units that are non-zero somewhere in the batch, into ``cell``.
-
-    A dead unit is zero over the whole batch (a dead ReLU), so the count is
-    taken over per-unit maxima (:func:`unit_maxima`).
-    """
-    import torch
-
-    per_unit = unit_maxima(x, batch_dims(x.dim()), pre_relu, nonnegative)
-    torch.linalg.vector_norm(per_unit, 0, dtype=torch.float32, out=cell)
 
 
 def unit_maxima(
