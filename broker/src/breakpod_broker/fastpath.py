@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Awaitable
+from typing import Any
 
 from fastapi import HTTPException
 from pydantic import ValidationError
@@ -71,10 +73,14 @@ MAX_BODY = 4096  # a heartbeat body is a few bytes; larger ones take the ordinar
 JSON = (b"content-type", b"application/json")
 
 
-class HeartbeatFastPath:
+class _FastPath:
+    """Serves its requests' common case below FastAPI's routing; ``app`` answers the rest."""
+
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
+
+class HeartbeatFastPath(_FastPath):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = PATH.match(scope["path"]) if scope["type"] == "http" else None
         if match is None or scope["method"] != "POST":
@@ -89,46 +95,29 @@ class HeartbeatFastPath:
         await _respond(send, 200, answer)
 
 
-class PollFastPath:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
+class PollFastPath(_FastPath):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         match = POLL_PATH.match(scope["path"]) if scope["type"] == "http" else None
         wait = _wait(scope["query_string"]) if match is not None else None
-        if match is None or wait is None or scope["method"] != "GET":
+        mine = match is not None and wait is not None and scope["method"] == "GET"
+        who = await _principal(scope) if mine else None
+        if who is None or match is None or wait is None:
             await self.app(scope, receive, send)
             return
-        who = await _principal(scope)
-        if who is None:
+        answer = answer_poll(scope["app"].state.broker, who, match.group(1), wait)
+        if not await _answered(send, answer):  # the app polls again and answers (503)
             await self.app(scope, receive, send)
-            return
-        broker = scope["app"].state.broker
-        try:
-            answer = await answer_poll(broker, who, match.group(1), wait)
-        except HTTPException as e:
-            await _refuse(send, e)
-            return
-        except RedisError:  # the app polls again and answers as it does (503)
-            await self.app(scope, receive, send)
-            return
-        await _respond(send, 200, answer)
 
 
-class EventsFastPath:
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
+class EventsFastPath(_FastPath):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (
-            scope["type"] != "http"
-            or scope["path"] != protocol.EVENTS
-            or scope["method"] != "POST"
-            or not _json_body(scope)
-        ):
-            await self.app(scope, receive, send)
-            return
-        who = await _principal(scope)
+        mine = (
+            scope["type"] == "http"
+            and scope["path"] == protocol.EVENTS
+            and scope["method"] == "POST"
+            and _json_body(scope)
+        )
+        who = await _principal(scope) if mine else None
         if who is None:
             await self.app(scope, receive, send)
             return
@@ -138,15 +127,27 @@ class EventsFastPath:
         if batch is None:  # the ordinary path decides, and says why
             await self.app(scope, replay_body(body, complete, receive), send)
             return
-        try:
-            result = await accept(scope["app"].state.broker, who, batch, body)
-        except HTTPException as e:
-            await _refuse(send, e)
-            return
-        except RedisError:  # the app tries again (deduplicated) and answers as it does
+        answer = _accepted(scope["app"].state.broker, who, batch, body)
+        if not await _answered(send, answer):  # the app tries again (deduplicated), answers
             await self.app(scope, replay_body(body, True, receive), send)
-            return
-        await _respond(send, 200, result.model_dump_json().encode())
+
+
+async def _accepted(broker: Any, who: Principal, batch: EventBatch, body: bytes) -> bytes:
+    return (await accept(broker, who, batch, body)).model_dump_json().encode()
+
+
+async def _answered(send: Send, answer: Awaitable[bytes]) -> bool:
+    """Send the route's answer, or its HTTPException as FastAPI's handler would; False
+    (nothing sent) on a Redis error, which the app then meets and answers itself."""
+    try:
+        body = await answer
+    except HTTPException as e:
+        await _refuse(send, e)
+        return True
+    except RedisError:
+        return False
+    await _respond(send, 200, body)
+    return True
 
 
 def _json_body(scope: Scope) -> bool:
