@@ -10,7 +10,7 @@ from torch import nn
 
 import breakpod
 from breakpod._monitor import checks, staging
-from breakpod._monitor.detect import Slot
+from breakpod._monitor.detect import LOW, NORM, TOTAL, Slot
 from breakpod._monitor.stats import SlotTable
 
 
@@ -80,10 +80,10 @@ def test_a_staged_block_gives_the_direct_statistics(shape, dtype, flags, nonnega
     table = SlotTable(slots(len(xs), total=True, **flags))
     got = staged(table, xs, nonnegative)
     # the non-finite signal: sum x directly, min + max staged; the same verdict and kind
-    total = [s.base for s in table.slots]
+    total = [s.cell(TOTAL) for s in table.slots]
     torch.testing.assert_close(verdict(got[total]), verdict(want[total]), equal_nan=True)
     # a ReLU output's staged min is its least per-unit max: >= the true min, >= 0
-    low = [s.base + s.rule_width + 1 for s in table.slots] if nonnegative else []
+    low = [s.cell(LOW) for s in table.slots] if nonnegative else []
     finite = torch.isfinite(want[low])
     assert (got[low][finite] >= want[low][finite]).all() and (got[low][finite] >= 0).all()
     rest = [i for i in range(len(got)) if i not in set(total) | set(low)]
@@ -101,7 +101,7 @@ def test_a_full_block_is_reduced_at_once_and_rows_are_reused(monkeypatch):
     assert stager.flushes == 2  # two full blocks so far, two rows staged
     stager.flush()
     assert stager.flushes == 3
-    norms = table.buffer(torch.device("cpu"))[[s.base + 1 for s in table.slots]]
+    norms = table.buffer(torch.device("cpu"))[[s.cell(NORM) for s in table.slots]]
     assert norms.tolist() == pytest.approx([math.sqrt(6) * i for i in range(10)])
 
 

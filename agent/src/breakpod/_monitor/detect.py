@@ -21,6 +21,8 @@ from breakpod._monitor.baselines import EXPLODING, VANISHING, NormBaselines
 from breakpod._monitor.rules import Rule
 
 FLIGHT_COLUMNS = 3  # L2 norm, min, max
+# A slot's possible columns, in buffer order; a slot has those it watches (Slot.cell).
+TOTAL, MEAN_ABS, ZEROS, NORM, LOW, HIGH = range(6)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,17 @@ class Slot:
     def width(self) -> int:
         """Every column of the slot: the rules' first, then the flight recorder's."""
         return self.rule_width + FLIGHT_COLUMNS * int(self.flight)
+
+    @property
+    def columns(self) -> tuple[bool, bool, bool, bool, bool, bool]:
+        """Which of TOTAL, MEAN_ABS, ZEROS, NORM, LOW, HIGH the slot has."""
+        flight = self.flight
+        return self.total, self.mean_abs, self.zeros, flight, flight, flight
+
+    def cell(self, column: int) -> int:
+        """Where ``column`` of this slot is in the per-step buffer; -1 without it."""
+        has = self.columns
+        return self.base + sum(has[:column]) if has[column] else -1
 
     @property
     def flags(self) -> tuple[bool, bool, bool, bool, bool]:

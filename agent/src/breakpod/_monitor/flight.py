@@ -30,7 +30,7 @@ from breakpod._core import events
 from breakpod._core.announce import announce
 from breakpod._core.config import parse_int
 from breakpod._core.errors import ConfigError
-from breakpod._monitor.detect import Slot
+from breakpod._monitor.detect import NORM, Slot
 from breakpod._monitor.flight_table import Flight, Series
 from breakpod._monitor.stats import SlotTable, StepRecord, copy_events, landed, to_host
 
@@ -183,7 +183,7 @@ RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 
 def _stats(values: Sequence[float], slot: Slot, numel: int) -> tuple[float, float, str]:
     """``(rms, max |x|, non-finite kind or "")`` of one slot's columns in one row."""
-    at = slot.base + slot.rule_width
+    at = slot.cell(NORM)
     norm, low, high = values[at : at + 3]
     rms = norm / math.sqrt(max(numel, 1))
     return rms, max(abs(low), abs(high)), _kind(norm, low, high)

@@ -18,7 +18,7 @@ import dataclasses
 from typing import Any
 
 from breakpod._monitor import checks
-from breakpod._monitor.detect import Slot
+from breakpod._monitor.detect import HIGH, LOW, MEAN_ABS, NORM, TOTAL, ZEROS, Slot
 from breakpod._monitor.stats import SlotTable
 
 MAX_NUMEL = 1 << 15  # larger tensors take the direct path: their kernels outweigh a launch
@@ -29,9 +29,6 @@ CPU_BLOCK_BYTES = 1 << 18
 MAX_ROWS = 256
 MAX_GROUPS = 32  # distinct (shape, dtype, device, mode): more take the direct path
 MAX_INDEXES = 256  # cached (slot order -> device index) maps
-
-# A row's columns, in the slot table's order (a slot takes those it watches).
-TOTAL, MEAN_ABS, ZEROS, NORM, LOW, HIGH = range(6)
 
 
 @dataclasses.dataclass
@@ -144,14 +141,9 @@ def _new_group(x: Any, mode: str) -> _Group:
 
 
 def _columns(slots: list[Slot]) -> tuple[int, ...]:
-    """The columns some slot of the block watches, in the table's order."""
-    flags = [
-        any(s.total for s in slots),
-        any(s.mean_abs for s in slots),
-        any(s.zeros for s in slots),
-    ]
-    flight = any(s.flight for s in slots)
-    return tuple(c for c, on in enumerate([*flags, flight, flight, flight]) if on)
+    """The columns some slot of the block has, in the table's order."""
+    has = [any(column) for column in zip(*(s.columns for s in slots), strict=True)]
+    return tuple(column for column, on in enumerate(has) if on)
 
 
 def _statistics(block: Any, mode: str, wanted: tuple[int, ...]) -> dict[int, Any]:
@@ -198,11 +190,10 @@ def _index(device: Any, slots: list[Slot], wanted: tuple[int, ...]) -> tuple[Any
 
     source, target = [], []
     for row, slot in enumerate(slots):
-        watched = [slot.total, slot.mean_abs, slot.zeros, *[slot.flight] * 3]
         for position, column in enumerate(wanted):
-            if watched[column]:
+            if (cell := slot.cell(column)) >= 0:
                 source.append(row * len(wanted) + position)
-                target.append(slot.base + sum(watched[:column]))
+                target.append(cell)
     pair = torch.tensor(source), torch.tensor(target)
     if getattr(device, "type", "cpu") == "cpu":
         return pair

@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from breakpod._monitor.detect import Sample, Slot, StepData
+from breakpod._monitor.detect import MEAN_ABS, TOTAL, ZEROS, Sample, Slot, StepData
 
 
 @dataclasses.dataclass
@@ -76,10 +76,9 @@ class SlotTable:
         for s in slots:
             self._by_module.setdefault(s.module, []).append(s.index)
         n, nan = len(slots), math.nan
-        self._total = torch.tensor([s.base if s.total else -1 for s in slots] or [0])
-        self._abs = torch.tensor([s.base + s.total if s.mean_abs else -1 for s in slots] or [0])
-        self._zeros = torch.tensor(
-            [s.base + s.total + s.mean_abs if s.zeros else -1 for s in slots] or [0]
+        self._total, self._abs, self._zeros = (
+            torch.tensor([s.cell(column) for s in slots] or [0])
+            for column in (TOTAL, MEAN_ABS, ZEROS)
         )
         self._abs_limit = torch.tensor([s.abs_limit for s in slots] or [nan], dtype=torch.float64)
         self._zero_limit = torch.tensor([s.zero_limit for s in slots] or [nan], dtype=torch.float64)
