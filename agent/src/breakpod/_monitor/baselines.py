@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from breakpod._monitor.rules import Rule
 
 EXPLODING, VANISHING = "exploding", "vanishing"
+
+
+class Judgement(NamedTuple):
+    out_of_range: dict[int, tuple[str, float, str]]  # group -> (kind, norm, summary)
+    seen: list[bool]  # per group: some parameter of it had a gradient this step
 
 
 class NormBaselines:
@@ -43,31 +48,27 @@ class NormBaselines:
         self._warm = torch.full((rule["warmup_steps"], size), math.nan, dtype=f64)
         self._warmed = torch.zeros(size, dtype=torch.long)  # norms seen during warm-up
         self._alpha = 2 / (rule["window"] + 1)
-        self.seen = [False] * size
 
-    def judge(self, grads: dict[int, float]) -> dict[int, tuple[str, float, str]]:
-        """``{group: (kind, norm, summary)}`` for the groups out of range this step;
-        the others warm up or move their baselines."""
+    def judge(self, grads: dict[int, float]) -> Judgement:
+        """This step's groups out of range and the groups it saw; the others warm up or
+        move their baselines."""
         import torch
 
-        if not self.ids:
-            return {}
-        present = [i in grads for i in self.ids]
-        norms = torch.tensor([grads.get(i, 0.0) for i in self.ids], dtype=torch.float64)
-        mask = torch.tensor(present)
-        norm = torch.zeros(len(self.names), dtype=torch.float64)
-        norm.index_add_(0, self._group_of[mask], norms[mask].square()).sqrt_()
-        seen = torch.zeros(len(self.names), dtype=torch.bool)
-        seen[self._group_of[mask]] = True
-        self.seen = seen.tolist()  # groups with a gradient this step
-        judged = seen & torch.isfinite(norm)  # the nonfinite rule reports the others
         out: dict[int, tuple[str, float, str]] = {}
+        if not self.ids:
+            return Judgement(out, [])
+        norms = torch.tensor([grads.get(i, 0.0) for i in self.ids], dtype=torch.float64)
+        norm = torch.zeros(len(self.names), dtype=torch.float64)  # a missing one adds 0
+        norm.index_add_(0, self._group_of, norms.square()).sqrt_()
+        seen = torch.zeros(len(self.names), dtype=torch.bool)
+        seen[self._group_of[torch.tensor([i in grads for i in self.ids])]] = True
+        judged = seen & torch.isfinite(norm)  # the nonfinite rule reports the others
         absolute = self._absolute(norm, judged, out)
         relative = judged & ~absolute
         based = ~torch.isnan(self._log_base)
         self._warm_up(norm, relative & ~based)
         self._relative(norm, relative & based, out)
-        return out
+        return Judgement(out, seen.tolist())
 
     def _absolute(self, norm: Any, judged: Any, out: dict[int, tuple[str, float, str]]) -> Any:
         """``max_norm`` and ``min_norm``: out of range whatever the baseline."""

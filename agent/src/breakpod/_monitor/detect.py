@@ -247,11 +247,11 @@ class Detector:
         baselines = self._baselines.get(rule.name)
         if baselines is None:
             baselines = self._baselines[rule.name] = NormBaselines(rule, self.params)
-        verdicts = baselines.judge(data.grads)
+        verdicts, seen = baselines.judge(data.grads)
         keys = (*self._streak, *self._active)
         streaks = {k[1] for k in keys if len(k) == 3 and k[0] == rule.name}
         for g, group in enumerate(baselines.names):
-            if not baselines.seen[g] or (g not in verdicts and group not in streaks):
+            if not seen[g] or (g not in verdicts and group not in streaks):
                 continue  # no gradient, or fine now and before: nothing to count or clear
             kind_now, norm, summary = verdicts.get(g, ("", math.nan, ""))
             for kind in (EXPLODING, VANISHING):
