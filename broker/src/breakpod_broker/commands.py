@@ -199,15 +199,17 @@ async def _take_when_queued(
                 raise HTTPException(
                     503, "the broker is shutting down: poll again", {"Retry-After": "1"}
                 )
-            own, for_job, found = woken.own, woken.job and stream, woken.found
+            own, for_job, found = woken.own, woken.job, woken.found
             woken.clear()  # a wake-up during this look makes the next wait return at once
             taken = await _take(broker, session_id, touch=first) if own else []
             first = False
-            if for_job and found is None:
-                found = await joblog.after(broker, *job) if job else []
+            if job is None or not for_job:
+                found = []
+            elif found is None:  # not read for it by the replica's wake-ups: read now
+                found = await joblog.after(broker, *job)
             left = deadline - time.monotonic()
-            if taken or (for_job and found) or left <= 0:
-                return taken, (found or []) if for_job else []
+            if taken or found or left <= 0:
+                return taken, found
             await woken.wait(left)
 
 

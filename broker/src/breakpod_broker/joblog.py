@@ -147,11 +147,6 @@ async def _read(broker: Broker, stream: str, cursor: str) -> list[Entry]:
     return found
 
 
-async def pending(broker: Broker, session_id: str, stream: str, cursor: str) -> list[Command]:
-    """The job commands the session has not acknowledged, as it receives them."""
-    return [entry.command.to(session_id) for entry in await after(broker, stream, cursor)]
-
-
 async def acknowledge(broker: Broker, session: SessionOut, command_id: str) -> Command | None:
     """Move the session's cursor past the job command ``command_id``; the command, or
     None when it is not one the session has yet to acknowledge. The agent handles
