@@ -28,7 +28,7 @@ BLOCK_BYTES = 1 << 20  # a block's memory: rows of one shape, reduced together
 CPU_BLOCK_BYTES = 1 << 18
 MAX_ROWS = 256
 MAX_GROUPS = 32  # distinct (shape, dtype, device, mode): more take the direct path
-MAX_INDEXES = 256  # cached (slot order -> device index) maps
+MAX_LAYOUTS = 256  # cached (slot order -> columns and device index) maps
 
 
 @dataclasses.dataclass
@@ -49,7 +49,7 @@ class Stager:
         self.table = table
         self.flushes = 0  # blocks reduced so far (tests read it)
         self._groups: dict[tuple[Any, ...], _Group] = {}
-        self._indexes: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self._layouts: dict[tuple[Any, ...], tuple[tuple[int, ...], Any, Any]] = {}
         self._busy = False  # some group holds rows
 
     def put(self, slot: Slot, x: Any, mode: str, device: Any, numel: int) -> bool:
@@ -99,25 +99,26 @@ class Stager:
 
         n, slots = len(group.slots), group.slots
         block = group.block[:n]
-        wanted = _columns(slots)
         try:
+            wanted, source, target = self._layout(block.device, slots)
             computed = _statistics(block, group.mode, wanted)
             values = torch.stack([computed[c] for c in wanted], 1).flatten()
-            source, target = self._index(block.device, slots, wanted)
             self.table.write(block.device, target, values.index_select(0, source))
         finally:  # a failure loses this block's rows, never wedges the group
             slots.clear()
         self.flushes += 1
 
-    def _index(self, device: Any, slots: list[Slot], wanted: tuple[int, ...]) -> tuple[Any, Any]:
-        """Which computed values go to which buffer cells; the same slot order (step
-        after step) reuses its device tensors, so a step makes no host-to-device copy."""
-        key = (device, wanted, *(s.index for s in slots))
-        found = self._indexes.get(key)
+    def _layout(self, device: Any, slots: list[Slot]) -> tuple[tuple[int, ...], Any, Any]:
+        """The columns a block computes, and which of its values go to which buffer
+        cells: made once per slot order (the same step after step), so a block walks
+        no slot in Python and a step makes no host-to-device copy."""
+        key = (device, *(s.index for s in slots))
+        found = self._layouts.get(key)
         if found is None:
-            if len(self._indexes) >= MAX_INDEXES:
-                self._indexes.clear()
-            found = self._indexes[key] = _index(device, slots, wanted)
+            if len(self._layouts) >= MAX_LAYOUTS:
+                self._layouts.clear()
+            wanted = _columns(slots)
+            found = self._layouts[key] = (wanted, *_index(device, slots, wanted))
         return found
 
 
