@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -89,3 +93,40 @@ def test_a_parked_process_is_not_a_stalled_one(spawn):
     assert child.wait() == 0
     assert "nobody attached within 1.5s" in child.stderr
     assert "stall:" not in child.stderr
+
+
+ENDS_WITH_A_BOARD = """
+import atexit, datetime, json, os, socket, threading
+from torch.distributed import TCPStore
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))
+threads = []
+def report():  # registered first, so it runs after breakpod's own exit handler
+    print(json.dumps({"alive": [t.is_alive() for t in threads]}), flush=True)
+atexit.register(report)
+import breakpod
+dog = breakpod.watch_stalls(30)
+threads.append(dog._thread)
+while dog.board is None:  # its ticks now talk to the job store
+    threading.Event().wait(0.05)
+"""
+
+
+def test_the_watchdog_thread_has_ended_before_the_interpreter_finalizes():
+    """A tick inside the store's C++ client when finalization starts aborts the process
+    (SIGABRT after a clean run); breakpod's exit handler stops and joins the thread."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
+    env["ENABLE_REMOTE_DEBUG"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", ENDS_WITH_A_BOARD],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == {"alive": [False]}, done.stderr

@@ -52,7 +52,11 @@ def test_a_job_wide_break_parks_every_rank_at_one_step_and_one_continue_resumes_
         sent = cli(broker, ADMIN, "send", JOB, "break")
         assert sent.returncode == 0 and sent.stdout.count("queued break") == 4, sent
         pattern = r"\[rank (\d)\] job-wide break at step (\d+):"
-        wait_until(lambda: len(re.findall(pattern, job.stderr)) >= 4 or None, timeout=90)
+        try:
+            wait_until(lambda: len(re.findall(pattern, job.stderr)) >= 4 or None, timeout=90)
+        except AssertionError:
+            listing = cli(broker, VIEWER, "sessions", "--job", JOB, "--json").stdout
+            raise AssertionError(f"sessions: {listing}\njob stderr:\n{job.stderr}") from None
         parked = dict(re.findall(pattern, job.stderr))
         assert sorted(parked) == ["0", "1", "2", "3"]
         assert len(set(parked.values())) == 1, parked  # one step for every rank

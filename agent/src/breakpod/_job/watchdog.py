@@ -25,6 +25,7 @@ a stall, reported, then this rank exits with status 1 as torch would have.
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import os
@@ -108,9 +109,13 @@ class Watchdog:
             announce(f"steps resumed at step {self.step}; the stall is over")
             events.emit(protocol.RESUMED, step=self.step, why="heartbeat resumed after a stall")
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 0.0) -> None:
+        """Stop the thread; with ``wait``, give a tick in progress that long to end."""
         self._stop.set()
         self._wake.set()
+        thread = self._thread
+        if wait and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(wait)
 
     def wake(self) -> None:
         self._wake.set()
@@ -430,6 +435,8 @@ def watch_stalls(
     global _active, _armed
     if _active is not None:
         _active.stop()
+    else:
+        atexit.register(_stop_at_exit)
     _active = Watchdog(timeout, action, adaptive=adaptive, after_first_step=after_first_step)
     if _active.place.distributed:
         collectives.install()
@@ -437,6 +444,14 @@ def watch_stalls(
     _armed = True
     wiring.connect()  # stall events reach the broker when one is set
     return _active
+
+
+def _stop_at_exit() -> None:
+    """No watchdog tick may be inside the job store's C++ client when the interpreter
+    ends: a daemon thread that wakes there during finalization aborts the process
+    (``terminate called without an active exception``, SIGABRT after a clean run)."""
+    if _active is not None:
+        _active.stop(wait=job.CONNECT_SECONDS + 1.0)
 
 
 def step(number: int | None = None) -> None:
