@@ -65,6 +65,27 @@ def test_the_dap_verdict_comes_within_two_seconds(spawn):
     assert launch["configurations"][0]["pathMappings"][0]["remoteRoot"] == "/app"
 
 
+def test_probing_a_debugpy_listener_again_and_again_leaves_it_open_to_an_ide(spawn):
+    """debugpy's adapter stops accepting clients when one hangs up in the middle of its
+    greeting; each probe hears the greeting out, so the IDE that comes next attaches."""
+    child = spawn(DEBUGPY_JOB, stdin="closed")
+    port = int(child.wait_for(DEBUGPY_PORT).group(1))
+    for _ in range(12):  # an engineer running `breakpod attach` again, and again
+        started = time.monotonic()
+        with pytest.raises(AttachError, match="debugpy"):
+            attach.attach("127.0.0.1", port, out=io.StringIO())
+        assert time.monotonic() - started < 2.0
+        time.sleep(0.1)  # not back to back: debugpy also jams on overlapping sessions
+    client = DapClient(port)
+    try:
+        client.handshake()
+        stopped = client.wait_event("stopped")
+        client.call("continue", threadId=stopped["body"]["threadId"])
+    finally:
+        client.close()
+    assert child.wait(timeout=30) == 0
+
+
 def test_a_listener_that_says_nothing_is_not_waited_on_forever(monkeypatch):
     monkeypatch.setattr(attach, "FIRST_WORDS_TIMEOUT", 0.5)
     with socket.socket() as server:

@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
@@ -27,6 +28,11 @@ CONNECT_TIMEOUT = 5.0
 # debugpy listener, at once, with a DAP message. Silence this long: not ours.
 FIRST_WORDS_TIMEOUT = 10.0
 DAP_HEADER = b"Content-Length:"
+# The last event of a debugpy adapter's greeting. Its accept loop dies when a client
+# hangs up before the greeting is written (debugpy 1.8), and the next client, the
+# engineer's VS Code, would wait for ever: the probe hears it out, up to a second.
+DAP_GREETING_END = b'"debugpySockets"'
+DAP_GREETING_WAIT = 1.0
 
 
 def attach(
@@ -44,6 +50,7 @@ def attach(
     with sock:
         first = _first_words(sock, host, port)
         if first.startswith(DAP_HEADER):
+            _hear_out(sock, first)
             out.write(vscode_launch(host, port, remote_root, "${workspaceFolder}") + "\n")
             raise AttachError(
                 f"{host}:{port} is a debugpy (DAP) listener, not a remote pdb: open the "
@@ -72,6 +79,20 @@ def _first_words(sock: socket.socket, host: str, port: int) -> bytes:
     except OSError as e:
         raise AttachError(f"the connection to {host}:{port} broke: {e.strerror or e}") from e
     return data
+
+
+def _hear_out(sock: socket.socket, data: bytes) -> None:
+    """Read a DAP greeting to its end before hanging up (see DAP_GREETING_END)."""
+    deadline = time.monotonic() + DAP_GREETING_WAIT
+    while DAP_GREETING_END not in data and (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(65536)
+        except OSError:
+            return
+        if not chunk:
+            return
+        data += chunk
 
 
 def connect(host: str, port: int) -> socket.socket:

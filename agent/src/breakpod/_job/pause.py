@@ -12,7 +12,10 @@ through the rank board in the job's own store (``_job/board.py``):
 * a job-wide break (``breakpod send JOB break``): the first rank that gets the
   command writes ``.../break`` with a step a little ahead of every rank's; each
   rank parks at that step boundary; the first rank to resume marks it over and
-  the ranks still waiting for a debugger stop waiting.
+  the ranks still waiting for a debugger stop waiting. A rank that already passed
+  that step when it heard of the break (its tick came late, or it waits in a
+  collective behind a parked peer) moves the break past its own step, and the
+  ranks parked at the old one continue to the new one.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class JobPause:
         self.break_at: int | None = None  # park at this step boundary
         self.parked_for: int | None = None  # the job break this rank parks for
         self.break_done: int | None = None  # the job break this rank resumed from
+        self.passed = -1  # the last step boundary the training thread passed
+        self.lock = threading.Lock()  # break_at and passed change together
 
     @property
     def paused(self) -> bool:
@@ -115,6 +120,16 @@ class JobPause:
         self.over_at = time.monotonic()
         self.released.set()
 
+    def parks_at(self, step: int) -> bool:
+        """Training thread, at a step boundary: park here for a job break? If not, this
+        step is passed, and the watchdog moves a break it learns of later beyond it."""
+        with self.lock:
+            if self.break_at is not None and step >= self.break_at:
+                self.break_at = None
+                return True
+            self.passed = step
+            return False
+
     def _follow_break(self, board: job.Board, step: int, speed: float | None) -> None:
         current = board.get(BREAK_KEY)
         if self.break_wanted:
@@ -132,20 +147,40 @@ class JobPause:
             if self.parked_for == current["id"] and self.break_at is None:
                 _stop_waiting_for_debugger()  # parked for it: stop waiting for a client
             self.break_at = self.parked_for = None
-        elif current["step"] >= step:
-            self.break_at = current["step"]
-            self.parked_for = current["id"]
-        else:  # this rank already passed the step: park at its next boundary
-            self.break_at, self.parked_for = step, current["id"]
+            return
+        parked = self.parked_for == current["id"] and self.break_at is None
+        with self.lock:  # decided against the training thread's last boundary, not a guess
+            late = self.passed >= current["step"]
+            target = self.passed + _ahead(speed) if late else current["step"]
+            self.break_at, self.parked_for = target, current["id"]
+        if late:
+            self._move_break(board, current, target)
+        elif parked:  # the break moved on while this rank waited for a client: follow it
+            _stop_waiting_for_debugger()
+
+    def _move_break(self, board: job.Board, current: dict[str, Any], target: int) -> None:
+        """This rank passed the agreed step before it heard of the break (a slow tick, or
+        blocked in a collective behind a parked peer): every rank parks at ``target``."""
+        announce(
+            f"this rank passed step {current['step']} before it heard of the job-wide break; "
+            f"the break moves to step {target}"
+        )
+        now = board.replace(BREAK_KEY, current, {**current, "step": target})
+        if now["step"] != target:
+            self.break_seen = None  # another rank moved it first: follow that at the next tick
 
     def _propose_break(
         self, board: job.Board, seen: dict[str, Any] | None, step: int, speed: float | None
     ) -> dict[str, Any]:
         steps = [int(r.get("step", 0)) for r in board.read().values()] or [step]
-        ahead = 1 if not speed else min(MAX_BREAK_AHEAD, math.ceil(BREAK_AHEAD_SECONDS / speed) + 1)
         number = (seen or {}).get("id", 0) + 1
-        proposal = {"id": number, "step": max([*steps, step]) + ahead, "over": False}
+        proposal = {"id": number, "step": max([*steps, step]) + _ahead(speed), "over": False}
         return board.replace(BREAK_KEY, seen, proposal)
+
+
+def _ahead(speed: float | None) -> int:
+    """Steps from the fastest rank to a break: about BREAK_AHEAD_SECONDS of them."""
+    return 1 if not speed else min(MAX_BREAK_AHEAD, math.ceil(BREAK_AHEAD_SECONDS / speed) + 1)
 
 
 def note_for(reason: str, where: str) -> dict[str, str]:

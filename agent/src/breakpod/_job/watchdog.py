@@ -125,8 +125,7 @@ class Watchdog:
         pause = self.pause
         if pause is None:
             return
-        if pause.break_at is not None and (self.step or 0) >= pause.break_at:
-            pause.break_at = None
+        if pause.parks_at(self.step or 0):
             shim.set_trace(frame=frame, header=f"job-wide break at step {self.step}")
             return
         pause.wait_at_step(self.step or 0)

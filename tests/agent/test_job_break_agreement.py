@@ -1,0 +1,73 @@
+"""A job-wide break parks every rank at one step, however late a rank hears of it
+(two ranks' pauses on one real torch store, stepped by hand)."""
+
+from __future__ import annotations
+
+import pytest
+
+from breakpod._job import board as job
+from breakpod._job import pause as job_pause
+
+torch_distributed = pytest.importorskip("torch.distributed")
+
+
+def ranks(n: int = 2) -> list[tuple[job_pause.JobPause, job.Board]]:
+    store = torch_distributed.HashStore()
+    pairs = []
+    for rank in range(n):
+        place = job.Place(rank=rank, world_size=n, host=None, port=None, run_id="t/0")
+        pairs.append((job_pause.JobPause(place), job.Board(store, place)))
+    return pairs
+
+
+def boundaries(pause: job_pause.JobPause, first: int, last: int) -> int | None:
+    """Step boundaries ``first..last`` in the training thread; the one it parks at."""
+    return next((s for s in range(first, last + 1) if pause.parks_at(s)), None)
+
+
+def test_ranks_that_hear_in_time_park_at_the_proposed_step():
+    (zero, board0), (one, board1) = ranks()
+    boundaries(zero, 0, 3)
+    boundaries(one, 0, 3)
+    zero.break_wanted = True
+    zero.tick(board0, False, 3, speed=None)
+    one.tick(board1, False, 3, speed=None)
+    assert zero.break_at == one.break_at == 4
+    assert boundaries(zero, 4, 10) == boundaries(one, 4, 10) == 4
+
+
+def test_a_rank_past_the_step_moves_the_break_and_every_rank_follows():
+    (zero, board0), (one, board1) = ranks()
+    boundaries(zero, 0, 3)
+    boundaries(one, 0, 6)  # rank 1 runs ahead of its slow watchdog tick
+    zero.break_wanted = True
+    zero.tick(board0, False, 3, speed=None)  # proposes step 4
+    one.tick(board1, False, 6, speed=None)  # already passed step 4: moves the break
+    assert one.break_at == 7 and board1.get(job_pause.BREAK_KEY)["step"] == 7
+    zero.tick(board0, False, 3, speed=None)
+    assert zero.break_at == 7
+    assert boundaries(zero, 4, 20) == boundaries(one, 7, 20) == 7
+
+
+def test_a_rank_parked_at_the_old_step_continues_to_the_new_one():
+    (zero, board0), (one, board1) = ranks()
+    zero.break_wanted = True
+    zero.tick(board0, False, 0, speed=None)  # step 1
+    assert boundaries(zero, 0, 5) == 1  # parked (waiting for a client)
+    boundaries(one, 0, 2)  # blocked behind rank 0 after step 2's boundary
+    one.tick(board1, False, 2, speed=0.5)  # 2 s ahead at 0.5 s a step: step 2 + 5
+    zero.tick(board0, True, 1, speed=None)
+    assert zero.break_at == one.break_at == 7
+    assert boundaries(zero, 2, 20) == boundaries(one, 3, 20) == 7
+
+
+def test_a_boundary_that_races_the_tick_is_never_skipped():
+    """The tick decides under the training thread's lock: a boundary passed just before
+    it adopts the break counts as passed, so no rank parks one step late."""
+    (zero, board0), (one, board1) = ranks()
+    zero.break_wanted = True
+    zero.tick(board0, False, 0, speed=None)
+    assert board0.get(job_pause.BREAK_KEY)["step"] == 1
+    one.parks_at(1)  # rank 1 passed step 1 while its tick was on its way
+    one.tick(board1, False, 0, speed=None)  # its step number read before that boundary
+    assert one.break_at == 2 and board1.get(job_pause.BREAK_KEY)["step"] == 2
