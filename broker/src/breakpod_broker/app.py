@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import inspect
 import json
 import logging
 import reprlib
@@ -90,6 +91,7 @@ def create_app(settings: BrokerSettings | None = None) -> FastAPI:
         openapi_url=None,
         docs_url=None,
         redoc_url=None,
+        **_without_native_telemetry(),
     )
     for module in (sessions, listing, events, commands, attach, admin, dashboard):
         app.include_router(module.router)
@@ -172,6 +174,15 @@ def _static_tokens(settings: BrokerSettings) -> dict[str, Principal]:
     if not static:
         log.warning("no tokens configured: only API-made tokens work (set BREAKPOD_BROKER_TOKENS)")
     return static
+
+
+def _without_native_telemetry() -> dict[str, Any]:
+    """FastAPI's native OpenTelemetry (0.165 and later) asks the global providers about
+    every request: 5% of a busy replica's CPU. The broker's metrics are its own
+    (``/metrics``), so it is off; older FastAPI has none."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from breakpod import protocol
 from breakpod.protocol import EventKind
-from breakpod_broker import fanout, keys, sharded
+from breakpod_broker import fanout, keys, scripts, sharded
 from breakpod_broker.auth import Agent, Credentials, Viewer, recheck
 from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.limits import MAX_DEPTH, MAX_FIELDS_BYTES, dotted, nonfinite, too_deep
@@ -129,14 +129,11 @@ async def ingest(
             lambda sid, ix, cursors: _session_lua_args(broker, events, encoded, ix, cursors),
         )
     else:
-        async with broker.redis.pipeline(transaction=False) as pipe:
-            for session_id, indexes in by_session.items():
-                await broker.scripts.ingest(
-                    keys=_lua_keys(session_id),
-                    args=_lua_args(broker, session_id, events, encoded, indexes),
-                    client=pipe,
-                )
-            replies = await pipe.execute()
+        calls = [
+            (_lua_keys(session_id), _lua_args(broker, session_id, events, encoded, indexes))
+            for session_id, indexes in by_session.items()
+        ]
+        replies = await scripts.pipelined(broker.redis, broker.scripts.ingest, calls)
     broker.metrics.redis_latency.labels("ingest").observe(time.perf_counter() - started)
     for indexes, reply in zip(by_session.values(), replies, strict=True):
         for i, cursor in zip(indexes, reply.split(","), strict=True):

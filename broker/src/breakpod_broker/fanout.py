@@ -18,6 +18,7 @@ before it reads Redis, so no event falls between the two.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import logging
@@ -26,6 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from breakpod_broker import keys
+from breakpod_broker.wakeups import settle
 
 log = logging.getLogger(__name__)
 READ_COUNT = 1000
@@ -48,23 +50,49 @@ def sse_text(entry_id: str, doc: dict[str, Any]) -> str:
 
 
 class Follower:
-    """One SSE stream's place in the fan-out: a bounded queue of (cursor, SSE text)."""
+    """One SSE stream's place in the fan-out: a bounded queue of (cursor, SSE text), and
+    a future that wakes its stream (no task and no ``wait_for`` per wake)."""
+
+    __slots__ = ("dropped", "namespaces", "pending", "size", "wants", "woken")
 
     def __init__(
         self, namespaces: frozenset[str] | None, wants: Callable[[dict[str, Any]], bool], size: int
     ) -> None:
         self.namespaces = namespaces  # None: every namespace
         self.wants = wants
-        self.queue: asyncio.Queue[tuple[Cursor, str]] = asyncio.Queue(size)
+        self.size = size
+        self.pending: collections.deque[tuple[Cursor, str]] = collections.deque()
         self.dropped = False
+        self.woken: asyncio.Future[None] | None = None  # set while its stream waits
 
     def offer(self, cursor: Cursor, text: str) -> None:
         if self.dropped:
             return
-        try:
-            self.queue.put_nowait((cursor, text))
-        except asyncio.QueueFull:  # too slow: it resumes from Redis with Last-Event-ID
+        if len(self.pending) < self.size:
+            self.pending.append((cursor, text))
+        else:  # too slow: it resumes from Redis with Last-Event-ID
             self.dropped = True
+        if self.woken is not None:
+            settle(self.woken)
+
+    async def wait(self, seconds: float) -> None:
+        """Until an event is queued or this follower is dropped; ``seconds`` at most."""
+        if self.pending or self.dropped:
+            return
+        loop = asyncio.get_running_loop()
+        woken = self.woken = loop.create_future()
+        timer = loop.call_later(seconds, settle, woken)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            self.woken = None
+
+    def take(self, most: int) -> list[tuple[Cursor, str]]:
+        """Up to ``most`` queued events, oldest first: one socket write for them all, so
+        a busy stream costs a send per burst, not per event."""
+        pending = self.pending
+        return [pending.popleft() for _ in range(min(most, len(pending)))]
 
 
 class EventFanout:
@@ -179,28 +207,16 @@ async def stream(
             if not await still_allowed():
                 return  # the client gets 401 when it reconnects
             checked = time.monotonic()
-        if follower.dropped and follower.queue.empty():
-            return  # too slow: the client resumes with Last-Event-ID
-        try:
-            first = await asyncio.wait_for(follower.queue.get(), keepalive_seconds)
-        except asyncio.TimeoutError:
+        await follower.wait(keepalive_seconds)
+        if not follower.pending:
+            if follower.dropped:
+                return  # too slow: the client resumes with Last-Event-ID
             yield ": keepalive\n\n"
             continue
         parts = []
-        for position, text in _drain(follower.queue, first):
+        for position, text in follower.take(DRAIN):
             if position > sent:
                 sent = position
                 parts.append(text)
         if parts:
             yield "".join(parts)
-
-
-def _drain(
-    queue: asyncio.Queue[tuple[Cursor, str]], first: tuple[Cursor, str]
-) -> list[tuple[Cursor, str]]:
-    """``first`` and what else is queued already (up to DRAIN): one write to the
-    socket for them all, so a busy stream costs a send per burst, not per event."""
-    found = [first]
-    while len(found) < DRAIN and not queue.empty():
-        found.append(queue.get_nowait())
-    return found

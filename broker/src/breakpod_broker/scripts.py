@@ -2,13 +2,18 @@
 
 Loaded once per client with ``register_script``: calls send the script's SHA
 (EVALSHA), and redis-py loads the text again when Redis answers NOSCRIPT (a
-restarted or replaced server), in pipelines too.
+restarted or replaced server). In a pipeline, :func:`pipelined` does the same
+(redis-py's own way asks ``SCRIPT EXISTS`` first, a round trip of its own on
+every execute).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
+
+from redis.exceptions import NoScriptError
 
 from breakpod import protocol
 
@@ -247,3 +252,24 @@ class Scripts:
             redis.register_script(ADVANCE_JOB_CURSOR_LUA),
             redis.register_script(COUNT_LUA),
         )
+
+
+async def pipelined(
+    redis: Any, script: Any, calls: Sequence[tuple[list[str], list[Any]]]
+) -> list[Any]:
+    """``script`` once per ``(keys, args)`` in one pipeline, by SHA; when Redis forgot the
+    script (NOSCRIPT: none of the calls ran), it is loaded and the pipeline runs again."""
+    try:
+        return await _evalsha_each(redis, script.sha, calls)
+    except NoScriptError:
+        script.sha = await redis.script_load(script.script)
+        return await _evalsha_each(redis, script.sha, calls)
+
+
+async def _evalsha_each(
+    redis: Any, sha: str, calls: Sequence[tuple[list[str], list[Any]]]
+) -> list[Any]:
+    async with redis.pipeline(transaction=False) as pipe:
+        for call_keys, args in calls:
+            pipe.evalsha(sha, len(call_keys), *call_keys, *args)
+        return list(await pipe.execute())

@@ -39,7 +39,7 @@ RETRY_SECONDS = 1.0
 ReadJob = Callable[[str, str], Awaitable[list[Any]]]
 
 
-def _settle(future: asyncio.Future[None]) -> None:
+def settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
 
@@ -62,7 +62,7 @@ class Waiter:
         self.job |= job
         if found is not None:
             self.found = found
-        _settle(self.future)
+        settle(self.future)
 
     def clear(self) -> None:
         self.own = self.job = False
@@ -75,7 +75,7 @@ class Waiter:
         future = self.future
         if future.done():
             return
-        timer = asyncio.get_running_loop().call_later(seconds, _settle, future)
+        timer = asyncio.get_running_loop().call_later(seconds, settle, future)
         try:
             await future
         finally:
