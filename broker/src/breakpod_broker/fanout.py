@@ -37,6 +37,7 @@ RETRY_SECONDS = 1.0
 DRAIN = 500  # queued events a stream writes at once
 
 Cursor = tuple[int, int]
+Wants = Callable[[dict[str, Any]], bool]  # a follower's filter
 
 
 def cursor_of(entry_id: str) -> Cursor:
@@ -55,11 +56,9 @@ class Follower:
 
     __slots__ = ("dropped", "namespaces", "pending", "size", "wants", "woken")
 
-    def __init__(
-        self, namespaces: frozenset[str] | None, wants: Callable[[dict[str, Any]], bool], size: int
-    ) -> None:
+    def __init__(self, namespaces: frozenset[str] | None, wants: Wants | None, size: int) -> None:
         self.namespaces = namespaces  # None: every namespace
-        self.wants = wants
+        self.wants = wants  # None: every event it may see
         self.size = size
         self.pending: collections.deque[tuple[Cursor, str]] = collections.deque()
         self.dropped = False
@@ -130,9 +129,7 @@ class EventFanout:
                 await self._task
 
     @contextlib.contextmanager
-    def follow(
-        self, namespaces: frozenset[str] | None, wants: Callable[[dict[str, Any]], bool]
-    ) -> Any:
+    def follow(self, namespaces: frozenset[str] | None, wants: Wants | None) -> Any:
         follower = Follower(namespaces, wants, self.queue_size)
         groups = (
             [self.everywhere]
@@ -174,7 +171,7 @@ class EventFanout:
         position = cursor_of(entry_id)
         ns = doc.get("namespace") or ""
         for follower in (*self.everywhere, *self.by_namespace.get(ns, ())):
-            if follower.wants(doc):
+            if follower.wants is None or follower.wants(doc):
                 text = text or sse_text(entry_id, doc)
                 follower.offer(position, text)
 
