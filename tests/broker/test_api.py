@@ -271,15 +271,16 @@ def test_a_session_filtered_stream_gets_that_session_live_and_an_open_one_everyt
     register(broker, "s1")
     register(broker, "s2")
     headers = {"Authorization": f"Bearer {VIEWER}"}
-    with httpx.Client(base_url=broker.url, timeout=10) as c:
-        with (
-            c.stream("GET", "/v1/events/stream", params={"session": "s2"}, headers=headers) as one,
-            c.stream("GET", "/v1/events/stream", headers=headers) as every,
-        ):
-            events = [event("a", "s1"), event("b", "s2", kind="log"), event("c", "s1")]
-            threading.Timer(0.3, post_events, (broker, *events, event("d", "s2"))).start()
-            only = [json.loads(line[5:])["id"] for line in _first_data_lines(one, 2)]
-            all_ = [json.loads(line[5:])["id"] for line in _first_data_lines(every, 4)]
+    stream = "/v1/events/stream"
+    with (
+        httpx.Client(base_url=broker.url, timeout=10) as c,
+        c.stream("GET", stream, params={"session": "s2"}, headers=headers) as one,
+        c.stream("GET", stream, headers=headers) as every,
+    ):
+        events = [event("a", "s1"), event("b", "s2", kind="log"), event("c", "s1")]
+        threading.Timer(0.3, post_events, (broker, *events, event("d", "s2"))).start()
+        only = [json.loads(line[5:])["id"] for line in _first_data_lines(one, 2)]
+        all_ = [json.loads(line[5:])["id"] for line in _first_data_lines(every, 4)]
     assert only == ["b", "d"]
     assert sorted(all_) == ["a", "b", "c", "d"]  # one batch is stored session by session
 

@@ -5,6 +5,8 @@ status and message."""
 from __future__ import annotations
 
 import json
+import random
+import re
 
 import pytest
 from fastapi.testclient import TestClient
@@ -320,3 +322,29 @@ def test_the_routes_refusals_after_validation_are_answered_by_the_fast_path(
     reply = c.post("/v1/events", content=body, headers={**_auth(token), **PLAIN})
     assert reply.status_code == status, reply.text
     assert c.routed == [] and list(reply.json()) == ["detail"]
+
+
+# What plain_numbers refuses, as a regex: slower, and plain (the reference it must equal).
+UNUSUAL = re.compile(rb"[0-9]{16}|[eE][+-]?0*[0-9]{3}")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b'{"a": 1e400}', b'{"a": 1E+0400}', b'{"a": 12345678901234567}', b'{"a": NaN}', b"e-999"],
+)
+def test_bodies_with_unusual_numbers_are_not_plain(body):
+    assert not events.plain_numbers(body)
+
+
+@pytest.mark.parametrize("body", [b'{"a": 1e40, "b": 123456789012345.5}', b'{"sent": 1e-05}'])
+def test_usual_numbers_are_plain(body):
+    assert events.plain_numbers(body)
+
+
+def test_plain_numbers_equals_its_regex_on_random_bodies():
+    rng = random.Random(7)
+    alphabet = b'0123456789eE+-.,:{}[]" aN'
+    for _ in range(30_000):
+        body = bytes(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+        expected = b"NaN" not in body and b"Infinity" not in body and not UNUSUAL.search(body)
+        assert events.plain_numbers(body) == expected, body

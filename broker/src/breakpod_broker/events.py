@@ -78,14 +78,21 @@ async def accept(broker: Broker, who: Principal, batch: EventBatch, raw: bytes) 
 # A long run of digits (an integer past 64 bits, a float that rounds) or a 3-digit
 # exponent (past float64: read as an infinity): the strict path reads and writes these
 # (it refuses an infinity; orjson would write it as null, and read a big integer as a
-# float). False alarms in strings cost only the strict path's speed.
-_UNUSUAL_NUMBER = re.compile(rb"[0-9]{16}|[eE][+-]?0*[0-9]{3}")
+# float). False alarms in strings cost only the strict path's speed. Searched for in
+# the body with every digit written as 0, E as e and + as -: three substring searches
+# after one translate, where the regex [0-9]{16}|[eE][+-]?0*[0-9]{3} took a quarter of
+# a busy replica's CPU.
+_NUMBER_SHAPES = bytes.maketrans(b"123456789E+", b"000000000e-")
+_UNUSUAL_SHAPES = (b"0" * 16, b"e000", b"e-000")
 
 
 def plain_numbers(raw: bytes) -> bool:
     """May orjson read and write this body's numbers as the strict path would? No NaN or
     infinity tokens, no number past float64 or 64-bit integers (nor any look-alike)."""
-    return b"NaN" not in raw and b"Infinity" not in raw and not _UNUSUAL_NUMBER.search(raw)
+    if b"NaN" in raw or b"Infinity" in raw:
+        return False
+    shapes = raw.translate(_NUMBER_SHAPES)
+    return not any(shape in shapes for shape in _UNUSUAL_SHAPES)
 
 
 async def _sessions_for(broker: Broker, who: Principal, ids: set[str]) -> dict[str, SessionOut]:
