@@ -78,3 +78,14 @@ class DapClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def continue_parked(port: int) -> None:
+    """What an IDE does with a parked job: attach, see it stopped, continue it."""
+    client = DapClient(port)
+    try:
+        client.handshake()
+        stopped = client.wait_event("stopped")
+        client.call("continue", threadId=stopped["body"]["threadId"])
+    finally:
+        client.close()

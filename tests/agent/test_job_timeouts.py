@@ -26,7 +26,8 @@ dist.destroy_process_group()
 """
 
 
-def probe(**env: str) -> dict[str, object]:
+def probe(code: str = PROBE, **env: str) -> dict[str, object]:
+    """The JSON that ``code`` prints last, run with a free MASTER_PORT and no breakpod settings."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -34,7 +35,7 @@ def probe(**env: str) -> dict[str, object]:
     clean.pop("ENABLE_REMOTE_DEBUG", None)
     clean.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
     done = subprocess.run(
-        [sys.executable, "-c", PROBE],
+        [sys.executable, "-c", code],
         env=clean,
         stdin=subprocess.DEVNULL,
         capture_output=True,

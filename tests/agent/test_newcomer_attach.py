@@ -17,7 +17,7 @@ from breakpod._core.errors import AttachError
 from tests.agent.test_attach_cli import run_cli
 from tests.agent.test_breakpoint import SCRIPT
 from tests.brokerkit import AGENT, VIEWER, wait_until
-from tests.dap import DapClient
+from tests.dap import continue_parked
 
 pytest.importorskip("debugpy")
 
@@ -42,13 +42,7 @@ def test_attach_to_a_debugpy_listener_prints_a_launch_json_and_fails(spawn):
     launch = json.loads(result.stdout)
     assert launch["configurations"][0]["connect"] == {"host": "127.0.0.1", "port": port}
     # the job is still parked: a real DAP client attaches after the probe and continues it
-    client = DapClient(port)
-    try:
-        client.handshake()
-        stopped = client.wait_event("stopped")
-        client.call("continue", threadId=stopped["body"]["threadId"])
-    finally:
-        client.close()
+    continue_parked(port)
     assert child.wait(timeout=30) == 0
     assert "finished 42" in child.stdout()
 
@@ -76,13 +70,7 @@ def test_probing_a_debugpy_listener_again_and_again_leaves_it_open_to_an_ide(spa
             attach.attach("127.0.0.1", port, out=io.StringIO())
         assert time.monotonic() - started < 2.0
         time.sleep(0.1)  # not back to back: debugpy also jams on overlapping sessions
-    client = DapClient(port)
-    try:
-        client.handshake()
-        stopped = client.wait_event("stopped")
-        client.call("continue", threadId=stopped["body"]["threadId"])
-    finally:
-        client.close()
+    continue_parked(port)
     assert child.wait(timeout=30) == 0
 
 

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import threading
 import time
 
@@ -14,6 +10,7 @@ import pytest
 
 from breakpod._core import events
 from breakpod._job import watchdog
+from tests.agent.test_job_timeouts import probe
 
 STUCK = """
     import time, breakpod
@@ -96,12 +93,9 @@ def test_a_parked_process_is_not_a_stalled_one(spawn):
 
 
 ENDS_WITH_A_BOARD = """
-import atexit, datetime, json, os, socket, threading
+import atexit, datetime, json, os, threading
 from torch.distributed import TCPStore
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+port = int(os.environ["MASTER_PORT"])
 store = TCPStore("127.0.0.1", port, is_master=True, timeout=datetime.timedelta(seconds=5))
 threads = []
 def report():  # registered first, so it runs after breakpod's own exit handler
@@ -118,15 +112,5 @@ while dog.board is None:  # its ticks now talk to the job store
 def test_the_watchdog_thread_has_ended_before_the_interpreter_finalizes():
     """A tick inside the store's C++ client when finalization starts aborts the process
     (SIGABRT after a clean run); breakpod's exit handler stops and joins the thread."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
-    env["ENABLE_REMOTE_DEBUG"] = "1"
-    done = subprocess.run(
-        [sys.executable, "-c", ENDS_WITH_A_BOARD],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.splitlines()[-1]) == {"alive": [False]}, done.stderr
+    found = probe(ENDS_WITH_A_BOARD, ENABLE_REMOTE_DEBUG="1", RANK="1", WORLD_SIZE="2")
+    assert found == {"alive": [False]}
