@@ -84,8 +84,7 @@ def write_stats(
 def write_flight(
     x: torch.Tensor, cells: Sequence[torch.Tensor], i: int, maxima: torch.Tensor | None = None
 ) -> None:
-    """The flight recorder's ``|x|_2, min, max``: two kernels (three on a CPU, where
-    float32 ``amin`` plus ``amax`` cost 40% less than ``aminmax``); NaN and Inf propagate.
+    """The flight recorder's ``|x|_2, min, max``: two kernels (NaN and Inf propagate).
 
     ``maxima``: a ReLU output's per-unit maxima (>= 0 or NaN), whose least and
     greatest stand for its min and max (the same ``max |x|`` and non-finite
@@ -99,10 +98,7 @@ def write_flight(
 
     torch.linalg.vector_norm(x, 2, dtype=torch.float32, out=cells[i])
     source = x if maxima is None else maxima
-    if source.dtype == torch.float32 and source.device.type == "cpu":
-        torch.amin(source, out=cells[i + 1])  # two passes, 40% less than aminmax's one here
-        torch.amax(source, out=cells[i + 2])
-    elif source.dtype == torch.float32:
+    if source.dtype == torch.float32:
         torch.aminmax(source, out=(cells[i + 1], cells[i + 2]))
     else:
         low, high = torch.aminmax(source)
