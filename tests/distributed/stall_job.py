@@ -5,6 +5,8 @@ PARK_RANK=1 PARK_AT=3 (breakpoint() there)  PG_TIMEOUT=SECONDS (the process grou
 WATCH=1 (breakpod.watch the model: monitors and the flight recorder)
 STOP_FILE=PATH (every rank ends its loop at the step after PATH appears: a job that runs
 until the test is done with it, however slowly a loaded machine started it)
+LATE_RANK=N (fault injection: its watchdog hears of a job-wide break 4 s late, as on a
+loaded node, and never proposes one)
 """
 
 import datetime
@@ -31,6 +33,8 @@ PARK_RANK = int(os.environ.get("PARK_RANK", "-1"))
 PARK_AT = int(os.environ.get("PARK_AT", "3"))
 PG_TIMEOUT = float(os.environ.get("PG_TIMEOUT", "0")) or None
 STOP_FILE = os.environ.get("STOP_FILE")
+LATE_RANK = int(os.environ.get("LATE_RANK", "-1"))
+LATE_SECONDS = 4.0
 
 
 def fetch_batch(step):
@@ -56,7 +60,23 @@ def told_to_stop():
     return bool(flag.item())
 
 
+def hear_breaks_late():
+    from breakpod._job import pause
+
+    follow = pause.JobPause._follow_break
+
+    def late(self, board, step, speed):
+        self.break_wanted = False  # another rank proposes the break
+        if self.break_seen is None and board.get(pause.BREAK_KEY) is not None:
+            time.sleep(LATE_SECONDS)
+        follow(self, board, step, speed)
+
+    pause.JobPause._follow_break = late
+
+
 def main():
+    if RANK == LATE_RANK:
+        hear_breaks_late()
     timeout = datetime.timedelta(seconds=PG_TIMEOUT) if PG_TIMEOUT else None
     dist.init_process_group("gloo", timeout=timeout)
     torch.manual_seed(0)
