@@ -283,10 +283,10 @@ def _post_loss(broker, literal: str):
         return c.post("/v1/events", content=raw, headers={"content-type": "application/json"})
 
 
-@pytest.mark.parametrize("literal", ["1e400", "-2.5E+309", "1" + "0" * 400])
+@pytest.mark.parametrize("literal", ["1e400", "-2.5E+309", "1" + "0" * 400 + ".0"])
 def test_a_number_past_float64_gets_422_not_a_stored_null(broker, literal):
     """Read as an infinity, it would be stored (and come back) as null."""
-    response = _post_loss(broker, literal + ".0" if literal.startswith("1" + "0" * 9) else literal)
+    response = _post_loss(broker, literal)
     assert response.status_code == 422, response.text
     detail = response.json()["detail"]
     assert detail.startswith("events.0.fields.loss:") and "infinities" in detail, detail
