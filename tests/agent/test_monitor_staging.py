@@ -10,7 +10,7 @@ from torch import nn
 
 import breakpod
 from breakpod._monitor import checks, staging
-from breakpod._monitor.detect import LOW, NORM, TOTAL, Slot
+from breakpod._monitor.detect import HIGH, LOW, NORM, TOTAL, Slot
 from breakpod._monitor.stats import SlotTable
 
 
@@ -20,10 +20,10 @@ def _monitor_on(monkeypatch):
     monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
 
 
-def slots(n: int, **flags) -> list[Slot]:
-    width = 1 + sum(1 for k in ("mean_abs", "zeros") if flags.get(k)) + 3
+def slots(n: int, flight: bool = True, **flags) -> list[Slot]:
+    width = 1 + sum(1 for k in ("mean_abs", "zeros") if flags.get(k)) + 3 * flight
     return [
-        Slot(f"m{i}", "forward", frozenset({"r"}), index=i, base=i * width, flight=True, **flags)
+        Slot(f"m{i}", "forward", frozenset({"r"}), index=i, base=i * width, flight=flight, **flags)
         for i in range(n)
     ]
 
@@ -62,8 +62,9 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("flight", [True, False], ids=["flight", "no-flight"])
 @pytest.mark.parametrize(("shape", "dtype", "flags", "nonnegative"), CASES)
-def test_a_staged_block_gives_the_direct_statistics(shape, dtype, flags, nonnegative):
+def test_a_staged_block_gives_the_direct_statistics(shape, dtype, flags, nonnegative, flight):
     torch.manual_seed(0)
     xs = [torch.randn(shape).to(dtype) for _ in range(12)]
     if nonnegative:
@@ -75,15 +76,16 @@ def test_a_staged_block_gives_the_direct_statistics(shape, dtype, flags, nonnega
     xs[4].zero_()  # every unit dead
     if len(shape) > 1:
         xs[5].select(-1 if len(shape) == 3 else 1, 0).zero_()  # one dead unit
-    table = SlotTable(slots(len(xs), total=True, **flags))
+    table = SlotTable(slots(len(xs), flight, total=True, **flags))
     want = direct(table, xs, nonnegative)
-    table = SlotTable(slots(len(xs), total=True, **flags))
+    table = SlotTable(slots(len(xs), flight, total=True, **flags))
     got = staged(table, xs, nonnegative)
-    # the non-finite signal: sum x directly, min + max staged; the same verdict and kind
+    # the non-finite signal: sum x, or min + max with the flight recorder (and a ReLU's
+    # output staged); the same verdict and kind
     total = [s.cell(TOTAL) for s in table.slots]
     torch.testing.assert_close(verdict(got[total]), verdict(want[total]), equal_nan=True)
     # a ReLU output's staged min is its least per-unit max: >= the true min, >= 0
-    low = [s.cell(LOW) for s in table.slots] if nonnegative else []
+    low = [s.cell(LOW) for s in table.slots] if nonnegative and flight else []
     finite = torch.isfinite(want[low])
     assert (got[low][finite] >= want[low][finite]).all() and (got[low][finite] >= 0).all()
     rest = [i for i in range(len(got)) if i not in set(total) | set(low)]
@@ -122,6 +124,25 @@ def test_dropped_rows_never_reach_the_table():
     stager.flush()
     assert stager.flushes == 0
     assert table.cells(torch.device("cpu"))[0] == 0
+
+
+def test_a_modules_later_call_adds_at_the_steps_end_and_reduces_no_block_early():
+    """A shared module (or micro-batches) writes a slot again in one step: its values add
+    to the first call's once that call's staged row landed, and nothing lands early."""
+    table = SlotTable(slots(3, total=True))
+    stager = staging.Stager(table)
+    first, later = torch.ones(2, 3), torch.full((2, 3), -4.0)
+    put(stager, table.slots[0], first)
+    put(stager, table.slots[1], torch.zeros(2, 3))
+    again = torch.zeros(table.slots[0].width)
+    checks.write_stats(later, again.unbind(), 0, *table.slots[0].flags)
+    stager.add(torch.device("cpu"), table.slots[0], again)
+    assert stager.flushes == 0  # the row of its first call is still staged
+    stager.end_step()
+    cell = table.buffer(torch.device("cpu"))
+    low, high = (table.slots[0].cell(c) for c in (LOW, HIGH))
+    assert (cell[low], cell[high]) == (-4.0, 1.0)  # the extremes of both calls
+    assert cell[table.slots[0].cell(TOTAL)] == 2.0 - 8.0  # each call's min + max, added
 
 
 class AddsInPlace(nn.Module):

@@ -510,7 +510,6 @@ class Monitor:
             record.units[device] = {}
         index = slot.index
         if index in ran:  # a second call in this step (micro-batches): the sums add
-            self._stager.flush()  # the first call's values first
             self._add_stats(record, device, slot, x, nonnegative)
         else:
             ran[index] = numel
@@ -527,7 +526,7 @@ class Monitor:
     ) -> None:
         scratch = x.new_zeros(slot.width, dtype=_float32())
         checks.write_stats(x, scratch.unbind(), 0, *slot.flags, nonnegative=nonnegative)
-        self._table.add_into(device, slot, scratch)
+        self._stager.add(device, slot, scratch)
         record.ran[device][slot.index] += x.numel()
         if slot.zeros:
             record.units[device][slot.index] += checks.unit_count(x.shape)

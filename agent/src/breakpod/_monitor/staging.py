@@ -49,6 +49,7 @@ class Stager:
         self.table = table
         self.flushes = 0  # blocks reduced so far (tests read it)
         self._groups: dict[tuple[Any, ...], _Group] = {}
+        self._later: list[tuple[Any, Slot, Any]] = []  # a module's later calls: see add
         self._layouts: dict[tuple[Any, ...], tuple[tuple[int, ...], Any, Any]] = {}
         self._busy = False  # some group holds rows
 
@@ -78,11 +79,20 @@ class Stager:
                     self._reduce(group)
             self._busy = False
 
+    def add(self, device: Any, slot: Slot, values: Any) -> None:
+        """A module's later call in this step (micro-batches, a shared module): its
+        ``values`` add to what its first call wrote, at the step's end, once that call's
+        staged row has landed; no block is reduced early for it."""
+        self._later.append((device, slot, values))
+
     def end_step(self) -> None:
         """The step's end: reduce what is staged, and free the blocks of shapes this step
         did not use once there are many (a varying sequence length makes a new shape
         each step; its blocks must not pile up, nor keep later shapes off the fast path)."""
         self.flush()
+        for device, slot, values in self._later:
+            self.table.add_into(device, slot, values)
+        self._later.clear()
         if len(self._groups) > MAX_GROUPS // 2:
             self._groups = {k: g for k, g in self._groups.items() if g.used}
         for group in self._groups.values():
@@ -92,6 +102,7 @@ class Stager:
         """Forget the staged rows (their pass was an evaluation, not the training step)."""
         for group in self._groups.values():
             group.slots.clear()
+        self._later.clear()
         self._busy = False
 
     def _reduce(self, group: _Group) -> None:
@@ -150,8 +161,9 @@ def _columns(slots: list[Slot]) -> tuple[int, ...]:
 def _statistics(block: Any, mode: str, wanted: tuple[int, ...]) -> dict[int, Any]:
     """Each wanted column for every row of ``block``, in as few passes over it as may be.
 
-    The non-finite signal is ``min + max`` (NaN when either is, +Inf or -Inf as
-    a sum would be, NaN for both together), not a third pass for ``sum x``.
+    With the flight recorder's min and max, the non-finite signal is ``min + max``
+    (NaN when either is, +Inf or -Inf as a sum would be, NaN for both together), not
+    a third pass for ``sum x``; without them it is ``sum x``, as on the direct path.
     Rows of a ReLU's output (``nonnegative``) take their max and the live-unit
     count from one per-unit max; their min is the least per-unit max (>= the
     true min, >= 0: the same ``max |x|`` and non-finite kinds, which is what
@@ -167,13 +179,14 @@ def _statistics(block: Any, mode: str, wanted: tuple[int, ...]) -> dict[int, Any
     if NORM in wanted:
         out[NORM] = torch.linalg.vector_norm(flat, 2, dim=1, dtype=f32)
     per_unit = None
-    if ZEROS in wanted or mode == "nonnegative":
+    if ZEROS in wanted:  # a dead-unit mode (nonnegative too) is only given to these slots
         dims = tuple(d + 1 for d in checks.batch_dims(block.dim() - 1))
         per_unit = checks.unit_maxima(block, dims, mode == "pre_relu", mode == "nonnegative")
         per_unit = per_unit.reshape(n, -1)
-    if ZEROS in wanted:
         out[ZEROS] = torch.linalg.vector_norm(per_unit, 0, dim=1, dtype=f32)
-    if TOTAL in wanted or LOW in wanted:
+    if TOTAL in wanted and LOW not in wanted and mode != "nonnegative":
+        out[TOTAL] = flat.sum(1, dtype=f32)  # no flight recorder: one pass, as direct
+    elif TOTAL in wanted or LOW in wanted:
         if mode == "nonnegative":
             low, high = per_unit.amin(1), per_unit.amax(1)  # type: ignore[union-attr]
         elif block.device.type == "cpu":  # the CPU's aminmax over a dim is a slow path
