@@ -210,3 +210,30 @@ def test_a_dump_of_the_wrong_shape_is_read_as_far_as_it_goes():
         out = flight_table.lines(fields)
         assert out and all(isinstance(line, str) for line in out)
     assert "<model>" in "\n".join(flight_table.lines(garbage[4]))
+
+
+class Routed(torch.nn.Module):
+    """Two branches whose order in the forward follows ``flip`` (data-dependent routing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.flip = False
+
+    def forward(self, x):
+        first, second = (self.b, self.a) if self.flip else (self.a, self.b)
+        return second(first(x))
+
+
+def test_each_step_keeps_its_own_execution_order():
+    """The same modules and sizes in another order: the row says the new order."""
+    model = Routed()
+    monitor = breakpod.watch(model, NAN_EVENT, sink=lambda a: None)
+    for flip in (False, True):
+        model.flip = flip  # the input needs a gradient: both branches have theirs
+        model(torch.randn(8, 4, requires_grad=True)).sum().backward()
+        monitor.step()
+    forward = {s.module: s.when for s in monitor.flight.dump().series if s.phase == "forward"}
+    monitor.close()
+    assert forward["a"][0] < forward["b"][0]  # step 1: a, then b
+    assert forward["b"][1] < forward["a"][1]  # step 2: b, then a

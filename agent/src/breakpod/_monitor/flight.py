@@ -99,7 +99,7 @@ class FlightRecorder:
         seconds = math.nan if self._last_end is None else now - self._last_end
         self._last_end = now
         ran = record.ran
-        if ran == self._last_ran:  # the same slots as the step before, as usual: share it
+        if _same_run(ran, self._last_ran):  # the same slots as the step before: share it
             ran = self._last_ran
         self._rows[pos], self._last_ran = _Row(record.step, seconds, ran), ran
         self._count += 1
@@ -179,6 +179,15 @@ class FlightRecorder:
 
 
 RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
+
+
+def _same_run(ran: dict[Any, dict[int, int]], last: dict[Any, dict[int, int]]) -> bool:
+    """The same slots, sizes and execution order (dict equality ignores the order, which
+    is what a row's positions are read from)."""
+    return ran == last and all(
+        list(a) == list(b)
+        for a, b in zip((ran, *ran.values()), (last, *last.values()), strict=True)
+    )
 
 
 def _stats(values: Sequence[float], slot: Slot, numel: int) -> tuple[float, float, str]:
