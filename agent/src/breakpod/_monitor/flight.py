@@ -184,10 +184,9 @@ RECORDERS: weakref.WeakSet[FlightRecorder] = weakref.WeakSet()
 def _same_run(ran: dict[Any, dict[int, int]], last: dict[Any, dict[int, int]]) -> bool:
     """The same slots, sizes and execution order (dict equality ignores the order, which
     is what a row's positions are read from)."""
-    return ran == last and all(
-        list(a) == list(b)
-        for a, b in zip((ran, *ran.values()), (last, *last.values()), strict=True)
-    )
+    if ran != last or list(ran) != list(last):
+        return False
+    return all(list(ran[device]) == list(last[device]) for device in ran)
 
 
 def _stats(values: Sequence[float], slot: Slot, numel: int) -> tuple[float, float, str]:
