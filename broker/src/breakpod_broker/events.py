@@ -61,29 +61,31 @@ async def post_events(
 ) -> IngestResult:
     """Store a batch of events; an agent token may write only its own sessions' events.
     (fastpath.py serves the common case of this route below FastAPI, the same way.)"""
-    return await accept(broker, who, batch, await request.body())  # kept by the body parser
+    raw = await request.body()  # kept by the body parser
+    return await accept(broker, who, batch, plain=plain_numbers(raw))
 
 
-async def accept(broker: Broker, who: Principal, batch: EventBatch, raw: bytes) -> IngestResult:
+async def accept(broker: Broker, who: Principal, batch: EventBatch, *, plain: bool) -> IngestResult:
     """The route's work once the batch is valid and ``who`` is an agent (or admin):
     413 for too many events, 404/403 for a session it may not write, 422 from
-    :func:`ingest`. ``raw``: the request's body, as sent."""
+    :func:`ingest`. ``plain``: :func:`plain_numbers` of the request's body."""
     most = broker.settings.max_batch
     if len(batch.events) > most:
         raise HTTPException(413, f"{len(batch.events)} events in one batch: send at most {most}")
     sessions = await _sessions_for(broker, who, {e.session for e in batch.events})
-    return await ingest(broker, batch.events, sessions, finite=plain_numbers(raw))
+    return await ingest(broker, batch.events, sessions, plain=plain)
 
 
-# A long run of digits (an integer past 64 bits, a float that rounds) or a 3-digit
-# exponent (past float64: read as an infinity): the strict path reads and writes these
-# (it refuses an infinity; orjson would write it as null, and read a big integer as a
-# float). False alarms in strings cost only the strict path's speed. Searched for in
-# the body with every digit written as 0, E as e and + as -: three substring searches
-# after one translate, where the regex [0-9]{16}|[eE][+-]?0*[0-9]{3} took a quarter of
-# a busy replica's CPU.
+# Numbers orjson would not carry as the strict path does: an integer past 63 bits (a run
+# of 19 digits; orjson refuses to write one past 64 bits) and a 3-digit exponent (past
+# float64 it reads as an infinity, which orjson writes as null and the strict path
+# refuses). A float needs no care: both write its shortest form, at most 17 digits.
+# False alarms (a long number in a string) cost only the strict path's speed. Searched
+# for with every digit written as 0, E as e and + as -: one translate and three
+# substring searches (a regex took a quarter of a busy replica's CPU). A JSON exponent
+# always follows a digit.
 _NUMBER_SHAPES = bytes.maketrans(b"123456789E+", b"000000000e-")
-_UNUSUAL_SHAPES = (b"0" * 16, b"e000", b"e-000")
+_UNUSUAL_SHAPES = (b"0" * 19, b"0e000", b"0e-000")
 
 
 def plain_numbers(raw: bytes) -> bool:
@@ -114,13 +116,13 @@ async def ingest(
     events: list[EventIn],
     sessions: dict[str, SessionOut],
     *,
-    finite: bool = False,
+    plain: bool = False,
 ) -> IngestResult:
     """Store events (deduplicated), update session states, then notify; in batch order.
-    ``finite``: the request held no NaN or infinity, so the fast encoder may write it."""
+    ``plain``: :func:`plain_numbers` of the request, so the fast encoder may write it."""
     now = time.time()
     docs = [_document(e, sessions[e.session], now) for e in events]
-    dumps = _fast_dumps if finite and orjson is not None else _dumps
+    dumps = _fast_dumps if plain and orjson is not None else _dumps
     encoded = [dumps(doc, i) for i, doc in enumerate(docs)]
     by_session: dict[str, list[int]] = {}
     for i, event in enumerate(events):

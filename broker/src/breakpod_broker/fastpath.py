@@ -117,23 +117,23 @@ class EventsFastPath(_FastPath):
             and scope["method"] == "POST"
             and _json_body(scope)
         )
-        who = await _principal(scope) if mine else None
-        if who is None:
+        if not mine:
             await self.app(scope, receive, send)
             return
         limit: int = scope["app"].state.broker.settings.max_body_bytes
         body, complete = await read_body(receive, limit)  # BodyLimit outside refused more
         batch = _batch(body) if complete else None
-        if batch is None:  # the ordinary path decides, and says why
+        who = await _principal(scope) if batch is not None else None  # after: no lookup twice
+        if batch is None or who is None:  # the ordinary path decides, and says why
             await self.app(scope, replay_body(body, complete, receive), send)
             return
-        answer = _accepted(scope["app"].state.broker, who, batch, body)
+        answer = _accepted(scope["app"].state.broker, who, batch)
         if not await _answered(send, answer):  # the app tries again (deduplicated), answers
             await self.app(scope, replay_body(body, True, receive), send)
 
 
-async def _accepted(broker: Any, who: Principal, batch: EventBatch, body: bytes) -> bytes:
-    return (await accept(broker, who, batch, body)).model_dump_json().encode()
+async def _accepted(broker: Any, who: Principal, batch: EventBatch) -> bytes:
+    return (await accept(broker, who, batch, plain=True)).model_dump_json().encode()  # _batch
 
 
 async def _answered(send: Send, answer: Awaitable[bytes]) -> bool:
@@ -161,8 +161,8 @@ def _json_body(scope: Scope) -> bool:
 
 def _batch(body: bytes) -> EventBatch | None:
     """The body as the route validates it (FastAPI: JSON, then ``validate_python``);
-    None when the app must answer (not JSON to orjson, numbers orjson would change,
-    or not a valid batch)."""
+    None when the app must answer (not JSON to orjson, numbers orjson would not carry
+    as the app does (see :func:`.events.plain_numbers`), or not a valid batch)."""
     if not plain_numbers(body):
         return None
     try:
