@@ -294,6 +294,10 @@ class Filters:
             groups.append([t for n in who.namespaces for t in _both("namespace", n or None)])
         return groups
 
+    def match_everything(self, who: Principal) -> bool:
+        """Would :meth:`match`, and the session filter, let every event through?"""
+        return self.session is None and not self.kinds and who.namespaces is None
+
     def match(self, who: Principal, doc: dict[str, Any]) -> bool:
         return (not self.kinds or doc.get("kind") in self.kinds) and who.may_see(
             doc.get("namespace")
@@ -477,9 +481,7 @@ def _follow(broker: Broker, watch: Watch, start: str) -> AsyncIterator[str]:
     def matches(doc: dict[str, Any]) -> bool:
         return (filters.session in (None, doc.get("session"))) and filters.match(who, doc)
 
-    # no filter and every namespace: every event, and no call per event to say so
-    everything = filters.session is None and not filters.kinds and who.namespaces is None
-    wants = None if everything else matches
+    wants = None if filters.match_everything(who) else matches  # None: no call per event
 
     async def catch_up(after: str) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
         chunk = await broker.redis.xrange(filters.stream, "(" + after, "+", count=SCAN_CHUNK)

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from breakpod_broker import keys
-from breakpod_broker.wakeups import settle
+from breakpod_broker.wakeups import settle, wait_settled
 
 log = logging.getLogger(__name__)
 READ_COUNT = 1000
@@ -78,13 +78,10 @@ class Follower:
         """Until an event is queued or this follower is dropped; ``seconds`` at most."""
         if self.pending or self.dropped:
             return
-        loop = asyncio.get_running_loop()
-        woken = self.woken = loop.create_future()
-        timer = loop.call_later(seconds, settle, woken)
+        self.woken = asyncio.get_running_loop().create_future()
         try:
-            await woken
+            await wait_settled(self.woken, seconds)
         finally:
-            timer.cancel()
             self.woken = None
 
     def take(self, most: int) -> list[tuple[Cursor, str]]:

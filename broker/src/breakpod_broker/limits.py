@@ -15,6 +15,8 @@ from typing import Any
 MAX_DEPTH = 32  # containers nested inside an event's fields
 MAX_FIELDS_BYTES = 64 * 1024  # an event's fields as JSON; the agent caps whole events so
 
+_CONTAINERS = (dict, list)  # a tuple: ``dict | list`` makes a union at every call
+
 
 def too_deep(value: Any, limit: int = MAX_DEPTH) -> list[Any] | None:
     """The path of the first container nested more than ``limit`` deep, else None.
@@ -32,7 +34,7 @@ def too_deep(value: Any, limit: int = MAX_DEPTH) -> list[Any] | None:
         if depth > limit:
             return _path(link)
         for key, child in children:
-            if isinstance(child, dict | list):
+            if isinstance(child, _CONTAINERS):
                 stack.append((child, depth + 1, (link, key)))
     return None
 

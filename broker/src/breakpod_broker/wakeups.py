@@ -44,6 +44,18 @@ def settle(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+async def wait_settled(future: asyncio.Future[None], seconds: float) -> None:
+    """Until ``future`` is settled (see :func:`settle`), ``seconds`` at most: a timer,
+    not a task per wait as ``asyncio.wait_for`` makes."""
+    if future.done():
+        return
+    timer = asyncio.get_running_loop().call_later(seconds, settle, future)
+    try:
+        await future
+    finally:
+        timer.cancel()
+
+
 class Waiter:
     """One poll's wake-up: ``future`` done when its session's or its job's command came
     (or the broker shuts down)."""
@@ -72,14 +84,7 @@ class Waiter:
 
     async def wait(self, seconds: float) -> None:
         """Until woken, or ``seconds`` at most."""
-        future = self.future
-        if future.done():
-            return
-        timer = asyncio.get_running_loop().call_later(seconds, settle, future)
-        try:
-            await future
-        finally:
-            timer.cancel()
+        await wait_settled(self.future, seconds)
 
 
 class CommandWakeups:
