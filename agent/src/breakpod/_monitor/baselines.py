@@ -42,6 +42,7 @@ class NormBaselines:
         for key in keys:
             position.setdefault(key, len(position))
         self.names = list(position)
+        self.position = position  # group name -> its index in names
         self._group_of = torch.tensor([position[k] for k in keys], dtype=torch.long)
         size, f64 = len(self.names), torch.float64
         self._log_base = torch.full((size,), math.nan, dtype=f64)

@@ -250,9 +250,12 @@ class Detector:
         verdicts, seen = baselines.judge(data.grads)
         keys = (*self._streak, *self._active)
         streaks = {k[1] for k in keys if len(k) == 3 and k[0] == rule.name}
-        for g, group in enumerate(baselines.names):
-            if not seen[g] or (g not in verdicts and group not in streaks):
-                continue  # no gradient, or fine now and before: nothing to count or clear
+        # out of range now, or before (a streak to count or clear): the others need nothing
+        counted = set(verdicts) | {baselines.position[group] for group in streaks}
+        for g in sorted(counted):
+            if not seen[g]:
+                continue  # no gradient this step
+            group = baselines.names[g]
             kind_now, norm, summary = verdicts.get(g, ("", math.nan, ""))
             for kind in (EXPLODING, VANISHING):
                 if self._fires((rule.name, group, kind), kind_now == kind, rule):
