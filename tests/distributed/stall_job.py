@@ -5,8 +5,8 @@ PARK_RANK=1 PARK_AT=3 (breakpoint() there)  PG_TIMEOUT=SECONDS (the process grou
 WATCH=1 (breakpod.watch the model: monitors and the flight recorder)
 STOP_FILE=PATH (every rank ends its loop at the step after PATH appears: a job that runs
 until the test is done with it, however slowly a loaded machine started it)
-LATE_RANK=N (fault injection: its watchdog hears of a job-wide break 4 s late, as on a
-loaded node, and never proposes one)
+LATE_RANK=N (fault injection: its watchdog hears of a job-wide break only once its training
+thread passed the break's step, as a slow tick on a loaded node would, and never proposes one)
 """
 
 import datetime
@@ -34,7 +34,7 @@ PARK_AT = int(os.environ.get("PARK_AT", "3"))
 PG_TIMEOUT = float(os.environ.get("PG_TIMEOUT", "0")) or None
 STOP_FILE = os.environ.get("STOP_FILE")
 LATE_RANK = int(os.environ.get("LATE_RANK", "-1"))
-LATE_SECONDS = 4.0
+LATE_SECONDS = 60.0  # at most
 
 
 def fetch_batch(step):
@@ -67,8 +67,13 @@ def hear_breaks_late():
 
     def late(self, board, step, speed):
         self.break_wanted = False  # another rank proposes the break
-        if self.break_seen is None and board.get(pause.BREAK_KEY) is not None:
-            time.sleep(LATE_SECONDS)
+        if self.break_seen is None:
+            doc = board.get(pause.BREAK_KEY)
+            if doc is None:
+                return  # no break yet (nor one for follow to read a moment later)
+            deadline = time.monotonic() + LATE_SECONDS
+            while self.passed < doc["step"] and time.monotonic() < deadline:
+                time.sleep(0.05)  # the training thread runs on, past the break's step
         follow(self, board, step, speed)
 
     pause.JobPause._follow_break = late

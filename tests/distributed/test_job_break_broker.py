@@ -35,7 +35,7 @@ def ranks_registered(broker, job: str) -> list[int] | None:
 def test_a_job_wide_break_parks_every_rank_at_one_step_and_one_continue_resumes_all(
     broker, tmp_path: Path, late: bool
 ):
-    """With ``late``, rank 2 hears of the break only after it passed the agreed step (and
+    """With ``late``, rank 2 hears of the break only after it passed the agreed step (then
     waits in a collective behind its parked peers): it moves the break, every rank
     parks at the new step."""
     port = PORT + int(late)
