@@ -94,10 +94,15 @@ def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 10
     raise AssertionError("redis-server did not start with the rendered arguments")
 
 
+def init_container(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    pod = find(docs, "StatefulSet")["spec"]["template"]["spec"]
+    [init] = [c for c in pod["initContainers"] if c["name"] == name]
+    return dict(init)
+
+
 def write_auth_config(docs: list[dict[str, Any]], tmp_path: Path) -> Path:
     """Run the Redis pod's init container command (sh, as in the image) with /config here."""
-    pod = find(docs, "StatefulSet")["spec"]["template"]["spec"]
-    [init] = pod["initContainers"]
+    init = init_container(docs, "auth-config")
     env = resolved_env(init, secrets_of(docs))
     (tmp_path / "config").mkdir(exist_ok=True)
     command = [c.replace("/config/", f"{tmp_path}/config/") for c in init["command"]]
@@ -152,7 +157,7 @@ def test_redis_existing_secret() -> None:
     docs = documents(render(values))
     assert "bp-breakpod-redis" not in secrets_of(docs)
     ref = {"secretKeyRef": {"name": "my-redis", "key": "pw"}}
-    init = find(docs, "StatefulSet")["spec"]["template"]["spec"]["initContainers"][0]
+    init = init_container(docs, "auth-config")
     redis_c = containers(docs, "StatefulSet")[0]
     for name, container in [("init", init), ("broker", containers(docs, "Deployment")[0])]:
         env = {e["name"]: e.get("valueFrom") for e in container["env"]}
@@ -245,3 +250,28 @@ def test_notes_read_the_right_tokens(existing: bool) -> None:
         else (secret["viewer-token"], secret["agent-token"])
     )
     assert (viewer, agent) == expected
+
+
+def test_redis_aof_check_cuts_a_half_written_transaction(docs, tmp_path: Path) -> None:
+    """The init container's command, run by sh with this machine's redis-check-aof
+    (the server binary under that name, Redis 6.2 here: one AOF file where Redis 7
+    keeps a manifest, so a single-file AOF stands at the manifest's path)."""
+    init = init_container(docs, "aof-check")
+    assert {"name": "data", "mountPath": "/data"} in init["volumeMounts"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-check-aof").symlink_to(find_binary())
+    data = tmp_path / "data"
+    command = [c.replace("/data/", f"{data}/") for c in init["command"]]
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+    def run() -> None:
+        subprocess.run(command, env=env, check=True, timeout=30, stdin=subprocess.DEVNULL)
+
+    run()  # the first start: no AOF yet, nothing to check
+    aof = data / "appendonlydir" / "appendonly.aof.manifest"
+    aof.parent.mkdir(parents=True)
+    whole = b"*3\r\n$3\r\nSET\r\n$1\r\na\r\n$1\r\n1\r\n"
+    aof.write_bytes(whole + b"*1\r\n$5\r\nMULTI\r\n" + whole + b"*3\r\n$3\r\nSE")
+    run()
+    assert aof.read_bytes() == whole

@@ -12,7 +12,9 @@ Lifecycle, so that no server is ever orphaned or doubled on one AOF:
   stopped before a new one starts;
 * on Linux the child gets a parent-death signal (``PR_SET_PDEATHSIG``): it dies
   with the supervisor thread that started it, so with the broker, SIGKILL included;
-* a supervisor thread restarts a server that died, on the same port.
+* a supervisor thread restarts a server that died, on the same port;
+* before each start the AOF's tail is repaired (:func:`repair_aof`): a kill in the
+  middle of a transaction's write must not leave half of it to be replayed later.
 
 Loopback only, no fake anywhere.
 """
@@ -137,6 +139,7 @@ class EmbeddedRedis:
 
     def _spawn_and_wait_ready(self) -> None:
         log_path = self.data_dir / "redis.log"
+        repair_aof(self.data_dir)
         self.proc = subprocess.Popen(
             self._argv(log_path),
             stdin=subprocess.DEVNULL,
@@ -206,6 +209,41 @@ def lock_data_dir(data_dir: Path) -> IO[str]:
     handle.write(f"{os.getpid()}\n")
     handle.flush()
     return handle
+
+
+def repair_aof(data_dir: Path) -> None:
+    """Cut an AOF that ends inside a MULTI/EXEC block back to before its MULTI.
+
+    Redis writes a script's effects as one MULTI/EXEC block. When a kill lands in
+    the middle of that write, redis-server (6.2, and later versions until 2026)
+    loads the AOF up to the last whole command and truncates it there, leaving a
+    MULTI without its EXEC in the file. The next writes append after it, and the
+    next restart replays the orphaned half-transaction inside theirs: events
+    twice, and (their trims having been written as exact lengths) the oldest
+    events trimmed away. ``redis-check-aof --fix`` cuts such a tail at its MULTI;
+    it is the server binary itself, run under that name.
+    """
+    manifest = data_dir / "appendonlydir" / "appendonly.aof.manifest"  # Redis >= 7
+    target = manifest if manifest.is_file() else data_dir / "appendonly.aof"
+    if not target.is_file() or target.stat().st_size == 0:
+        return
+    try:
+        done = subprocess.run(
+            ["redis-check-aof", "--fix", str(target)],
+            executable=find_binary(),
+            input=b"y\n",  # it asks before it truncates
+            capture_output=True,
+            timeout=600,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        log.error("could not check the AOF %s before starting redis-server: %s", target, e)
+        return
+    if b"Successfully truncated" in done.stdout:
+        log.warning("the AOF %s ended inside a transaction: cut back to before it", target)
+    elif done.returncode != 0:
+        text = (done.stdout + done.stderr).decode(errors="replace").strip()[-500:]
+        log.error("redis-check-aof found the AOF %s damaged: %s", target, text)
 
 
 def stop_stale(pidfile: Path, data_dir: Path, timeout: float = 10.0) -> None:
