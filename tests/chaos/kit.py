@@ -113,16 +113,16 @@ class Ingester(threading.Thread):
         self.join(30)
 
 
-def stored_ids(url: str) -> set[str]:
-    """Every event id in the broker's global stream, read page by page."""
-    found: set[str] = set()
+def stored_ids(url: str) -> list[str]:
+    """Every event id in the broker's global stream, read page by page, in order."""
+    found: list[str] = []
     since = "0"
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {VIEWER}"}) as c:
         while True:
             response = c.get("/v1/events", params={"since": since, "limit": 1000}, timeout=30)
             assert response.status_code == 200, response.text
             page = response.json()
-            found.update(e["id"] for e in page["events"])
+            found += [e["id"] for e in page["events"]]
             if not page["events"]:
                 return found
             since = page["cursor"]

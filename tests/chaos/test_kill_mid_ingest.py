@@ -5,6 +5,7 @@ answers 5xx. ``CHAOS_ROUNDS`` kills per test (``make chaos``: 20)."""
 
 from __future__ import annotations
 
+import collections
 import time
 
 import pytest
@@ -38,8 +39,11 @@ def _ingest_through(broker_url: str, fault, rounds: int = ROUNDS) -> Ingester:
             assert not ingester.errors, ingester.errors[:5]
     finally:
         ingester.stop()
-    lost = set(ingester.acked) - stored_ids(broker_url)
+    stored = stored_ids(broker_url)
+    lost = set(ingester.acked) - set(stored)
     assert not lost, f"{len(lost)} of {len(ingester.acked)} acknowledged events lost"
+    twice = [i for i, n in collections.Counter(stored).items() if n > 1]
+    assert not twice, f"stored twice (the ids deduplicate): {twice[:10]}"
     assert not server_errors_after(broker_url, "chaos")
     return ingester
 
