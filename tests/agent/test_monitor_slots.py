@@ -8,7 +8,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import breakpod
-from breakpod._monitor import flight, stats
+from breakpod._monitor import checks, flight, stats
 from tests.agent.nets import Net, batch, train
 
 
@@ -222,3 +222,42 @@ def test_live_units_are_counted_alike_by_every_reduction(shape):
 
     assert live(x) == reference < checks.unit_count(shape)
     assert live(relu) == live(relu, nonnegative=True) == reference_relu < checks.unit_count(shape)
+
+
+def test_dead_units_are_measured_on_the_steps_that_are_read():
+    """check_every=3: the slow conditions are measured at steps 2, 5, 8, ... and
+    ``consecutive`` counts those measurements (non-finite values: every step)."""
+    model = Net()
+    rules = [{"name": "dead", "check": "dead_units", "modules": "act2", "consecutive": 3}]
+    monitor = breakpod.watch(model, {"rules": rules, "defaults": False}, check_every=3)
+
+    def before(step: int) -> None:
+        with torch.no_grad():
+            model.fc2.bias.fill_(-1e3)  # every unit of act2 dead from the first step
+
+    train(model, monitor, 12, lr=0.0, before=before)
+    monitor.flush()
+    assert [a.step for a in monitor.anomalies if a.check == "dead_units"] == [8]
+    monitor.close()
+
+
+def test_steps_between_reads_skip_the_activation_statistics(monkeypatch):
+    """Per-unit reductions (dead units) run on read steps only, staged and direct alike."""
+    measured: list[int] = []
+    real = checks.unit_maxima
+
+    def counting(*args, **kwargs):
+        measured.append(monitor.step_count)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checks, "unit_maxima", counting)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2048), nn.ReLU())
+    monitor = breakpod.watch(model, check_every=4)
+    x = torch.randn(32, 16)  # the second ReLU's 65,536 values take the direct path
+    for _ in range(8):
+        model(x).sum().backward()
+        monitor.step()
+    assert sorted(set(measured)) == [3, 7] and len(measured) >= 4
+    monitor.flush()
+    assert monitor.errors == 0
+    monitor.close()

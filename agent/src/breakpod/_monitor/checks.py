@@ -51,6 +51,7 @@ def write_stats(
     flight: bool = False,
     *,
     nonnegative: bool = False,
+    stats: bool = True,
 ) -> None:
     """Write ``[non-finite signal, sum |x|, live units, |x|_2, min, max]`` (those asked
     for) into ``cells[base:]`` on ``x``'s device.
@@ -59,6 +60,9 @@ def write_stats(
     ``min + max`` (NaN, +Inf and -Inf as a sum shows them, and no pass of its own).
     ``nonnegative``: ``x`` cannot hold a negative value (a ReLU's output); its
     per-unit maxima then also give its max (see :func:`unit_maxima`).
+
+    ``stats=False``: a step that skips the activation statistics (``check_every``):
+    ``sum |x|`` and the live units are not computed, their cells keep their place.
 
     ``cells`` are 0-d views of the monitor's per-step buffer, so each statistic
     is one kernel writing into preallocated memory (no result allocated per
@@ -72,12 +76,14 @@ def write_stats(
         torch.sum(x, dim=None, dtype=torch.float32, out=cells[i])
     i += int(total)
     if mean_abs:
-        torch.linalg.vector_norm(x, 1, dtype=torch.float32, out=cells[i])
+        if stats:
+            torch.linalg.vector_norm(x, 1, dtype=torch.float32, out=cells[i])
         i += 1
     maxima = None
     if zeros:
-        maxima = unit_maxima(x, batch_dims(x.dim()), pre_relu, nonnegative)
-        torch.linalg.vector_norm(maxima, 0, dtype=torch.float32, out=cells[i])
+        if stats:
+            maxima = unit_maxima(x, batch_dims(x.dim()), pre_relu, nonnegative)
+            torch.linalg.vector_norm(maxima, 0, dtype=torch.float32, out=cells[i])
         i += 1
     if flight:
         write_flight(x, cells, i, maxima if nonnegative and not pre_relu else None)

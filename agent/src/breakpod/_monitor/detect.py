@@ -3,7 +3,8 @@
 The monitor hands one :class:`StepData` per training step, in order, after
 each read. Counting (``consecutive``), baselines (gradient norms) and the
 loss window live here, so they are exact per step whatever ``check_every``
-is. A condition fires once when its streak reaches ``consecutive`` and then
+is; mean |x| and dead units are measured on read steps only (``StepData.stats``).
+A condition fires once when its streak reaches ``consecutive`` and then
 stays quiet until it clears, so a NaN that persists is reported once.
 """
 
@@ -111,6 +112,7 @@ class StepData:
     params: dict[int, float] | None = None
     batchnorm: dict[str, list[float]] | None = None
     partial: bool = False  # only a loss, reported after the optimizer ended its step
+    stats: bool = True  # activation statistics computed (check_every skips them between reads)
     # (ran slots, host values, kept tensors, units) per device, until expanded into samples
     slot_groups: list[tuple[Any, Any, Any, Any]] = dataclasses.field(default_factory=list)
 
@@ -207,6 +209,8 @@ class Detector:
                 )
 
     def _activation(self, rule: Rule, data: StepData) -> Iterator[Found]:
+        if not data.stats:
+            return  # not measured this step: a streak neither grows nor clears
         limit = rule["max_mean_abs"]
         for s in data.forward:
             if _watched(rule, s) and self._fires(
@@ -219,6 +223,8 @@ class Detector:
                 )
 
     def _dead_units(self, rule: Rule, data: StepData) -> Iterator[Found]:
+        if not data.stats:
+            return
         limit = rule["max_zero_fraction"]
         for s in data.forward:
             if _watched(rule, s) and self._fires(

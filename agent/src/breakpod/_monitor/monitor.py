@@ -194,7 +194,7 @@ class Monitor:
         self._ctx = ctx or ActionContext(model=model, snapshot_dir=Path("breakpod-snapshots"))
         self._ctx.monitor = self
         self._handles: list[Any] = []
-        self._current = StepRecord(0)
+        self._current = self._record(0)
         self._pending: list[StepRecord] = []
         self._inflight: list[tuple[list[Any], dict[Any, Any], list[StepRecord]]] = []
         self._host_buffers = HostBuffers()  # the reads' pinned copies, reused (CUDA only)
@@ -504,6 +504,7 @@ class Monitor:
         if not numel:
             return  # an empty batch's tensor: no value to check
         record, device = self._current, x.device
+        full = record.stats or not (slot.mean_abs or slot.zeros)
         ran = record.ran.get(device)
         if ran is None:
             ran = record.ran[device] = {}
@@ -513,10 +514,13 @@ class Monitor:
             self._add_stats(record, device, slot, x, nonnegative)
         else:
             ran[index] = numel
-            if not self._stager.put(slot, x, mode, device, numel):  # a large tensor: at once
+            staged = self._stager.put(slot, x, mode if full else staging.LEAN, device, numel)
+            if not staged:  # a large tensor: at once
                 cells = self._table.cells(device)
-                checks.write_stats(x, cells, slot.base, *slot.flags, nonnegative=nonnegative)
-            if slot.zeros:
+                checks.write_stats(
+                    x, cells, slot.base, *slot.flags, nonnegative=nonnegative, stats=full
+                )
+            if slot.zeros and full:
                 record.units[device][index] = checks.unit_count(x.shape)
         if slot.retain:
             record.kept[index] = x
@@ -525,10 +529,11 @@ class Monitor:
         self, record: StepRecord, device: Any, slot: Slot, x: Any, nonnegative: bool
     ) -> None:
         scratch = x.new_zeros(slot.width, dtype=_float32())
-        checks.write_stats(x, scratch.unbind(), 0, *slot.flags, nonnegative=nonnegative)
+        cells = scratch.unbind()
+        checks.write_stats(x, cells, 0, *slot.flags, nonnegative=nonnegative, stats=record.stats)
         self._stager.add(device, slot, scratch)
         record.ran[device][slot.index] += x.numel()
-        if slot.zeros:
+        if slot.zeros and record.stats:
             record.units[device][slot.index] += checks.unit_count(x.shape)
 
     def _hook_inputs(
@@ -645,7 +650,7 @@ class Monitor:
             self.record_loss(loss)
         if not self._current.grads_done and self._params:
             self._collect_grads()  # no backward ran through the model's output hook
-        done, self._current = self._current, StepRecord(self.step_count + 1)
+        done, self._current = self._current, self._record(self.step_count + 1)
         self._ignore_pass = False
         self._stager.end_step()
         self._table.snapshot(done)
@@ -661,6 +666,12 @@ class Monitor:
         elif self.step_count % self.check_every == 0 or done.kept:
             self._read(done)  # kept tensors (break/snapshot rules) live one step, not check_every
         self._evaluate_landed(wait=False)
+
+    def _record(self, step: int) -> StepRecord:
+        """A new step's record. Activation statistics (mean |x|, dead units) are slow
+        conditions: they are measured on the steps that end with a read, every
+        ``check_every``; non-finite values, on every step."""
+        return StepRecord(step, stats=(step + 1) % self.check_every == 0)
 
     def _say_if_compiled(self, done: StepRecord) -> None:
         """Gradients but no module stats: the model ran compiled, where hooks do not run."""

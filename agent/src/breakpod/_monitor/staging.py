@@ -29,6 +29,9 @@ CPU_BLOCK_BYTES = 1 << 18
 MAX_ROWS = 256
 MAX_GROUPS = 32  # distinct (shape, dtype, device, mode): more take the direct path
 MAX_LAYOUTS = 256  # cached (slot order -> columns and device index) maps
+# The mode of rows staged on a step that skips the activation statistics
+# (check_every): only the non-finite signal and the flight recorder's columns.
+LEAN = "lean"
 
 
 @dataclasses.dataclass
@@ -37,7 +40,7 @@ class _Group:
 
     block: Any  # (rows, *shape)
     rows: list[Any]  # its row views, made once
-    mode: str  # "" (no dead units), "pre_relu", "nonnegative" or "abs"
+    mode: str  # "" (no dead units), "pre_relu", "nonnegative", "abs" or LEAN
     slots: list[Slot] = dataclasses.field(default_factory=list)
     used: bool = True  # some tensor was staged here since the last step's end
 
@@ -55,7 +58,8 @@ class Stager:
 
     def put(self, slot: Slot, x: Any, mode: str, device: Any, numel: int) -> bool:
         """Stage ``x`` (detached, ``numel`` values on ``device``) for ``slot``, whose
-        dead-unit ``mode`` is :func:`unit_mode`; False when it takes the direct path."""
+        dead-unit ``mode`` is :func:`unit_mode` (or :data:`LEAN`); False when it takes the
+        direct path."""
         if numel > MAX_NUMEL:
             return False
         key = (x.shape, x.dtype, device, mode)
@@ -111,7 +115,7 @@ class Stager:
         n, slots = len(group.slots), group.slots
         block = group.block[:n]
         try:
-            wanted, source, target = self._layout(block.device, slots)
+            wanted, source, target = self._layout(block.device, slots, group.mode)
             computed = _statistics(block, group.mode, wanted)
             values = torch.stack([computed[c] for c in wanted], 1).flatten()
             self.table.write(block.device, target, values.index_select(0, source))
@@ -119,16 +123,18 @@ class Stager:
             slots.clear()
         self.flushes += 1
 
-    def _layout(self, device: Any, slots: list[Slot]) -> tuple[tuple[int, ...], Any, Any]:
+    def _layout(
+        self, device: Any, slots: list[Slot], mode: str
+    ) -> tuple[tuple[int, ...], Any, Any]:
         """The columns a block computes, and which of its values go to which buffer
         cells: made once per slot order (the same step after step), so a block walks
         no slot in Python and a step makes no host-to-device copy."""
-        key = (device, *(s.index for s in slots))
+        key = (device, mode, *(s.index for s in slots))
         found = self._layouts.get(key)
         if found is None:
             if len(self._layouts) >= MAX_LAYOUTS:
                 self._layouts.clear()
-            wanted = _columns(slots)
+            wanted = _columns(slots, skip=(MEAN_ABS, ZEROS) if mode == LEAN else ())
             found = self._layouts[key] = (wanted, *_index(device, slots, wanted))
         return found
 
@@ -152,10 +158,10 @@ def _new_group(x: Any, mode: str) -> _Group:
     return _Group(block, list(block.unbind()), mode)
 
 
-def _columns(slots: list[Slot]) -> tuple[int, ...]:
-    """The columns some slot of the block has, in the table's order."""
+def _columns(slots: list[Slot], skip: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """The columns some slot of the block has, in the table's order, but ``skip``."""
     has = [any(column) for column in zip(*(s.columns for s in slots), strict=True)]
-    return tuple(column for column, on in enumerate(has) if on)
+    return tuple(column for column, on in enumerate(has) if on and column not in skip)
 
 
 def _statistics(block: Any, mode: str, wanted: tuple[int, ...]) -> dict[int, Any]:

@@ -48,6 +48,7 @@ class StepRecord:
     grads_done: bool = False
     partial: bool = False  # a loss that arrived after the optimizer ended the step
     eval_only: bool = False  # its stats so far come from no_grad passes (evaluation)
+    stats: bool = True  # activation statistics (mean |x|, dead units) computed this step
     # device -> {slot index: numel}, in execution order: the slots whose hooks ran
     ran: dict[Any, dict[int, int]] = dataclasses.field(default_factory=dict)
     # device -> {slot index: units}, for the slots with a dead_units column only
@@ -129,7 +130,7 @@ class SlotTable:
         """Samples for the slots worth a look: flagged by a vector test, or mid-streak."""
         for ran, values, kept, units in data.slot_groups:
             order = list(ran)
-            for pos, row, numel, n_units in self._flagged(ran, values, hot, units):
+            for pos, row, numel, n_units in self._flagged(ran, values, hot, units, data.stats):
                 slot = self.slots[order[pos]]
                 sample = Sample(slot, row, numel, kept.get(slot.index), n_units)
                 if slot.phase == "input":  # the batch: named after the first module that ran
@@ -141,9 +142,15 @@ class SlotTable:
         return next((self.slots[i].module for i in after if self.slots[i].phase == "forward"), "")
 
     def _flagged(
-        self, ran: dict[int, int], values: Any, hot: Collection[str], units: dict[int, int]
+        self,
+        ran: dict[int, int],
+        values: Any,
+        hot: Collection[str],
+        units: dict[int, int],
+        stats: bool,
     ) -> list[tuple[int, list[float], int, int]]:
-        """``(position in ran, values, numel, units)`` of each slot worth a look."""
+        """``(position in ran, values, numel, units)`` of each slot worth a look; without
+        ``stats`` (a step that skipped them) only the non-finite signal is judged."""
         import torch
 
         if not ran or not self._any:
@@ -154,10 +161,11 @@ class SlotTable:
         vals = values.double()
         total, absc, zeros = self._total[index], self._abs[index], self._zeros[index]
         flag = (total >= 0) & ~torch.isfinite(vals[total.clamp(min=0)])
-        mean_abs = vals[absc.clamp(min=0)] / numel.clamp(min=1)
-        flag |= (absc >= 0) & (mean_abs > self._abs_limit[index])
         dead = unit - vals[zeros.clamp(min=0)]  # the column holds the count of live units
-        flag |= (zeros >= 0) & (dead / unit.clamp(min=1) >= self._zero_limit[index])
+        if stats:
+            mean_abs = vals[absc.clamp(min=0)] / numel.clamp(min=1)
+            flag |= (absc >= 0) & (mean_abs > self._abs_limit[index])
+            flag |= (zeros >= 0) & (dead / unit.clamp(min=1) >= self._zero_limit[index])
         picked = set(flag.nonzero().flatten().tolist())
         if hot:
             position = {k: i for i, k in enumerate(ran)}
@@ -300,7 +308,7 @@ def decode(step: StepRecord, values: dict[Any, list[float]], hosts: dict[Any, An
     ``values`` are the host copies as floats, ``hosts`` the same as tensors
     (the slot columns are judged there, as vectors).
     """
-    data = StepData(step.step, partial=step.partial)
+    data = StepData(step.step, partial=step.partial, stats=step.stats)
     for e in step.entries:
         device, offset, n = e.vec
         if e.kind == "slots":
