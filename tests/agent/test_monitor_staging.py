@@ -10,7 +10,7 @@ from torch import nn
 
 import breakpod
 from breakpod._monitor import checks, staging
-from breakpod._monitor.detect import HIGH, LOW, NORM, TOTAL, Slot
+from breakpod._monitor.detect import HIGH, LOW, MEAN_ABS, NORM, TOTAL, ZEROS, Slot
 from breakpod._monitor.stats import SlotTable
 
 
@@ -91,6 +91,43 @@ def test_a_staged_block_gives_the_direct_statistics(shape, dtype, flags, nonnega
     rest = [i for i in range(len(got)) if i not in set(total) | set(low)]
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got[rest], want[rest], rtol=tol, atol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize(("shape", "dtype", "flags", "nonnegative"), CASES)
+def test_a_step_between_reads_leaves_the_slow_columns_and_checks_the_rest(
+    shape, dtype, flags, nonnegative
+):
+    """check_every: a lean step's block and direct path compute the non-finite signal
+    and the flight columns as a full step does, and never touch mean |x| or units."""
+    torch.manual_seed(0)
+    xs = [torch.randn(shape).to(dtype) for _ in range(6)]
+    xs = [x.relu() for x in xs] if nonnegative else xs
+    xs[1].view(-1)[0], xs[2].view(-1)[-1] = math.nan, math.inf
+    results = []
+    for lean_step in ("direct", "staged"):
+        table = SlotTable(slots(len(xs), True, total=True, **flags))
+        buffer = table.buffer(xs[0].device)
+        buffer.fill_(-7.0)
+        stager = staging.Stager(table)
+        for slot, x in zip(table.slots, xs, strict=True):
+            mode = staging.unit_mode(slot, nonnegative)
+            if lean_step == "direct" or not stager.put(slot, x, mode, x.device, x.numel(), True):
+                cells = table.cells(x.device)
+                checks.write_stats(
+                    x, cells, slot.base, *slot.flags, nonnegative=nonnegative, stats=False
+                )
+        stager.flush()
+        skipped = [c for s in table.slots for c in (s.cell(MEAN_ABS), s.cell(ZEROS)) if c >= 0]
+        assert skipped and buffer[skipped].eq(-7.0).all()
+        results.append(buffer.clone())
+    got, want = results[1], results[0]
+    total = [s.cell(TOTAL) for s in table.slots]
+    torch.testing.assert_close(verdict(got[total]), verdict(want[total]), equal_nan=True)
+    flight_cells = [s.cell(c) for s in table.slots for c in (NORM, LOW, HIGH)]
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(
+        got[flight_cells], want[flight_cells], rtol=tol, atol=tol, equal_nan=True
+    )
 
 
 def test_a_full_block_is_reduced_at_once_and_rows_are_reused(monkeypatch):

@@ -504,7 +504,6 @@ class Monitor:
         if not numel:
             return  # an empty batch's tensor: no value to check
         record, device = self._current, x.device
-        full = record.stats or not (slot.mean_abs or slot.zeros)
         ran = record.ran.get(device)
         if ran is None:
             ran = record.ran[device] = {}
@@ -514,13 +513,13 @@ class Monitor:
             self._add_stats(record, device, slot, x, nonnegative)
         else:
             ran[index] = numel
-            staged = self._stager.put(slot, x, mode if full else staging.LEAN, device, numel)
+            staged = self._stager.put(slot, x, mode, device, numel, not record.stats)
             if not staged:  # a large tensor: at once
                 cells = self._table.cells(device)
                 checks.write_stats(
-                    x, cells, slot.base, *slot.flags, nonnegative=nonnegative, stats=full
+                    x, cells, slot.base, *slot.flags, nonnegative=nonnegative, stats=record.stats
                 )
-            if slot.zeros and full:
+            if slot.zeros and record.stats:
                 record.units[device][index] = checks.unit_count(x.shape)
         if slot.retain:
             record.kept[index] = x
@@ -529,11 +528,13 @@ class Monitor:
         self, record: StepRecord, device: Any, slot: Slot, x: Any, nonnegative: bool
     ) -> None:
         scratch = x.new_zeros(slot.width, dtype=_float32())
-        cells = scratch.unbind()
-        checks.write_stats(x, cells, 0, *slot.flags, nonnegative=nonnegative, stats=record.stats)
+        stats = record.stats
+        checks.write_stats(
+            x, scratch.unbind(), 0, *slot.flags, nonnegative=nonnegative, stats=stats
+        )
         self._stager.add(device, slot, scratch)
         record.ran[device][slot.index] += x.numel()
-        if slot.zeros and record.stats:
+        if slot.zeros and stats:
             record.units[device][slot.index] += checks.unit_count(x.shape)
 
     def _hook_inputs(

@@ -29,9 +29,7 @@ CPU_BLOCK_BYTES = 1 << 18
 MAX_ROWS = 256
 MAX_GROUPS = 32  # distinct (shape, dtype, device, mode): more take the direct path
 MAX_LAYOUTS = 256  # cached (slot order -> columns and device index) maps
-# The mode of rows staged on a step that skips the activation statistics
-# (check_every): only the non-finite signal and the flight recorder's columns.
-LEAN = "lean"
+LEAN_SKIPS = (MEAN_ABS, ZEROS)  # the slow conditions' columns, measured on read steps only
 
 
 @dataclasses.dataclass
@@ -40,8 +38,11 @@ class _Group:
 
     block: Any  # (rows, *shape)
     rows: list[Any]  # its row views, made once
-    mode: str  # "" (no dead units), "pre_relu", "nonnegative", "abs" or LEAN
+    mode: str  # "" (no dead units), "pre_relu", "nonnegative" or "abs"
     slots: list[Slot] = dataclasses.field(default_factory=list)
+    # its rows come from a step that skips LEAN_SKIPS (a block never spans two steps:
+    # the step's end reduces every block)
+    lean: bool = False
     used: bool = True  # some tensor was staged here since the last step's end
 
 
@@ -56,10 +57,12 @@ class Stager:
         self._layouts: dict[tuple[Any, ...], tuple[tuple[int, ...], Any, Any]] = {}
         self._busy = False  # some group holds rows
 
-    def put(self, slot: Slot, x: Any, mode: str, device: Any, numel: int) -> bool:
+    def put(
+        self, slot: Slot, x: Any, mode: str, device: Any, numel: int, lean: bool = False
+    ) -> bool:
         """Stage ``x`` (detached, ``numel`` values on ``device``) for ``slot``, whose
-        dead-unit ``mode`` is :func:`unit_mode` (or :data:`LEAN`); False when it takes the
-        direct path."""
+        dead-unit ``mode`` is :func:`unit_mode`; False when it takes the direct path.
+        ``lean``: this step skips the slow conditions' columns (:data:`LEAN_SKIPS`)."""
         if numel > MAX_NUMEL:
             return False
         key = (x.shape, x.dtype, device, mode)
@@ -68,6 +71,8 @@ class Stager:
             if len(self._groups) >= MAX_GROUPS:
                 return False
             group = self._groups[key] = _new_group(x, mode)
+        if not group.slots:
+            group.lean = lean
         group.rows[len(group.slots)].copy_(x)
         group.slots.append(slot)
         group.used = self._busy = True
@@ -115,7 +120,7 @@ class Stager:
         n, slots = len(group.slots), group.slots
         block = group.block[:n]
         try:
-            wanted, source, target = self._layout(block.device, slots, group.mode)
+            wanted, source, target = self._layout(block.device, slots, group.lean)
             computed = _statistics(block, group.mode, wanted)
             values = torch.stack([computed[c] for c in wanted], 1).flatten()
             self.table.write(block.device, target, values.index_select(0, source))
@@ -124,17 +129,17 @@ class Stager:
         self.flushes += 1
 
     def _layout(
-        self, device: Any, slots: list[Slot], mode: str
+        self, device: Any, slots: list[Slot], lean: bool
     ) -> tuple[tuple[int, ...], Any, Any]:
         """The columns a block computes, and which of its values go to which buffer
         cells: made once per slot order (the same step after step), so a block walks
         no slot in Python and a step makes no host-to-device copy."""
-        key = (device, mode, *(s.index for s in slots))
+        key = (device, lean, *(s.index for s in slots))
         found = self._layouts.get(key)
         if found is None:
             if len(self._layouts) >= MAX_LAYOUTS:
                 self._layouts.clear()
-            wanted = _columns(slots, skip=(MEAN_ABS, ZEROS) if mode == LEAN else ())
+            wanted = _columns(slots, skip=LEAN_SKIPS if lean else ())
             found = self._layouts[key] = (wanted, *_index(device, slots, wanted))
         return found
 
@@ -190,10 +195,10 @@ def _statistics(block: Any, mode: str, wanted: tuple[int, ...]) -> dict[int, Any
         per_unit = checks.unit_maxima(block, dims, mode == "pre_relu", mode == "nonnegative")
         per_unit = per_unit.reshape(n, -1)
         out[ZEROS] = torch.linalg.vector_norm(per_unit, 0, dim=1, dtype=f32)
-    if TOTAL in wanted and LOW not in wanted and mode != "nonnegative":
+    if TOTAL in wanted and LOW not in wanted and per_unit is None:
         out[TOTAL] = flat.sum(1, dtype=f32)  # no flight recorder: one pass, as direct
     elif TOTAL in wanted or LOW in wanted:
-        if mode == "nonnegative":
+        if mode == "nonnegative" and per_unit is not None:
             low, high = per_unit.amin(1), per_unit.amax(1)  # type: ignore[union-attr]
         elif block.device.type == "cpu":  # the CPU's aminmax over a dim is a slow path
             low, high = flat.amin(1), flat.amax(1)
