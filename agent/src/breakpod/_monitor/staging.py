@@ -199,7 +199,7 @@ def _statistics(block: Any, mode: str, wanted: tuple[int, ...]) -> dict[int, Any
         out[TOTAL] = flat.sum(1, dtype=f32)  # no flight recorder: one pass, as direct
     elif TOTAL in wanted or LOW in wanted:
         if mode == "nonnegative" and per_unit is not None:
-            low, high = per_unit.amin(1), per_unit.amax(1)  # type: ignore[union-attr]
+            low, high = per_unit.amin(1), per_unit.amax(1)
         elif block.device.type == "cpu":  # the CPU's aminmax over a dim is a slow path
             low, high = flat.amin(1), flat.amax(1)
         else:
