@@ -195,11 +195,12 @@ def _statistics(block: Any, mode: str, wanted: tuple[int, ...]) -> dict[int, Any
         per_unit = checks.unit_maxima(block, dims, mode == "pre_relu", mode == "nonnegative")
         per_unit = per_unit.reshape(n, -1)
         out[ZEROS] = torch.linalg.vector_norm(per_unit, 0, dim=1, dtype=f32)
-    if TOTAL in wanted and LOW not in wanted and per_unit is None:
+    relu_maxima = per_unit if mode == "nonnegative" else None  # None too on a lean step
+    if TOTAL in wanted and LOW not in wanted and relu_maxima is None:
         out[TOTAL] = flat.sum(1, dtype=f32)  # no flight recorder: one pass, as direct
     elif TOTAL in wanted or LOW in wanted:
-        if mode == "nonnegative" and per_unit is not None:
-            low, high = per_unit.amin(1), per_unit.amax(1)
+        if relu_maxima is not None:
+            low, high = relu_maxima.amin(1), relu_maxima.amax(1)
         elif block.device.type == "cpu":  # the CPU's aminmax over a dim is a slow path
             low, high = flat.amin(1), flat.amax(1)
         else:
