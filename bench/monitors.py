@@ -10,10 +10,13 @@ per step: the floor of per-module checking), the per-layer ``.item()``
 checks tutorials paste into training loops, and
 ``torch.autograd.detect_anomaly()``. Then MLPs of 10 to 800 small
 Linear+ReLU modules, where the per-module cost shows: baseline, breakpod at
-check_every=1 and 10, and the hand-written hooks, with the added µs per
-module and per step. Last, each setup's peak resident memory, one fresh
-process per setup (``VmHWM``), and the top-level torch ops per step
-(the kernel launches on a GPU) from ``torch.profiler``.
+check_every=1 and 10, the hand-written hooks, and the hook floor (empty
+forward hooks that put empty pre-hooks on the input gradients' nodes: the
+Python any per-module check of outputs and input gradients pays before it
+computes anything), with the added µs per module and per step. Last, each
+setup's peak resident memory, one fresh process per setup (``VmHWM``), and
+the top-level torch ops per step (the kernel launches on a GPU) from
+``torch.profiler``.
 
 The setups run interleaved (a few steps of each, round after round) so that
 drift on a shared machine hits them all alike; each ratio is the median, over
@@ -233,6 +236,31 @@ class DeviceFlags(Setup):
             print("non-finite activation")
 
 
+class HookFloor(Setup):
+    """What any per-module check of outputs and input gradients pays before it computes
+    anything: an empty forward hook per leaf module, which puts an empty pre-hook on the
+    node that made the module's input (called in backward with that input's gradient)."""
+
+    name = "empty hooks (forward + input-gradient pre-hook)"
+    key = "hook floor"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        for module in model.modules():
+            if not list(module.children()):
+                module.register_forward_hook(self._hook)
+
+    @staticmethod
+    def _hook(module: nn.Module, inputs: Any, output: Any) -> None:
+        x = inputs[0] if inputs else None
+        if isinstance(x, torch.Tensor) and x.grad_fn is not None:
+            x.grad_fn.register_prehook(_nothing)
+
+
+def _nothing(grad_outputs: Any) -> None:
+    return None
+
+
 class DetectAnomaly(Setup):
     name = "torch.autograd.detect_anomaly()"
 
@@ -280,6 +308,7 @@ def mlp_setups(build: Callable[[], Any]) -> Iterator[Setup]:
     yield Breakpod(fresh(), 1)
     yield Breakpod(fresh(), 10)
     yield DeviceFlags(fresh())
+    yield HookFloor(fresh())
 
 
 Result = tuple[Setup, float, float]
@@ -381,7 +410,7 @@ def measure_mlps(rounds: int, sizes: tuple[int, ...] = MLP_SIZES) -> list[str]:
     return lines
 
 
-MLP_KEYS = ("check_every=1", "check_every=10", "device flags")
+MLP_KEYS = ("check_every=1", "check_every=10", "device flags", "hook floor")
 MLP_RESULTS: dict[tuple[int, str], tuple[float, float]] = {}
 
 
