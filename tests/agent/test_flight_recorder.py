@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 import breakpod  # noqa: E402
 from breakpod._core import events  # noqa: E402
-from breakpod._monitor import checks, flight, flight_table  # noqa: E402
+from breakpod._monitor import flight, flight_table  # noqa: E402
 
 NAN_EVENT = [{"name": "nan", "check": "nonfinite", "action": "event"}]
 
@@ -139,24 +139,6 @@ def test_a_module_called_twice_in_a_step_records_both_calls():
     assert series.rms[0] == pytest.approx(float(outs.pow(2).mean().sqrt()), rel=1e-5)
     assert series.max_abs[0] == pytest.approx(float(outs.abs().max()), rel=1e-6)
     monitor.close()
-
-
-def test_a_large_tensors_rms_is_estimated_and_its_extremes_exact():
-    """Over 64K values the |x|_2 comes from one chunk in eight (within a few % on
-    activations); min and max, which carry the non-finite kinds, read every value."""
-    torch.manual_seed(0)
-    big = torch.randn(32, 16, 32, 32) * 3
-    big.view(-1)[-5] = 40.0  # in a chunk the estimate skips
-    cells = torch.zeros(3)
-    checks.write_flight(big, cells.unbind(), 0)
-    assert float(cells[0]) == pytest.approx(float(big.norm()), rel=0.02)
-    assert cells[1:].tolist() == [float(big.min()), 40.0]
-    big.view(-1)[-5] = math.nan
-    checks.write_flight(big, cells.unbind(), 0)
-    assert math.isnan(cells[2]) and flight._kind(*cells.tolist()) == "nan"
-    strided = torch.randn(64, 2048).t()  # not contiguous: read in full, exact
-    checks.write_flight(strided, cells.unbind(), 0)
-    assert float(cells[0]) == pytest.approx(float(strided.norm()), rel=1e-5)
 
 
 def test_anomaly_events_carry_the_dump():

@@ -34,10 +34,6 @@ ANY = ("*", "_", "?", "")
 # Names that stand for the batch: a last, smaller batch is no anomaly, so they do not carry.
 BATCH_NAMES = ("B", "N")
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
-# The flight recorder's |x|_2 of a tensor of SAMPLED_FROM values or more reads one
-# chunk of CHUNK values in CHUNK_STRIDE (contiguous memory, so 1/8 of the traffic).
-CHUNK, CHUNK_STRIDE = 1024, 8
-SAMPLED_FROM = 1 << 16
 
 
 def write_stats(
@@ -102,13 +98,14 @@ def write_flight(
     into float32 cells only from float32 input; other dtypes (bf16, fp16) take
     two small copies. (A per-step non-finite *count* would cost ``isfinite``
     plus a boolean sum, 30x a plain sum on CPU: the kind is read from these
-    values instead, and the park counts exactly.) A large tensor's ``|x|_2`` is
-    estimated (:func:`_sampled_norm`); its min and max, and so the non-finite
-    signal, are always exact.
+    values instead, and the park counts exactly.) The ``|x|_2`` reads every value:
+    estimating it from a sample of a large tensor took more ops, and in a training
+    step, where the tensor was just written and is in cache, each op's dispatch
+    cost more than the memory it saved.
     """
     import torch
 
-    _sampled_norm(x, cells[i])
+    torch.linalg.vector_norm(x, 2, dtype=torch.float32, out=cells[i])
     source = x if maxima is None else maxima
     if source.dtype == torch.float32:
         torch.aminmax(source, out=(cells[i + 1], cells[i + 2]))
@@ -116,24 +113,6 @@ def write_flight(
         low, high = torch.aminmax(source)
         cells[i + 1].copy_(low)
         cells[i + 2].copy_(high)
-
-
-def _sampled_norm(x: torch.Tensor, out: torch.Tensor) -> None:
-    """``|x|_2`` into ``out``; for a large contiguous ``x``, estimated from one
-    :data:`CHUNK`-value chunk in :data:`CHUNK_STRIDE` (the flight recorder's RMS is
-    a trend to read, and its own full pass cost a large tensor as much again as
-    the rules' pass: memory traffic, on a CPU and a GPU alike)."""
-    import torch
-
-    n = x.numel()
-    if n < SAMPLED_FROM or not x.is_contiguous():
-        torch.linalg.vector_norm(x, 2, dtype=torch.float32, out=out)
-        return
-    part = x.view(-1)[: n - n % CHUNK].view(-1, CHUNK)[::CHUNK_STRIDE]
-    # per chunk first: a whole-view reduction over the strided rows is a slow path (4x)
-    chunks = torch.linalg.vector_norm(part, 2, dim=1, dtype=torch.float32)
-    torch.linalg.vector_norm(chunks, 2, out=out)
-    out.mul_(math.sqrt(n / part.numel()))
 
 
 def unit_count(shape: Sequence[int]) -> int:
@@ -183,11 +162,8 @@ def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """L2 norm of each tensor, fused where torch can (one kernel per device on CUDA)."""
     import torch
 
-    f32 = torch.float32
-    # dtype= sends even an all-float32 list down a slower path (40% more on a CPU)
-    wide = f32 if any(t.dtype is not f32 for t in tensors) else None
     with torch.no_grad():  # one guard, not a detach per tensor
-        return torch.stack(torch._foreach_norm(list(tensors), dtype=wide))
+        return torch.stack(torch._foreach_norm(list(tensors), dtype=torch.float32))
 
 
 def batchnorm_stats(modules: Sequence[Any]) -> torch.Tensor:

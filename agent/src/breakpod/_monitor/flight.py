@@ -1,8 +1,8 @@
 """The flight recorder: the last K steps of every watched module, kept on the device.
 
 Each watched output (and input gradient) also gets three columns in the slot
-table's buffer: ``|x|_2`` (estimated on large tensors), ``min`` and ``max`` (two
-kernels, see :func:`~breakpod._monitor.checks.write_flight`). Each step's end copies that
+table's buffer: ``|x|_2``, ``min`` and ``max`` (two kernels, see
+:func:`~breakpod._monitor.checks.write_flight`). Each step's end copies that
 buffer into one row of a ring per device and the loss into a ring beside it
 (one kernel each, no allocation, no host read); the host notes which slots ran,
 their sizes, the step number and its time. Only a dump reads the rings (one
