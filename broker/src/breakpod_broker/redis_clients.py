@@ -17,6 +17,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection, UnixDomainSocketConnection
+from redis.exceptions import ConnectionError
 
 try:
     from redis.connection import HiredisRespSerializer
@@ -37,6 +38,21 @@ CLUSTER_CONNECTIONS = 1000  # per node; RedisCluster fails (not waits) past it
 _SERIALIZER = HiredisRespSerializer() if HIREDIS_AVAILABLE else None
 
 
+class _LostConnection:
+    """uvloop (the broker's loop) raises RuntimeError ("the handler is closed") where
+    asyncio's own loop raises OSError, when a command is written to a connection Redis
+    reset as it opened (a Redis killed or restarting): redis-py lets it through, and
+    the request would answer 500. It is a lost connection like any other: 503."""
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        try:
+            await super().send_packed_command(command, check_health)  # type: ignore[misc]
+        except RuntimeError as e:
+            if "closed" not in str(e):
+                raise
+            raise ConnectionError(f"Redis closed the connection: {e}") from e
+
+
 class _HiredisPacked:
     """A connection that packs commands with hiredis (C), as redis-py's sync client does
     when hiredis is installed; its asyncio client packs in Python, ~60 us for one
@@ -48,25 +64,21 @@ class _HiredisPacked:
         return packed
 
 
-class _PackedConnection(_HiredisPacked, Connection):
-    pass
+def _classes(*mixins: type) -> dict[str, type]:
+    bases = {"redis": Connection, "rediss": SSLConnection, "unix": UnixDomainSocketConnection}
+    return {k: type(f"_{base.__name__}", (*mixins, base), {}) for k, base in bases.items()}
 
 
-class _PackedSSLConnection(_HiredisPacked, SSLConnection):
-    pass
+CONNECTIONS = (
+    _classes(_LostConnection, _HiredisPacked) if HIREDIS_AVAILABLE else _classes(_LostConnection)
+)
 
 
-class _PackedUnixConnection(_HiredisPacked, UnixDomainSocketConnection):
-    pass
-
-
-PACKED = {"redis": _PackedConnection, "rediss": _PackedSSLConnection, "unix": _PackedUnixConnection}
-
-
-def _packed(url: str) -> dict[str, Any]:
-    """The pool's connection class for ``url``, hiredis-packed (nothing without hiredis)."""
+def connection_class(url: str) -> dict[str, Any]:
+    """The pool's connection class for ``url``: a lost connection is a ConnectionError
+    on any loop, and commands are packed by hiredis when it is installed."""
     scheme = urllib.parse.urlsplit(url).scheme
-    return {"connection_class": PACKED[scheme]} if HIREDIS_AVAILABLE and scheme in PACKED else {}
+    return {"connection_class": CONNECTIONS[scheme]} if scheme in CONNECTIONS else {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +115,7 @@ async def connect(url: str, settings: BrokerSettings) -> Clients:
             cluster=True,
         )
     common["health_check_interval"] = 30
-    common.update(_packed(url))
+    common.update(connection_class(url))
     ordinary = aioredis.BlockingConnectionPool.from_url(
         url, max_connections=POOL, timeout=REDIS_TIMEOUT, socket_timeout=REDIS_TIMEOUT, **common
     )
