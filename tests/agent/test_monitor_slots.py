@@ -261,3 +261,21 @@ def test_steps_between_reads_skip_the_activation_statistics(monkeypatch):
     monitor.flush()
     assert monitor.errors == 0
     monitor.close()
+
+
+def test_a_step_between_reads_without_the_flight_recorder_still_checks(monkeypatch):
+    """Without the flight recorder a ReLU's slot has only its dead-unit column, which a
+    step between reads skips: its block has nothing to compute, and nothing breaks."""
+    monkeypatch.setenv(flight.FLIGHT_ENV, "0")
+    model = Net()
+    monitor = breakpod.watch(model, check_every=3)
+    for step in range(7):
+        model.poison.mode = "forward" if step == 4 else None
+        model.zero_grad()
+        model(batch(step)[0]).sum().backward()
+        monitor.step()
+    monitor.flush()
+    assert monitor.errors == 0 and monitor.step_count == 7
+    bad = [(a.step, a.module) for a in monitor.anomalies if a.check == "nonfinite"]
+    assert bad == [(4, "poison")]
+    monitor.close()

@@ -121,6 +121,8 @@ class Stager:
         block = group.block[:n]
         try:
             wanted, source, target = self._layout(block.device, slots, group.lean)
+            if not wanted:  # a lean step's rows of slots that have only the skipped columns
+                return
             computed = _statistics(block, group.mode, wanted)
             values = torch.stack([computed[c] for c in wanted], 1).flatten()
             self.table.write(block.device, target, values.index_select(0, source))
