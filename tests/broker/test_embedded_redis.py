@@ -8,7 +8,7 @@ import subprocess
 import pytest
 
 from breakpod_broker.errors import RedisServerError
-from breakpod_broker.redis_server import EmbeddedRedis, find_binary, free_port, serves
+from breakpod_broker.redis_server import EmbeddedRedis, find_binary, free_port, repair_aof, serves
 from tests.brokerkit import wait_until
 from tests.chaos.kit import EmbeddedBroker, redis_servers
 
@@ -92,3 +92,39 @@ def _answers(client) -> bool:
         return bool(client.ping())
     except Exception:
         return False
+
+
+WHOLE = _resp("SET", "a", "1")
+
+
+@pytest.mark.parametrize(
+    ("tail", "kept"),
+    [
+        (_resp("MULTI") + WHOLE, b""),  # stops inside a transaction
+        (_resp("MULTI") + WHOLE + _resp("SET", "b", "2")[:-3], b""),  # ...inside its command
+        (b"*3\r\n$", b""),  # stops inside a command's header
+    ],
+    ids=["in-multi", "in-multi-command", "in-header"],
+)
+def test_the_aof_check_cuts_only_a_damaged_end(tmp_path, tail, kept):
+    aof = tmp_path / "appendonly.aof"
+    aof.write_bytes(WHOLE + tail)
+    repair_aof(tmp_path)
+    assert aof.read_bytes() == WHOLE + kept
+
+
+@pytest.mark.parametrize(
+    "damaged",
+    [
+        # an orphaned MULTI from an older crash, then a whole transaction and more writes:
+        # cutting at the orphan would drop every write after it
+        WHOLE + _resp("MULTI") + WHOLE + _resp("MULTI") + WHOLE + _resp("EXEC") + WHOLE * 20,
+        b"file appendonly.aof.1.base.rdb seq 1 type b\n",  # not an AOF this tool reads
+    ],
+    ids=["orphan-multi-inside", "foreign-format"],
+)
+def test_the_aof_check_leaves_damage_before_the_end_alone(tmp_path, damaged):
+    aof = tmp_path / "appendonly.aof"
+    aof.write_bytes(damaged)
+    repair_aof(tmp_path)
+    assert aof.read_bytes() == damaged

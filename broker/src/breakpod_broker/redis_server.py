@@ -27,6 +27,7 @@ import fcntl
 import importlib.util
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -220,30 +221,55 @@ def repair_aof(data_dir: Path) -> None:
     MULTI without its EXEC in the file. The next writes append after it, and the
     next restart replays the orphaned half-transaction inside theirs: events
     twice, and (their trims having been written as exact lengths) the oldest
-    events trimmed away. ``redis-check-aof --fix`` cuts such a tail at its MULTI;
-    it is the server binary itself, run under that name.
+    events trimmed away. ``redis-check-aof`` (the server binary run under that
+    name) finds where the file goes wrong; only damage at its end (the file stops
+    inside a command or a transaction) is cut, with ``--fix``, back to the last
+    whole command or to the MULTI. Damage further in is left to redis-server:
+    cutting there would drop every write after it.
     """
     manifest = data_dir / "appendonlydir" / "appendonly.aof.manifest"  # Redis >= 7
     target = manifest if manifest.is_file() else data_dir / "appendonly.aof"
     if not target.is_file() or target.stat().st_size == 0:
         return
+    found = _check_aof(target)
+    if found is None or found.returncode == 0:
+        return
+    report = found.stdout.decode(errors="replace")
+    if not _ends_damaged(report, target.stat().st_size):
+        log.error("the AOF %s is damaged before its end, left as it is: %s", target, report[-300:])
+        return
+    fixed = _check_aof(target, fix=True)
+    if fixed is not None and b"Successfully truncated" in fixed.stdout:
+        log.warning("the AOF %s ended inside a command or a transaction: cut back", target)
+
+
+def _check_aof(target: Path, *, fix: bool = False) -> subprocess.CompletedProcess[bytes] | None:
     try:
-        done = subprocess.run(
-            ["redis-check-aof", "--fix", str(target)],
+        return subprocess.run(
+            ["redis-check-aof", *(["--fix"] if fix else []), str(target)],
             executable=find_binary(),
-            input=b"y\n",  # it asks before it truncates
+            input=b"y\n",  # --fix asks before it truncates
             capture_output=True,
             timeout=600,
             check=False,
         )
     except (OSError, subprocess.TimeoutExpired) as e:
         log.error("could not check the AOF %s before starting redis-server: %s", target, e)
-        return
-    if b"Successfully truncated" in done.stdout:
-        log.warning("the AOF %s ended inside a transaction: cut back to before it", target)
-    elif done.returncode != 0:
-        text = (done.stdout + done.stderr).decode(errors="replace").strip()[-500:]
-        log.error("redis-check-aof found the AOF %s damaged: %s", target, text)
+        return None
+
+
+def _ends_damaged(report: str, size: int) -> bool:
+    """Does redis-check-aof's ``report`` place the damage at the file's end? A short
+    read happens only there; a broken line counts when it is in the last bytes."""
+    found = re.search(r"0x\s*([0-9a-fA-F]+): (.*)", report)
+    if found is None:
+        return False
+    at, what = int(found.group(1), 16), found.group(2)
+    if what.startswith(("Reached EOF before reading EXEC", "Expected to read")):
+        return True
+    # (at 0 the file is no AOF at all: a Redis 7 manifest read by an older tool)
+    broken_line = what.startswith(("Expected \\r\\n", "Expected prefix"))
+    return broken_line and at > 0 and 0 <= size - at <= 64
 
 
 def stop_stale(pidfile: Path, data_dir: Path, timeout: float = 10.0) -> None:
