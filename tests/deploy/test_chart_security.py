@@ -252,26 +252,46 @@ def test_notes_read_the_right_tokens(existing: bool) -> None:
     assert (viewer, agent) == expected
 
 
-def test_redis_aof_check_cuts_a_half_written_transaction(docs, tmp_path: Path) -> None:
-    """The init container's command, run by sh with this machine's redis-check-aof
+AOF_WHOLE = b"*3\r\n$3\r\nSET\r\n$1\r\na\r\n$1\r\n1\r\n"
+AOF_MULTI = b"*1\r\n$5\r\nMULTI\r\n"
+AOF_EXEC = b"*1\r\n$4\r\nEXEC\r\n"
+
+
+@pytest.mark.parametrize(
+    ("content", "after"),
+    [
+        (None, None),  # the first start: no AOF yet, nothing to check
+        (AOF_WHOLE + AOF_MULTI + AOF_WHOLE + b"*3\r\n$3\r\nSE", AOF_WHOLE),  # cut back
+        (AOF_WHOLE * 3, AOF_WHOLE * 3),  # valid
+        (AOF_MULTI + AOF_WHOLE + AOF_MULTI + AOF_WHOLE + AOF_EXEC + AOF_WHOLE, None),  # inside
+    ],
+    ids=["no-aof", "ends-in-a-transaction", "valid", "damaged-inside"],
+)
+def test_redis_checks_its_aof_before_every_start(docs, tmp_path: Path, content, after) -> None:
+    """The Redis container's command, run by sh with this machine's redis-check-aof
     (the server binary under that name, Redis 6.2 here: one AOF file where Redis 7
-    keeps a manifest, so a single-file AOF stands at the manifest's path)."""
-    init = init_container(docs, "aof-check")
-    assert {"name": "data", "mountPath": "/data"} in init["volumeMounts"]
+    keeps a manifest, so a single-file AOF stands at the manifest's path). It cuts
+    only a damaged end, leaves damage further in to Redis, then execs the server."""
+    redis_c = containers(docs, "StatefulSet")[0]
+    assert {"name": "data", "mountPath": "/data"} in redis_c["volumeMounts"]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "redis-check-aof").symlink_to(find_binary())
     data = tmp_path / "data"
-    command = [c.replace("/data/", f"{data}/") for c in init["command"]]
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
-
-    def run() -> None:
-        subprocess.run(command, env=env, check=True, timeout=30, stdin=subprocess.DEVNULL)
-
-    run()  # the first start: no AOF yet, nothing to check
     aof = data / "appendonlydir" / "appendonly.aof.manifest"
-    aof.parent.mkdir(parents=True)
-    whole = b"*3\r\n$3\r\nSET\r\n$1\r\na\r\n$1\r\n1\r\n"
-    aof.write_bytes(whole + b"*1\r\n$5\r\nMULTI\r\n" + whole + b"*3\r\n$3\r\nSE")
-    run()
-    assert aof.read_bytes() == whole
+    if content is not None:
+        aof.parent.mkdir(parents=True)
+        aof.write_bytes(content)
+    command = [c.replace("/data/", f"{data}/") for c in redis_c["command"]]
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+    done = subprocess.run(
+        [*command, "echo", "server started"],  # in place of the redis-server arguments
+        env=env,
+        capture_output=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+        check=True,
+    )
+    assert done.stdout.decode().rstrip().endswith("server started")
+    if content is not None:
+        assert aof.read_bytes() == (content if after is None else after)
