@@ -141,6 +141,8 @@ class EmbeddedRedis:
     def _spawn_and_wait_ready(self) -> None:
         log_path = self.data_dir / "redis.log"
         repair_aof(self.data_dir)
+        if self._stopping.is_set():  # stopped while the AOF was checked: start nothing
+            raise RedisServerError("stopped before redis-server started")
         self.proc = subprocess.Popen(
             self._argv(log_path),
             stdin=subprocess.DEVNULL,
@@ -250,6 +252,7 @@ def _check_aof(target: Path, *, fix: bool = False) -> subprocess.CompletedProces
             executable=find_binary(),
             input=b"y\n",  # --fix asks before it truncates
             capture_output=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             timeout=600,
             check=False,
         )
