@@ -75,8 +75,10 @@ CONNECTIONS = (
 
 
 def connection_class(url: str) -> dict[str, Any]:
-    """The pool's connection class for ``url``: a lost connection is a ConnectionError
-    on any loop, and commands are packed by hiredis when it is installed."""
+    """The connection class of every single-Redis client the broker makes: a lost
+    connection is a ConnectionError on any loop, and commands are packed by hiredis
+    when it is installed. (RedisCluster makes its connections with a class of its own:
+    there a reset under uvloop still raises the RuntimeError.)"""
     scheme = urllib.parse.urlsplit(url).scheme
     return {"connection_class": CONNECTIONS[scheme]} if scheme in CONNECTIONS else {}
 
@@ -156,4 +158,5 @@ def subscriber(url: str, timeout: float = REDIS_TIMEOUT + BLOCK_MS / 1000) -> An
         socket_connect_timeout=REDIS_TIMEOUT,
         socket_timeout=timeout,
         max_connections=2,
+        **connection_class(url),
     )

@@ -806,7 +806,7 @@ class Monitor:
             self.capture.close()
         if self.flight is not None:
             self.flight.close()
-        self._pending, self._inflight, self._current = [], [], StepRecord(self.step_count)
+        self._pending, self._inflight, self._current = [], [], self._record(self.step_count)
         self.enabled = False
         if monitor_of(self.model) is self:
             MONITORS.pop(self.model, None)
