@@ -158,14 +158,6 @@ def unit_maxima(
     return torch.linalg.vector_norm(x, math.inf, dim=dims)  # type: ignore[no-any-return]
 
 
-def norms(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """L2 norm of each tensor, fused where torch can (one kernel per device on CUDA)."""
-    import torch
-
-    with torch.no_grad():  # one guard, not a detach per tensor
-        return torch.stack(torch._foreach_norm(list(tensors), dtype=torch.float32))
-
-
 def batchnorm_stats(modules: Sequence[Any]) -> torch.Tensor:
     """``[min mean, max mean, min var, max var]`` of each BatchNorm's running stats."""
     import torch

@@ -51,6 +51,7 @@ from breakpod._monitor.capture import REPLAYING, Capture, capture_wanted, replay
 from breakpod._monitor.compiled import apply_compile_policy, unwrap_compiled
 from breakpod._monitor.detect import Detector, ParamInfo, Slot
 from breakpod._monitor.flight import FlightRecorder, flight_steps
+from breakpod._monitor.norms import NormPlan
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
 from breakpod._monitor.stats import (
     Entry,
@@ -72,6 +73,9 @@ _FWD = "_breakpod_fwd"  # the tensor attribute naming the module that checked an
 # model -> its monitor. Weak both ways: the monitor holds the model, so a strong
 # value would keep every watched model (and its hooks) alive forever.
 MONITORS: weakref.WeakKeyDictionary[Any, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
+
+
+Shapes = tuple[list[tuple[int, ...]], tuple[int, ...]]  # a module's input and output shapes
 
 
 def monitor_of(model: Any) -> Monitor | None:
@@ -190,11 +194,12 @@ class Monitor:
         self.step_count = 0
         self.reads = 0
         self.errors = 0
-        self.shapes: dict[str, tuple[list[tuple[int, ...]], tuple[int, ...]]] = {}
+        self.shapes: dict[str, Shapes] = {}
         self._ctx = ctx or ActionContext(model=model, snapshot_dir=Path("breakpod-snapshots"))
         self._ctx.monitor = self
         self._handles: list[Any] = []
         self._current = self._record(0)
+        self._float64 = _float64()
         self._pending: list[StepRecord] = []
         self._inflight: list[tuple[list[Any], dict[Any, Any], list[StepRecord]]] = []
         self._host_buffers = HostBuffers()  # the reads' pinned copies, reused (CUDA only)
@@ -255,9 +260,12 @@ class Monitor:
                 batchnorm[name] = bn
                 self._bn_modules.append((name, module))
         self._params = self._watched_params()
-        self._state_params = [
+        state = [
             (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
         ]
+        self._grad_norms = NormPlan([p for _, p in self._params])
+        self._param_norms = NormPlan([p for _, p in state], keys=[i for i, _ in state])
+        self._state_params = [p for _, p in state]
         self._install_input_hook()
         self._table = SlotTable(self._slots)
         self._stager = staging.Stager(self._table)
@@ -427,6 +435,10 @@ class Monitor:
     # every watched input in every backward; on a CPU a model of hundreds of small modules
     # pays their Python on each call. So each hook is one closure with its module's state
     # bound at install: no partials, no per-call tuples or closures, few lookups on self.
+    # Nor do they keep new objects past the call (the shapes are stored only when they
+    # change): objects that outlive a step's collections of the young generation die
+    # old, and enough of them bring on a full collection, a pass over every object of
+    # a process that imported torch (200 ms and more).
     def _forward_hook(
         self,
         name: str,
@@ -453,7 +465,9 @@ class Monitor:
                 out = output if isinstance(output, tensor_type) else checks.first_tensor(output)
                 if out is None:
                     return
-                seen[name] = ([x.shape for x in inputs if isinstance(x, tensor_type)], out.shape)
+                now: Shapes = ([x.shape for x in inputs if isinstance(x, tensor_type)], out.shape)
+                if seen.get(name) != now:  # kept only on a change: see the note above
+                    seen[name] = now
                 for rule, contract in shapes:
                     self._check_shape(name, rule, contract, out)
                 if self._ignore_pass:
@@ -503,6 +517,8 @@ class Monitor:
         numel = x.numel()
         if not numel:
             return  # an empty batch's tensor: no value to check
+        if x.dtype is self._float64:  # the statistics are float32: torch's norms refuse
+            x = x.float()  # to narrow, so a float64 model pays one conversion per tensor
         record, device = self._current, x.device
         ran = record.ran.get(device)
         if ran is None:
@@ -580,13 +596,10 @@ class Monitor:
 
     def _collect_grads(self) -> None:
         """One fused norm over every watched gradient; a later backward in the step replaces it."""
-        have = [(i, p.grad) for i, (_, p) in enumerate(self._params) if p.grad is not None]
-        self._current.entries = [e for e in self._current.entries if e.kind != "grads"]
-        for group in by_device(have, lambda item: item[1]).values():
-            keys = [i for i, _ in group]
-            self._current.entries.append(
-                Entry("grads", checks.norms([g for _, g in group]), keys=keys)
-            )
+        entries = [e for e in self._current.entries if e.kind != "grads"]
+        for _, keys, norms in self._grad_norms([p.grad for _, p in self._params]):
+            entries.append(Entry("grads", norms, keys=keys))
+        self._current.entries = entries
 
     def _check_shape(self, name: str, rule: Rule, contract: checks.ShapeContract, out: Any) -> None:
         key = (rule.name, name)
@@ -737,10 +750,9 @@ class Monitor:
 
     def _add_state_checks(self, step: StepRecord) -> None:
         """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
-        for group in by_device(self._state_params, lambda item: item[1]).values():
-            step.entries.append(
-                Entry("params", checks.norms([p for _, p in group]), keys=[i for i, _ in group])
-            )
+        if self._state_params:
+            for _, keys, norms in self._param_norms(self._state_params):
+                step.entries.append(Entry("params", norms, keys=keys))
         for _, group in by_device(self._bn_modules, lambda item: item[1].running_var).items():
             step.entries.append(
                 Entry(
@@ -879,6 +891,12 @@ def _float32() -> Any:
     import torch
 
     return torch.float32
+
+
+def _float64() -> Any:
+    import torch
+
+    return torch.float64
 
 
 def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
