@@ -16,7 +16,9 @@ Python any per-module check of outputs and input gradients pays before it
 computes anything), with the added µs per module and per step. Last, each
 setup's peak resident memory, one fresh process per setup (``VmHWM``), and
 the top-level torch ops per step (the kernel launches on a GPU) from
-``torch.profiler``.
+``torch.profiler``, and the garbage collector's time per step (each MLP setup
+alone: the fastest-step ratios leave out the rare long pauses of full
+collections).
 
 The setups run interleaved (a few steps of each, round after round) so that
 drift on a shared machine hits them all alike; each ratio is the median, over
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import resource
 import statistics
@@ -431,6 +434,54 @@ def mlp_verdicts() -> list[str]:
     return out
 
 
+class CollectorTime:
+    """Time spent in the garbage collector, and its full collections, while active."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.full = 0
+        self._started = 0.0
+
+    def __enter__(self) -> CollectorTime:
+        gc.collect()  # each setup starts with no garbage pending in any generation
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._started
+        self.full += info["generation"] == 2
+
+
+def collector_per_step(n: int = 800, steps: int = 150) -> list[str]:
+    """Each MLP setup alone for ``steps`` steps: the collector's share of a step.
+
+    The ratios above take each setup's fastest steps, which leaves out the rare
+    long pauses of full collections (a pass over every object of a process that
+    imported torch); this counts them."""
+    build = mlp(n)
+    data = build()[1]
+    runs = list(mlp_setups(build))
+    title = f"setup (MLP, {n} modules)"
+    header = f"{title:<48}{'gc ms/step':>12}{'full gc/100 steps':>19}"
+    lines = [header, "-" * len(header)]
+    with _quiet_warnings():
+        for s in runs:
+            for _ in range(3):
+                s.step(*data())
+            with CollectorTime() as spent:
+                for _ in range(steps):
+                    s.step(*data())
+            per_step = spent.seconds / steps * 1e3
+            lines.append(f"{s.name:<48}{per_step:>12.2f}{spent.full * 100 / steps:>19.1f}")
+    return lines
+
+
 RSS_MODELS: dict[str, Callable[[], Any]] = {"transformer": transformer, "mlp800": mlp(800)}
 RSS_SETUPS = ("baseline", "check_every=1", "check_every=10", "device flags")
 
@@ -624,6 +675,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nMLPs of small Linear(64)+ReLU modules, batch 32 ({big_rounds} rounds, best of 3)")
     print("\n".join(measure_mlps(big_rounds)))
     print("\n".join(mlp_verdicts()))
+    print("\ngarbage collection, each setup alone (the ratios above leave its pauses out)")
+    print("\n".join(collector_per_step()))
     print("\nkernel launches per step (torch ops that run one, from the profiler), added")
     print("\n".join(ops_per_step()))
     print("\npeak resident memory, one process per setup (ratio to the baseline)")
