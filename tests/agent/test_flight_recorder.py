@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -237,3 +238,33 @@ def test_each_step_keeps_its_own_execution_order():
     monitor.close()
     assert forward["a"][0] < forward["b"][0]  # step 1: a, then b
     assert forward["b"][1] < forward["a"][1]  # step 2: b, then a
+
+
+def first_bad_by_definition(series: flight_table.Series) -> tuple[int, str] | None:
+    """The docstring's definition, step by step: the first non-finite step, or the first
+    whose max |x| is over JUMP x the median of the finite ones before (BASELINE or more)."""
+    for i, kind in enumerate(series.kinds):
+        if kind:
+            return i, kind
+        before = sorted(v for v in series.max_abs[:i] if math.isfinite(v))
+        if len(before) >= flight_table.BASELINE and series.phase != "loss":
+            n = len(before)
+            median = before[n // 2] if n % 2 else (before[n // 2 - 1] + before[n // 2]) / 2
+            value = series.max_abs[i]
+            if median > 0 and value > flight_table.JUMP * median:
+                return i, f"max|x| {value:.3g} = {value / median:.0f}x median"
+    return None
+
+
+def test_the_first_bad_step_is_the_definitions_on_random_series():
+    rng = random.Random(7)
+    values = [0.0, 1.0, 2.5, 1e3, 3e5, math.inf, math.nan]
+    for _ in range(2000):
+        n = rng.randint(0, 40)
+        series = flight_table.Series(
+            "m",
+            rng.choice(["forward", "backward", "loss"]),
+            max_abs=[rng.choice(values) * rng.random() for _ in range(n)],
+            kinds=[rng.choice([""] * 12 + ["nan", "+inf"]) for _ in range(n)],
+        )
+        assert series.first_bad() == first_bad_by_definition(series), series

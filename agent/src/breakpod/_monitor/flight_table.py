@@ -10,6 +10,7 @@ steps before.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import statistics
@@ -42,19 +43,28 @@ class Series:
         self.kinds.append(kind)
 
     def first_bad(self) -> tuple[int, str] | None:
-        """``(position, why)`` of the first non-finite or out-of-range step."""
-        for i, kind in enumerate(self.kinds):
+        """``(position, why)`` of the first non-finite or out-of-range step.
+
+        The steps before are kept sorted as the walk goes (one insertion a step, not
+        a sort): a dump judges every watched tensor's series, thousands of them."""
+        before: list[float] = []  # the finite max |x| of the steps so far, sorted
+        for i, (kind, value) in enumerate(zip(self.kinds, self.max_abs, strict=True)):
             if kind:
                 return i, kind
-            before = [v for v in self.max_abs[:i] if math.isfinite(v)]
             if len(before) >= BASELINE and self.phase != "loss":
-                median = statistics.median(before)
-                if median > 0 and self.max_abs[i] > JUMP * median:
-                    return (
-                        i,
-                        f"max|x| {self.max_abs[i]:.3g} = {self.max_abs[i] / median:.0f}x median",
-                    )
+                median = _median(before)
+                if median > 0 and value > JUMP * median:
+                    return i, f"max|x| {value:.3g} = {value / median:.0f}x median"
+            if math.isfinite(value):
+                bisect.insort(before, value)
         return None
+
+
+def _median(ordered: list[float]) -> float:
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
 
 
 @dataclasses.dataclass
