@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 
 import pytest
 import torch
@@ -19,11 +20,12 @@ def exact(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def mixed() -> list[torch.Tensor]:
     """More small tensors of one shape than a scratch block holds, a lone shape, a large
-    tensor, half and bfloat16 ones, and an empty one."""
+    tensor, half, bfloat16 and float64 ones of one shape, scalars, and an empty one."""
     rows = norms.SCRATCH_BYTES // (64 * 64 * 4)
     tensors = [torch.randn(64, 64) for _ in range(2 * rows + 3)]
     tensors += [torch.randn(7), torch.randn(300, 300), torch.randn(5, 3).half()]
-    tensors += [torch.randn(5, 3).bfloat16(), torch.randn(5, 3).bfloat16(), torch.empty(0, 4)]
+    tensors += [torch.randn(5, 3).bfloat16(), torch.randn(5, 3).double(), torch.empty(0, 4)]
+    tensors += [torch.tensor(2.0), torch.tensor(-3.0), torch.tensor(0.5).half()]
     return [tensors[i] for i in torch.randperm(len(tensors)).tolist()]
 
 
@@ -56,14 +58,45 @@ def test_gradients_reuse_the_plan_of_their_parameters_and_missing_ones_are_left_
     assert plan([None] * len(params)) == []
 
 
-def test_parameters_that_change_dtype_after_the_plan_are_planned_again():
-    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(20)])
+@pytest.mark.parametrize("change", ["all to float64", "one layer to float32", "one resized"])
+def test_parameters_changed_after_the_plan_keep_their_exact_norms(change):
+    """``model.to`` after ``watch`` swaps a parameter's data, not the Parameter: a layer
+    kept in float32 in a half model must not overflow half (1e5), nor a resized one fail."""
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(20)]).half()
     params = list(model.parameters())
     plan = NormPlan(params)
-    model.double()  # the same Parameter objects, new data
+    plan(params)
+    if change == "all to float64":
+        model.double()
+    elif change == "one layer to float32":
+        model[7].float()
+        with torch.no_grad():
+            model[7].bias.fill_(1e5)
+    else:
+        model[3].weight.data = torch.randn(16, 8).half()
     found = as_dict(plan(params))
     expected = exact(params)
-    assert found == {k: pytest.approx(expected[k].item(), rel=1e-6) for k in range(len(params))}
+    assert found == {k: pytest.approx(expected[k].item(), rel=1e-3) for k in range(len(params))}
+
+
+def test_a_nan_in_one_row_of_a_block_shows_in_its_norm_only():
+    tensors = [torch.randn(8, 8) for _ in range(40)]
+    tensors[17][3, 3] = float("nan")
+    tensors[30][0, 0] = float("-inf")
+    found = as_dict(NormPlan(tensors)(tensors))
+    assert math.isnan(found[17]) and found[30] == math.inf
+    assert all(math.isfinite(v) for k, v in found.items() if k not in (17, 30))
+
+
+def test_a_tensor_on_another_device_than_planned_is_reduced_on_its_own():
+    """A parameter moved alone after the plan (one layer to another GPU): its block cannot
+    stack it, so the call groups by device, as an unplanned norm does. ``meta`` stands in
+    for the other device here."""
+    params = [torch.randn(4, 4) for _ in range(10)]
+    grads = [torch.randn(4, 4) for _ in range(10)]
+    grads[6] = torch.empty(4, 4, device="meta")
+    found = {device.type: keys for device, keys, _ in NormPlan(params)(grads)}
+    assert found == {"cpu": [0, 1, 2, 3, 4, 5, 7, 8, 9], "meta": [6]}
 
 
 def test_sparse_gradients_take_a_norm_each():
@@ -168,4 +201,51 @@ def test_gradients_torchs_fused_norm_refuses_are_still_checked(monkeypatch, make
     assert monitor.errors == 0
     found = [(a.step, a.check, a.module) for a in monitor.anomalies]
     assert (2, "nonfinite", "2") in found, found
+    monitor.close()
+
+
+class Scaled(nn.Module):
+    """A layer with two 0-d parameters (a scale and a temperature)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.tensor(1.0))
+        self.temp = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale / self.temp
+
+
+def test_scalar_parameters_are_checked_and_a_read_never_raises(monkeypatch):
+    monkeypatch.setenv("BREAKPOD_MONITOR", "1")
+    model = Scaled()
+    monitor = breakpod.watch(model)
+    for step in range(3):
+        if step == 2:
+            model.scale.register_hook(lambda g: g * float("nan"))
+        model.zero_grad()
+        model(torch.randn(2, 4)).square().mean().backward()
+        monitor.step()
+    monitor.flush()
+    assert monitor.errors == 0
+    assert (2, "nonfinite", "") in [(a.step, a.check, a.module) for a in monitor.anomalies]
+    monitor.close()
+
+
+def test_a_failing_read_is_contained_in_flush(monkeypatch, capfd):
+    monkeypatch.setenv("BREAKPOD_MONITOR", "1")
+    model = Scaled()
+    monitor = breakpod.watch(model)
+    model(torch.randn(2, 4)).sum().backward()
+    monitor.step()
+
+    def broken(tensors):
+        raise IndexError("a plan that does not fit")
+
+    monkeypatch.setattr(monitor, "_param_norms", broken)
+    monitor.step()
+    assert monitor.flush() == []
+    assert monitor.errors >= 1
+    assert "a plan that does not fit" in capfd.readouterr().err
     monitor.close()

@@ -517,6 +517,8 @@ class Monitor:
         numel = x.numel()
         if not numel:
             return  # an empty batch's tensor: no value to check
+        if slot.retain:
+            self._current.kept[slot.index] = x  # as it is, float64 too
         if x.dtype is self._float64:  # the statistics are float32: torch's norms refuse
             x = x.float()  # to narrow, so a float64 model pays one conversion per tensor
         record, device = self._current, x.device
@@ -537,8 +539,6 @@ class Monitor:
                 )
             if slot.zeros and record.stats:
                 record.units[device][index] = checks.unit_count(x.shape)
-        if slot.retain:
-            record.kept[index] = x
 
     def _add_stats(
         self, record: StepRecord, device: Any, slot: Slot, x: Any, nonnegative: bool
@@ -731,9 +731,14 @@ class Monitor:
         if not self.enabled:
             return []
         before = len(self.anomalies)
-        if self._pending:
-            self._read(self._pending[-1])
-        self._evaluate_landed(wait=True)
+        try:
+            if self._pending:
+                self._read(self._pending[-1])
+            self._evaluate_landed(wait=True)
+        except AnomalyError:
+            raise
+        except Exception as e:  # a failure is the monitor's, never the training loop's
+            self._fail("flush", e)
         return self.anomalies[before:]
 
     def _read(self, last: StepRecord, *, state: bool = True) -> None:

@@ -10,9 +10,13 @@ parameters:
   off the garbage collector, in the middle of the step, where the autograd
   graph's own objects are alive: they are promoted, die old, and bring on
   full collections, each a pass over every object of a process that imported
-  torch (a few hundred ms). So small tensors of one shape and dtype are
-  stacked, a scratch block's worth at a time, and reduced by one norm over
-  the block's rows; large ones take a norm each.
+  torch (a few hundred ms). So small tensors of one shape are stacked, a
+  float32 scratch block's worth at a time, and reduced by one norm over the
+  block's rows; large ones take a norm each.
+
+Whatever the plan did not foresee (a parameter moved alone to another device
+after the plan, a sparse gradient, a complex one) falls back to grouping the
+tensors by device at the call, as an unplanned norm would.
 """
 
 from __future__ import annotations
@@ -30,14 +34,15 @@ class _Part:
     """Tensors reduced together: stacked into ``scratch`` (CPU), or by one foreach."""
 
     positions: tuple[int, ...]
-    scratch: Any = None  # (rows, *shape), shared by the parts of one shape
+    scratch: Any = None  # float32 (rows, *shape), shared by the parts of one shape
 
 
 @dataclasses.dataclass(frozen=True)
 class _Group:
     device: Any
     parts: tuple[_Part, ...]
-    keys: list[int]  # every part's tensors' keys, in order
+    positions: list[int]  # every part's, in order
+    keys: list[int]  # their keys
 
 
 class NormPlan:
@@ -56,32 +61,49 @@ class NormPlan:
 
         if self._moved():
             self._groups = _plan(self._like, self._keys)
+        out = []
         with torch.no_grad():  # one guard, not a detach per tensor
-            found = [self._group_norms(group, tensors) for group in self._groups]
-        return [result for result in found if result is not None]
+            for group in self._groups:
+                try:
+                    out += self._planned(group, tensors)
+                except (TypeError, RuntimeError, NotImplementedError):  # not as planned
+                    out += self._by_device(group.positions, tensors)
+        return out
 
-    def _group_norms(
-        self, group: _Group, tensors: Sequence[Any]
-    ) -> tuple[Any, list[int], Any] | None:
+    def _planned(self, group: _Group, tensors: Sequence[Any]) -> list[tuple[Any, list[int], Any]]:
         import torch
 
         results = [_reduce(part, tensors) for part in group.parts]
         values = [v for _, v in results if v is not None]
         if not values:
-            return None
+            return []
         if all(got is part.positions for part, (got, _) in zip(group.parts, results, strict=True)):
             keys = group.keys  # nothing missing: no list made
         else:
             keys = [self._keys[i] for got, _ in results for i in got]
-        return group.device, keys, torch.cat(values) if len(values) > 1 else values[0]
+        return [(group.device, keys, torch.cat(values) if len(values) > 1 else values[0])]
+
+    def _by_device(
+        self, positions: list[int], tensors: Sequence[Any]
+    ) -> list[tuple[Any, list[int], Any]]:
+        """The unplanned way: the tensors grouped by device now, a fused norm each group."""
+        groups: dict[Any, list[int]] = {}
+        for i in positions:
+            if tensors[i] is not None:
+                groups.setdefault(tensors[i].device, []).append(i)
+        return [
+            (device, [self._keys[i] for i in got], _norm_each([tensors[i] for i in got]))
+            for device, got in groups.items()
+        ]
 
     def _moved(self) -> bool:
-        """Did the parameters change device or dtype since the plan (``model.to``)?"""
+        """Did the parameters change device or shape since the plan (``model.to``)? One
+        tensor a part is looked at; a part that is not as planned falls back in the call."""
         for group in self._groups:
             for part in group.parts:
                 like = self._like[part.positions[0]]
                 if like.device != group.device or (
-                    part.scratch is not None and like.dtype != part.scratch.dtype
+                    part.scratch is not None and like.shape != part.scratch.shape[1:]
                 ):
                     return True
         return False
@@ -92,32 +114,34 @@ def _plan(like: list[Any], keys: list[int]) -> tuple[_Group, ...]:
     for i, t in enumerate(like):
         by_device.setdefault(t.device, []).append(i)
     groups = []
-    for device, positions in by_device.items():
+    for device, on_device in by_device.items():
         on_cpu = device.type == "cpu"
-        parts = _cpu_parts(like, positions) if on_cpu else (_Part(tuple(positions)),)
-        groups.append(_Group(device, parts, [keys[i] for part in parts for i in part.positions]))
+        parts = _cpu_parts(like, on_device) if on_cpu else (_Part(tuple(on_device)),)
+        positions = [i for part in parts for i in part.positions]
+        groups.append(_Group(device, parts, positions, [keys[i] for i in positions]))
     return tuple(groups)
 
 
 def _cpu_parts(like: list[Any], positions: list[int]) -> tuple[_Part, ...]:
+    """Small real tensors of one shape share float32 scratch blocks (any float dtype: a
+    wider one is rounded to float32, as every statistic of the monitor is)."""
     import torch
 
-    shapes: dict[tuple[Any, ...], list[int]] = {}
-    large = []
+    shapes: dict[Any, list[int]] = {}
+    others = []
     for i in positions:
         t = like[i]
-        if t.numel() > MAX_NUMEL or t.numel() == 0:
-            large.append(i)
+        if 0 < t.numel() <= MAX_NUMEL and t.is_floating_point():
+            shapes.setdefault(t.shape, []).append(i)
         else:
-            shapes.setdefault((t.shape, t.dtype), []).append(i)
-    parts = [_Part(tuple(large))] if large else []
-    for (shape, dtype), same in shapes.items():
+            others.append(i)
+    parts = [_Part(tuple(others))] if others else []
+    for shape, same in shapes.items():
         if len(same) == 1:
             parts.append(_Part(tuple(same)))
             continue
-        row_bytes = like[same[0]].numel() * like[same[0]].element_size()
-        rows = max(1, min(len(same), SCRATCH_BYTES // row_bytes))
-        scratch = torch.empty((rows, *shape), dtype=dtype)
+        rows = max(1, min(len(same), SCRATCH_BYTES // (4 * like[same[0]].numel())))
+        scratch = torch.empty((rows, *shape), dtype=torch.float32)
         parts += [_Part(tuple(same[s : s + rows]), scratch) for s in range(0, len(same), rows)]
     return tuple(parts)
 
@@ -126,27 +150,20 @@ def _reduce(part: _Part, tensors: Sequence[Any]) -> tuple[Sequence[int], Any]:
     import torch
 
     chosen = [tensors[i] for i in part.positions]
-    if part.scratch is not None:
-        block = part.scratch[: len(chosen)]
-        try:
-            torch.stack(chosen, out=block)
-        except (TypeError, RuntimeError, NotImplementedError):  # a missing or sparse gradient
-            return _one_by_one(part.positions, chosen)
-        return part.positions, _norm(block.flatten(1), dim=1)
     if any(t is None for t in chosen):
-        return _one_by_one(part.positions, chosen)
-    return part.positions, _norm_each(chosen)
-
-
-def _one_by_one(positions: Sequence[int], chosen: list[Any]) -> tuple[list[int], Any]:
-    keys = [i for i, t in zip(positions, chosen, strict=True) if t is not None]
-    present = [t for t in chosen if t is not None]
-    return (keys, _norm_each(present)) if present else ([], None)
+        keys = [i for i, t in zip(part.positions, chosen, strict=True) if t is not None]
+        present = [t for t in chosen if t is not None]
+        return (keys, _norm_each(present)) if present else ([], None)
+    if part.scratch is None:
+        return part.positions, _norm_each(chosen)
+    block = part.scratch[: len(chosen)]
+    torch.stack(chosen, out=block)  # a sparse gradient raises: the call falls back
+    return part.positions, torch.linalg.vector_norm(block.reshape(len(chosen), -1), 2, dim=1)
 
 
 def _norm_each(tensors: list[Any]) -> Any:
-    """Float32 norms, fused where torch can; the tensors torch's fused norm refuses
-    (float64 or complex ones, sparse gradients) take a norm each."""
+    """Float32 norms of tensors on one device, fused where torch can; the tensors torch's
+    fused norm refuses (float64 or complex ones, sparse gradients) take a norm each."""
     import torch
 
     try:
@@ -155,11 +172,11 @@ def _norm_each(tensors: list[Any]) -> Any:
         return torch.stack([_norm(t) for t in tensors])
 
 
-def _norm(t: Any, dim: int | None = None) -> Any:
-    """``t``'s L2 norm (over ``dim``) as float32, summed in float32 or wider."""
+def _norm(t: Any) -> Any:
+    """``t``'s L2 norm as float32, summed in float32 or wider."""
     import torch
 
     if t.is_sparse:
         t = t.coalesce().values()
     wide = t.element_size() > 4 or t.is_complex()
-    return torch.linalg.vector_norm(t, 2, dim=dim, dtype=None if wide else torch.float32).float()
+    return torch.linalg.vector_norm(t, 2, dtype=None if wide else torch.float32).float()
