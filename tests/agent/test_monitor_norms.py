@@ -249,3 +249,16 @@ def test_a_failing_read_is_contained_in_flush(monkeypatch, capfd):
     assert monitor.errors >= 1
     assert "a plan that does not fit" in capfd.readouterr().err
     monitor.close()
+
+
+def test_the_shapes_kept_follow_a_change_of_batch(monkeypatch):
+    """Shapes are stored only when they change (see above), and then they are."""
+    monkeypatch.setenv("BREAKPOD_MONITOR", "1")
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
+    monitor = breakpod.watch(model)
+    for batch in (8, 8, 5):
+        model(torch.randn(batch, 4)).sum().backward()
+        monitor.step()
+        assert monitor.shapes["0"] == ([(batch, 4)], (batch, 3))
+        assert monitor.shapes["1"] == ([(batch, 3)], (batch, 3))
+    monitor.close()
