@@ -120,6 +120,7 @@ AGENT_LAYERS = (
         *(
             "breakpod._monitor.rules",
             "breakpod._monitor.checks",
+            "breakpod._monitor.norms",
             "breakpod._monitor.compiled",
             "breakpod._monitor.summaries",
             "breakpod._monitor.flight_table",
