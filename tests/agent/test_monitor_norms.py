@@ -262,3 +262,11 @@ def test_the_shapes_kept_follow_a_change_of_batch(monkeypatch):
         assert monitor.shapes["0"] == ([(batch, 4)], (batch, 3))
         assert monitor.shapes["1"] == ([(batch, 3)], (batch, 3))
     monitor.close()
+
+
+def test_float64_norms_are_summed_in_float64():
+    """Rounded to float32 first, squares of 1e19 overflow: a finite gradient would read
+    as non-finite."""
+    tensors = [torch.full((4, 4), 1e19, dtype=torch.float64) for _ in range(6)]
+    found = as_dict(NormPlan(tensors)(tensors))
+    assert found == {k: pytest.approx(4e19, rel=1e-6) for k in range(6)}

@@ -517,10 +517,10 @@ class Monitor:
         numel = x.numel()
         if not numel:
             return  # an empty batch's tensor: no value to check
-        if slot.retain:
-            self._current.kept[slot.index] = x  # as it is, float64 too
         if x.dtype is self._float64:  # the statistics are float32: torch's norms refuse
             x = x.float()  # to narrow, so a float64 model pays one conversion per tensor
+        if slot.retain:  # as the statistics saw it: its exact counts must agree with them
+            self._current.kept[slot.index] = x
         record, device = self._current, x.device
         ran = record.ran.get(device)
         if ran is None:

@@ -123,15 +123,16 @@ def _plan(like: list[Any], keys: list[int]) -> tuple[_Group, ...]:
 
 
 def _cpu_parts(like: list[Any], positions: list[int]) -> tuple[_Part, ...]:
-    """Small real tensors of one shape share float32 scratch blocks (any float dtype: a
-    wider one is rounded to float32, as every statistic of the monitor is)."""
+    """Small tensors of one shape, of float32 or narrower, share float32 scratch blocks;
+    float64 ones take a norm each, summed in float64 (rounded first, their squares
+    would overflow float32 from 1.8e19)."""
     import torch
 
     shapes: dict[Any, list[int]] = {}
     others = []
     for i in positions:
         t = like[i]
-        if 0 < t.numel() <= MAX_NUMEL and t.is_floating_point():
+        if 0 < t.numel() <= MAX_NUMEL and t.is_floating_point() and t.element_size() <= 4:
             shapes.setdefault(t.shape, []).append(i)
         else:
             others.append(i)
