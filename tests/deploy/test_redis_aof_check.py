@@ -29,8 +29,20 @@ CASES = [
     (MANIFEST, WHOLE * 3, WHOLE * 3),  # valid
     (MANIFEST, MULTI + WHOLE + MULTI + WHOLE + EXEC + WHOLE, None),  # damaged inside: left
     (SINGLE, WHOLE + MULTI + WHOLE, WHOLE),  # Redis 6.2's one file, cut back too
+    (SINGLE, WHOLE + MULTI + WHOLE + b"*3\r\n$", WHOLE),  # cut in a header line: cut back
+    (SINGLE, WHOLE + b"*3\r\n$", WHOLE),  # likewise, outside a transaction
+    (SINGLE, b"", b""),  # Redis 6.2 makes an empty file before the first write
 ]
-IDS = ["no-aof", "ends-in-a-transaction", "valid", "damaged-inside", "redis-6.2-file"]
+IDS = [
+    "no-aof",
+    "ends-in-a-transaction",
+    "valid",
+    "damaged-inside",
+    "redis-6.2-file",
+    "header-line-in-a-transaction",
+    "header-line",
+    "empty",
+]
 
 
 def chart_command(data: Path) -> list[str]:
@@ -77,6 +89,7 @@ def run_check(command: list[str], tmp_path: Path, layout: str, content: bytes | 
         check=True,
     )
     assert done.stdout.decode().rstrip().endswith("server started")
+    assert b"damaged" not in done.stdout or content is CASES[3][1], done.stdout
     return aof
 
 
@@ -94,3 +107,22 @@ def test_composes_redis_checks_its_aof_before_every_start(tmp_path, layout, cont
     aof = run_check(compose_command(tmp_path / "data"), tmp_path, layout, content)
     if content is not None:
         assert aof.read_bytes() == (content if after is None else after)
+
+
+def test_without_redis_check_aof_the_server_still_starts(tmp_path):
+    aof = tmp_path / "data" / SINGLE
+    aof.parent.mkdir(parents=True)
+    aof.write_bytes(WHOLE + MULTI)
+    done = subprocess.run(
+        [*chart_command(tmp_path / "data"), "echo", "server started"],
+        env={"PATH": "/usr/bin:/bin"},  # no redis-check-aof here
+        capture_output=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+        check=True,
+    )
+    assert done.stdout.decode().splitlines() == [
+        "redis-check-aof not found: the AOF was not checked",
+        "server started",
+    ]
+    assert aof.read_bytes() == WHOLE + MULTI
