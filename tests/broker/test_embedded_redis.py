@@ -4,9 +4,12 @@ behind by a failed start, a stale server on the directory stopped first."""
 from __future__ import annotations
 
 import subprocess
+import threading
+import time
 
 import pytest
 
+from breakpod_broker import redis_server
 from breakpod_broker.errors import RedisServerError
 from breakpod_broker.redis_server import EmbeddedRedis, find_binary, free_port, repair_aof, serves
 from tests.brokerkit import wait_until
@@ -33,6 +36,27 @@ def test_a_stale_server_on_the_data_directory_is_stopped_before_a_start(tmp_path
     finally:
         stale.kill()
         stale.wait(10)
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_while_the_supervisor_restarts_the_server_leaves_nothing_behind(
+    tmp_path, monkeypatch
+):
+    """stop() takes the server's process from another thread at any moment, the
+    supervisor's restart included: the supervisor must neither fail (it raised on the
+    process stop() had taken) nor leave a server it started behind."""
+    failures: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: failures.append(args.exc_value))
+    monkeypatch.setattr(redis_server, "RESTART_DELAYS", (0.0,))
+    for attempt in range(12):
+        data = tmp_path / str(attempt)
+        server = EmbeddedRedis(data).start()
+        assert server.proc is not None
+        server.proc.kill()  # the supervisor starts another at once
+        time.sleep(attempt * 0.01)  # stop at a different point of that restart each time
+        server.stop()
+        assert not redis_servers(data), attempt
+    assert failures == []
 
 
 @pytest.mark.timeout(60)

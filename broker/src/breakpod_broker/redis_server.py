@@ -117,7 +117,7 @@ class EmbeddedRedis:
         failures = 0
         while not self._stopping.is_set():
             try:
-                self._spawn_and_wait_ready()
+                proc = self._spawn_and_wait_ready()
             except RedisServerError as e:
                 if self._stopping.is_set():
                     return
@@ -129,8 +129,7 @@ class EmbeddedRedis:
             else:
                 self._started.set()
                 failures = 0
-                assert self.proc is not None
-                code = self.proc.wait()
+                code = proc.wait()
                 if self._stopping.is_set():
                     return
                 log.error("embedded redis-server exited (status %s): restarting it", code)
@@ -138,27 +137,29 @@ class EmbeddedRedis:
             self._stopping.wait(RESTART_DELAYS[min(failures, len(RESTART_DELAYS) - 1)])
             failures += 1
 
-    def _spawn_and_wait_ready(self) -> None:
+    def _spawn_and_wait_ready(self) -> subprocess.Popen[bytes]:
+        """The server, once it answers. Its process is held in a local as well as in
+        ``self.proc``: ``stop()`` takes that attribute from another thread at any time."""
         log_path = self.data_dir / "redis.log"
         repair_aof(self.data_dir)
         if self._stopping.is_set():  # stopped while the AOF was checked: start nothing
             raise RedisServerError("stopped before redis-server started")
-        self.proc = subprocess.Popen(
+        proc = self.proc = subprocess.Popen(
             self._argv(log_path),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
-        (self.data_dir / "redis.pid").write_text(f"{self.proc.pid}\n")
+        (self.data_dir / "redis.pid").write_text(f"{proc.pid}\n")
         deadline = time.monotonic() + START_TIMEOUT
         while time.monotonic() < deadline and not self._stopping.is_set():
-            if self.proc.poll() is not None:
+            if proc.poll() is not None:
                 break
             if _ping(self.port):
-                return
+                return proc
             time.sleep(0.02)
         text = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
-        _terminate(self.proc)
+        _terminate(proc)  # a stop() that came first took self.proc: this one is still ours
         raise RedisServerError(f"redis-server did not start on port {self.port}:\n{text}")
 
     def _argv(self, log_path: Path) -> list[str]:
