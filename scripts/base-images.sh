@@ -4,7 +4,8 @@
 # pytorch/pytorch and redis we debootstrap a Debian bookworm rootfs and build
 # docker/local-base.Dockerfile's targets on it (the torch target takes the
 # CPU wheel that lies on this machine). Images are cached: a second run only
-# checks that they exist.
+# checks that they exist and were built from the Dockerfile as it is now (a
+# label holds its hash), so a change to it rebuilds them.
 set -euo pipefail
 
 ROOTFS_IMAGE=${ROOTFS_IMAGE:-breakpod-rootfs:bookworm}
@@ -15,6 +16,11 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 have() { docker image inspect "$1" >/dev/null 2>&1; }
+recipe=$(sha256sum "$here/docker/local-base.Dockerfile" | cut -c1-16)
+current() {
+  [ "$(docker image inspect -f '{{ index .Config.Labels "breakpod.recipe" }}' "$1" 2>/dev/null)" \
+    = "$recipe" ]
+}
 
 if ! have "$ROOTFS_IMAGE"; then
   command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap; } >/dev/null
@@ -29,13 +35,14 @@ mkdir -p "$work/context"
 cp "$CA_BUNDLE" "$work/context/ca-certificates.crt"
 for target in python torch redis; do
   image="breakpod-$target:local"
-  have "$image" && continue
+  current "$image" && continue
   if [ "$target" = torch ]; then
     [ -f "$TORCH_WHEEL" ] || { echo "base-images: no torch wheel (set TORCH_WHEEL)" >&2; exit 1; }
     cp "$TORCH_WHEEL" "$work/context/"
   fi
   echo "base-images: building $image"
   docker build -q --network host --target "$target" --build-arg ROOTFS="$ROOTFS_IMAGE" \
+    --label "breakpod.recipe=$recipe" \
     -t "$image" -f "$here/docker/local-base.Dockerfile" "$work/context" >/dev/null
 done
 echo "base-images: $ROOTFS_IMAGE and breakpod-{python,torch,redis}:local are ready"
