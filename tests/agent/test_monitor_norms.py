@@ -180,6 +180,22 @@ def test_a_monitored_step_leaves_no_object_per_module_behind(monkeypatch):
     assert survivors_of_a_step(monkeypatch, watched=True) < unwatched + 20
 
 
+def nan_gradient_found(model: nn.Module, param: nn.Parameter, x: torch.Tensor) -> list:
+    """Train 3 steps, ``param``'s gradient NaN at the last; ``(step, check, module)`` of
+    what the monitor found, once it is sure the monitor itself never failed."""
+    monitor = breakpod.watch(model)
+    for step in range(3):
+        if step == 2:
+            param.register_hook(lambda g: g * float("nan"))
+        model.zero_grad()
+        model(x).square().mean().backward()
+        monitor.step()
+    monitor.flush()
+    assert monitor.errors == 0
+    monitor.close()
+    return [(a.step, a.check, a.module) for a in monitor.anomalies]
+
+
 @pytest.mark.parametrize("make", ["float64", "sparse"])
 def test_gradients_torchs_fused_norm_refuses_are_still_checked(monkeypatch, make):
     """A float64 model, or a sparse embedding's gradient: torch's fused norm raises on
@@ -189,19 +205,8 @@ def test_gradients_torchs_fused_norm_refuses_are_still_checked(monkeypatch, make
     model = nn.Sequential(embedding, nn.Flatten(), nn.Linear(16, 4))
     if make == "float64":
         model.double()
-    monitor = breakpod.watch(model)
-    tokens = torch.tensor([[1, 2], [3, 4]])
-    for step in range(3):
-        if step == 2:
-            model[2].weight.register_hook(lambda g: g * float("nan"))
-        model.zero_grad()
-        model(tokens).square().mean().backward()
-        monitor.step()
-    monitor.flush()
-    assert monitor.errors == 0
-    found = [(a.step, a.check, a.module) for a in monitor.anomalies]
+    found = nan_gradient_found(model, model[2].weight, torch.tensor([[1, 2], [3, 4]]))
     assert (2, "nonfinite", "2") in found, found
-    monitor.close()
 
 
 class Scaled(nn.Module):
@@ -220,17 +225,8 @@ class Scaled(nn.Module):
 def test_scalar_parameters_are_checked_and_a_read_never_raises(monkeypatch):
     monkeypatch.setenv("BREAKPOD_MONITOR", "1")
     model = Scaled()
-    monitor = breakpod.watch(model)
-    for step in range(3):
-        if step == 2:
-            model.scale.register_hook(lambda g: g * float("nan"))
-        model.zero_grad()
-        model(torch.randn(2, 4)).square().mean().backward()
-        monitor.step()
-    monitor.flush()
-    assert monitor.errors == 0
-    assert (2, "nonfinite", "") in [(a.step, a.check, a.module) for a in monitor.anomalies]
-    monitor.close()
+    found = nan_gradient_found(model, model.scale, torch.randn(2, 4))
+    assert (2, "nonfinite", "") in found, found
 
 
 def test_a_failing_read_is_contained_in_flush(monkeypatch, capfd):
@@ -264,9 +260,20 @@ def test_the_shapes_kept_follow_a_change_of_batch(monkeypatch):
     monitor.close()
 
 
-def test_float64_norms_are_summed_in_float64():
+def test_float64_norms_are_summed_in_float64_and_planned_apart(monkeypatch):
     """Rounded to float32 first, squares of 1e19 overflow: a finite gradient would read
-    as non-finite."""
+    as non-finite. The fused float32 norm refuses float64, so the plan never hands it
+    one (it would raise, and fall back, at every step)."""
     tensors = [torch.full((4, 4), 1e19, dtype=torch.float64) for _ in range(6)]
+    tensors += [torch.ones(4, 4) for _ in range(3)]
+    fused = torch._foreach_norm
+    handed: list[torch.dtype] = []
+
+    def recording(ts, *args, **kwargs):
+        handed.extend(t.dtype for t in ts)
+        return fused(ts, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_foreach_norm", recording)
     found = as_dict(NormPlan(tensors)(tensors))
-    assert found == {k: pytest.approx(4e19, rel=1e-6) for k in range(6)}
+    assert found == {k: pytest.approx(4e19 if k < 6 else 4.0, rel=1e-6) for k in range(9)}
+    assert torch.float64 not in handed

@@ -27,13 +27,14 @@ is reported once and swallowed; only ``action: stop`` raises into training.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
 import os
 import sys
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -199,7 +200,6 @@ class Monitor:
         self._ctx.monitor = self
         self._handles: list[Any] = []
         self._current = self._record(0)
-        self._float64 = _float64()
         self._pending: list[StepRecord] = []
         self._inflight: list[tuple[list[Any], dict[Any, Any], list[StepRecord]]] = []
         self._host_buffers = HostBuffers()  # the reads' pinned copies, reused (CUDA only)
@@ -344,6 +344,7 @@ class Monitor:
 
         self._grad_enabled = torch.is_grad_enabled
         self._tensor = torch.Tensor
+        self._float64 = torch.float64
         self._ignore_pass = False
         self._input_slot: Slot | None = None
         if not self._module_checks:
@@ -595,7 +596,8 @@ class Monitor:
         self._collect_grads()
 
     def _collect_grads(self) -> None:
-        """One fused norm over every watched gradient; a later backward in the step replaces it."""
+        """The norms of every watched gradient (``NormPlan``); a later backward in the step
+        replaces them."""
         entries = [e for e in self._current.entries if e.kind != "grads"]
         for _, keys, norms in self._grad_norms([p.grad for _, p in self._params]):
             entries.append(Entry("grads", norms, keys=keys))
@@ -642,16 +644,12 @@ class Monitor:
         if not self.enabled:
             return
         frame = _user_frame(sys._getframe(1))
-        try:
+        with self._contained("step boundary"):
             if self._handles_steps():
                 self._end_step(loss, frame)
             elif loss is not None:
                 self._late_loss(loss) if self._updated else self.record_loss(loss)
             self._updated = False
-        except AnomalyError:
-            raise
-        except Exception as e:
-            self._fail("step boundary", e)
         watchdog.step(self.step_count)
         if events.pending_break():  # `breakpod send ID break`: one flag check per step
             shim.set_trace(frame=frame, header="break requested through the broker")
@@ -731,14 +729,10 @@ class Monitor:
         if not self.enabled:
             return []
         before = len(self.anomalies)
-        try:
+        with self._contained("flush"):
             if self._pending:
                 self._read(self._pending[-1])
             self._evaluate_landed(wait=True)
-        except AnomalyError:
-            raise
-        except Exception as e:  # a failure is the monitor's, never the training loop's
-            self._fail("flush", e)
         return self.anomalies[before:]
 
     def _read(self, last: StepRecord, *, state: bool = True) -> None:
@@ -808,6 +802,17 @@ class Monitor:
             self._ctx.frame = None
 
     # ------------------------------------------------------------------ lifecycle
+    @contextlib.contextmanager
+    def _contained(self, where: str) -> Iterator[None]:
+        """A failure inside is the monitor's, reported once, never the training loop's;
+        only ``stop`` raises. (The hooks inline the same, being on the hot path.)"""
+        try:
+            yield
+        except AnomalyError:
+            raise
+        except Exception as e:
+            self._fail(where, e)
+
     def _fail(self, where: str, error: Exception) -> None:
         self.errors += 1
         if where not in self._failed:
@@ -896,12 +901,6 @@ def _float32() -> Any:
     import torch
 
     return torch.float32
-
-
-def _float64() -> Any:
-    import torch
-
-    return torch.float64
 
 
 def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:

@@ -35,6 +35,7 @@ class _Part:
 
     positions: tuple[int, ...]
     scratch: Any = None  # float32 (rows, *shape), shared by the parts of one shape
+    fused: bool = True  # one foreach; else a norm each (tensors the fused norm refuses)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,25 +116,31 @@ def _plan(like: list[Any], keys: list[int]) -> tuple[_Group, ...]:
         by_device.setdefault(t.device, []).append(i)
     groups = []
     for device, on_device in by_device.items():
-        on_cpu = device.type == "cpu"
-        parts = _cpu_parts(like, on_device) if on_cpu else (_Part(tuple(on_device)),)
+        narrow = tuple(i for i in on_device if _narrow(like[i]))
+        wide = tuple(i for i in on_device if not _narrow(like[i]))
+        parts = _cpu_parts(like, narrow) if device.type == "cpu" else (_Part(narrow),)
+        parts = tuple(p for p in (*parts, _Part(wide, fused=False)) if p.positions)
         positions = [i for part in parts for i in part.positions]
         groups.append(_Group(device, parts, positions, [keys[i] for i in positions]))
     return tuple(groups)
 
 
-def _cpu_parts(like: list[Any], positions: list[int]) -> tuple[_Part, ...]:
-    """Small tensors of one shape, of float32 or narrower, share float32 scratch blocks;
-    float64 ones take a norm each, summed in float64 (rounded first, their squares
-    would overflow float32 from 1.8e19)."""
+def _narrow(t: Any) -> bool:
+    """Real and float32 or narrower: what the fused float32 norm takes. Wider tensors
+    take a norm each, summed in float64 (rounded first, their squares would overflow
+    float32 from 1.8e19)."""
+    return bool(t.is_floating_point() and t.element_size() <= 4)
+
+
+def _cpu_parts(like: list[Any], positions: tuple[int, ...]) -> tuple[_Part, ...]:
+    """Small tensors of one shape share float32 scratch blocks; large ones, one foreach."""
     import torch
 
     shapes: dict[Any, list[int]] = {}
     others = []
     for i in positions:
-        t = like[i]
-        if 0 < t.numel() <= MAX_NUMEL and t.is_floating_point() and t.element_size() <= 4:
-            shapes.setdefault(t.shape, []).append(i)
+        if 0 < like[i].numel() <= MAX_NUMEL:
+            shapes.setdefault(like[i].shape, []).append(i)
         else:
             others.append(i)
     parts = [_Part(tuple(others))] if others else []
@@ -151,12 +158,13 @@ def _reduce(part: _Part, tensors: Sequence[Any]) -> tuple[Sequence[int], Any]:
     import torch
 
     chosen = [tensors[i] for i in part.positions]
+    norms = _norm_each if part.fused else _one_by_one
     if any(t is None for t in chosen):
         keys = [i for i, t in zip(part.positions, chosen, strict=True) if t is not None]
         present = [t for t in chosen if t is not None]
-        return (keys, _norm_each(present)) if present else ([], None)
+        return (keys, norms(present)) if present else ([], None)
     if part.scratch is None:
-        return part.positions, _norm_each(chosen)
+        return part.positions, norms(chosen)
     block = part.scratch[: len(chosen)]
     torch.stack(chosen, out=block)  # a sparse gradient raises: the call falls back
     return part.positions, torch.linalg.vector_norm(block.reshape(len(chosen), -1), 2, dim=1)
@@ -164,13 +172,19 @@ def _reduce(part: _Part, tensors: Sequence[Any]) -> tuple[Sequence[int], Any]:
 
 def _norm_each(tensors: list[Any]) -> Any:
     """Float32 norms of tensors on one device, fused where torch can; the tensors torch's
-    fused norm refuses (float64 or complex ones, sparse gradients) take a norm each."""
+    fused norm refuses at the call (sparse gradients) take a norm each."""
     import torch
 
     try:
         return torch.stack(torch._foreach_norm(tensors, dtype=torch.float32))
-    except (RuntimeError, NotImplementedError):
-        return torch.stack([_norm(t) for t in tensors])
+    except (RuntimeError, NotImplementedError):  # a sparse gradient, or one moved apart
+        return _one_by_one(tensors)
+
+
+def _one_by_one(tensors: list[Any]) -> Any:
+    import torch
+
+    return torch.stack([_norm(t) for t in tensors])
 
 
 def _norm(t: Any) -> Any:
