@@ -137,6 +137,17 @@ def test_the_aof_check_cuts_only_a_damaged_end(tmp_path, tail, kept):
     assert aof.read_bytes() == WHOLE + kept
 
 
+def test_a_manifests_broken_line_is_left_to_redis(tmp_path):
+    """The offsets of a manifest's report point into the files it lists: a broken line
+    is not known to be at their end (the 6.2 tool here reads the manifest's path as
+    one file, so an AOF there stands in for it)."""
+    aof = tmp_path / "appendonlydir" / "appendonly.aof.manifest"
+    aof.parent.mkdir()
+    aof.write_bytes(WHOLE + b"*3\r\n$")
+    repair_aof(tmp_path)
+    assert aof.read_bytes() == WHOLE + b"*3\r\n$"
+
+
 @pytest.mark.parametrize(
     "damaged",
     [

@@ -238,7 +238,9 @@ def repair_aof(data_dir: Path) -> None:
     if found is None or found.returncode == 0:
         return
     report = found.stdout.decode(errors="replace")
-    if not _ends_damaged(report, target.stat().st_size):
+    # a manifest's report points into the files it lists, not into the manifest
+    size = None if target == manifest else target.stat().st_size
+    if not _ends_damaged(report, size):
         log.error("the AOF %s is damaged before its end, left as it is: %s", target, report[-300:])
         return
     fixed = _check_aof(target, fix=True)
@@ -262,9 +264,11 @@ def _check_aof(target: Path, *, fix: bool = False) -> subprocess.CompletedProces
         return None
 
 
-def _ends_damaged(report: str, size: int) -> bool:
+def _ends_damaged(report: str, size: int | None) -> bool:
     """Does redis-check-aof's ``report`` place the damage at the file's end? A short
-    read happens only there; a broken line counts when it is in the last bytes."""
+    read happens only there; a broken line counts when it is in the last bytes of the
+    file checked (``size``; None when that is not the file the offsets point into).
+    The chart's and compose's Redis decide alike (helm/breakpod/files/redis-aof-check.sh)."""
     found = re.search(r"0x\s*([0-9a-fA-F]+): (.*)", report)
     if found is None:
         return False
@@ -273,7 +277,7 @@ def _ends_damaged(report: str, size: int) -> bool:
         return True
     # (at 0 the file is no AOF at all: a Redis 7 manifest read by an older tool)
     broken_line = what.startswith(("Expected \\r\\n", "Expected prefix"))
-    return broken_line and at > 0 and 0 <= size - at <= 64
+    return broken_line and size is not None and at > 0 and 0 <= size - at <= 64
 
 
 def stop_stale(pidfile: Path, data_dir: Path, timeout: float = 10.0) -> None:
