@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 import pytest
 
@@ -246,10 +247,9 @@ def first_bad_by_definition(series: flight_table.Series) -> tuple[int, str] | No
     for i, kind in enumerate(series.kinds):
         if kind:
             return i, kind
-        before = sorted(v for v in series.max_abs[:i] if math.isfinite(v))
+        before = [v for v in series.max_abs[:i] if math.isfinite(v)]
         if len(before) >= flight_table.BASELINE and series.phase != "loss":
-            n = len(before)
-            median = before[n // 2] if n % 2 else (before[n // 2 - 1] + before[n // 2]) / 2
+            median = statistics.median(before)
             value = series.max_abs[i]
             if median > 0 and value > flight_table.JUMP * median:
                 return i, f"max|x| {value:.3g} = {value / median:.0f}x median"
