@@ -27,7 +27,8 @@ dist.destroy_process_group()
 
 
 def probe(code: str = PROBE, **env: str) -> dict[str, object]:
-    """The JSON that ``code`` prints last, run with a free MASTER_PORT and no breakpod settings."""
+    """The JSON that ``code`` prints last, and its ``stderr``, run with a free MASTER_PORT
+    and no breakpod settings."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -43,12 +44,12 @@ def probe(code: str = PROBE, **env: str) -> dict[str, object]:
         timeout=50,
     )
     assert done.returncode == 0, done.stderr
-    return dict(json.loads(done.stdout.splitlines()[-1]))
+    return {**json.loads(done.stdout.splitlines()[-1]), "stderr": done.stderr}
 
 
 def test_debug_mode_off_wraps_nothing_starts_no_thread_and_keeps_the_timeout():
     found = probe()
-    assert found == {"wrapped": False, "timeout": 15.0, "threads": []}
+    assert found == {"wrapped": False, "timeout": 15.0, "threads": [], "stderr": ""}
 
 
 def test_debug_mode_gives_the_group_room_for_a_park_and_watches_the_users_timeout():

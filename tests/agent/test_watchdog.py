@@ -113,4 +113,4 @@ def test_the_watchdog_thread_has_ended_before_the_interpreter_finalizes():
     """A tick inside the store's C++ client when finalization starts aborts the process
     (SIGABRT after a clean run); breakpod's exit handler stops and joins the thread."""
     found = probe(ENDS_WITH_A_BOARD, ENABLE_REMOTE_DEBUG="1", RANK="1", WORLD_SIZE="2")
-    assert found == {"alive": [False]}
+    assert found == {"alive": [False], "stderr": ""}

@@ -32,7 +32,7 @@ LOOP = """
     emitter.ensure_started()
     for step in range(3000):
         time.sleep(0.01)
-        breakpod.break_if_requested()   # what the monitors' step() does
+        breakpod.{boundary}()
         if "resumed" in seen:
             break
     print("finished", seen)
@@ -111,8 +111,11 @@ def _log_events(broker, session_id):
     return events["events"]
 
 
-def test_break_parks_a_running_loop_at_its_next_step_boundary(broker, spawn):
-    child = spawn(LOOP, env=agent_env(broker))
+@pytest.mark.parametrize("boundary", ["break_if_requested", "step"])
+def test_break_parks_a_running_loop_at_its_next_step_boundary(broker, spawn, boundary):
+    """A loop's own boundary (as the monitors' step() has), or ``breakpod.step()`` with
+    neither stall detection nor debug mode on: its first call disarmed it."""
+    child = spawn(LOOP.format(boundary=boundary), env=agent_env(broker))
     session_id = wait_until(lambda: only_session(broker, "running"))["id"]
     assert cli(broker, "send", session_id, "break", token=ADMIN).returncode == 0
     child.wait_for("break requested through the broker")

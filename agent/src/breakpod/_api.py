@@ -58,5 +58,5 @@ def break_if_requested(frame: FrameType | None = None) -> None:
     if events.pending_break():
         shim.set_trace(
             frame=frame if frame is not None else sys._getframe(1),
-            header="break requested through the broker",
+            header=events.BREAK_HEADER,
         )

@@ -20,10 +20,8 @@ from collections.abc import Callable
 
 from breakpod import protocol
 from breakpod._core import events
-from breakpod._core.announce import announce
 from breakpod._debug import debugger, shim
 from breakpod._debug.listener import Listener
-from breakpod._job import board as job
 from breakpod._job import watchdog
 from breakpod._monitor import flight_table
 
@@ -42,14 +40,7 @@ def run(name: str) -> Result:
 
 
 def do_break() -> Result:
-    why_alone = watchdog.request_job_break()
-    if why_alone is None:
-        return True, "the job parks at a step boundary every rank agrees on"
-    events.request_break()
-    if job.Place.from_env().distributed:
-        announce(f"break: this rank parks alone; the job was not paused ({why_alone})")
-        return True, f"will park at the next step boundary; the job was not paused ({why_alone})"
-    return True, "will park at the next step boundary"
+    return True, watchdog.request_break()
 
 
 def do_resume() -> Result:

@@ -13,7 +13,6 @@ never import it.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -112,17 +111,22 @@ def _contained(what: str, fn: Callable[..., Any], *args: Any) -> Any:
         return None
 
 
-_break = threading.Event()
+# A plain flag, not a threading.Event: pending_break() runs right after a park at the same
+# boundary, and a debugger stepping there would stop in threading.py's is_set().
+_break_requested = False
+BREAK_HEADER = "break requested through the broker"  # the banner of a park it causes
 
 
 def request_break() -> None:
     """What a ``break`` command does: the next step boundary parks."""
-    _break.set()
+    global _break_requested
+    _break_requested = True
 
 
 def pending_break() -> bool:
     """True once after a ``break`` was requested (then cleared). Costs one flag check."""
-    if not _break.is_set():
+    global _break_requested
+    if not _break_requested:
         return False
-    _break.clear()
+    _break_requested = False
     return True

@@ -120,13 +120,18 @@ class Watchdog:
     def wake(self) -> None:
         self._wake.set()
 
-    def at_boundary(self, frame: FrameType) -> None:
-        """Training thread, after the beat: park for a job break, or wait for a parked peer."""
+    def at_boundary(self, frame: FrameType, *, hold: bool = False) -> None:
+        """Training thread, after the beat: park for a job break (``hold``: now, showing
+        ``frame``, for a boundary inside torch), or wait for a parked peer."""
         pause = self.pause
         if pause is None:
             return
         if pause.parks_at(self.step or 0):
-            shim.set_trace(frame=frame, header=f"job-wide break at step {self.step}")
+            header = f"job-wide break at step {self.step}"
+            if hold:
+                shim.hold(frame, header)
+            else:
+                shim.set_trace(frame=frame, header=header)
             return
         pause.wait_at_step(self.step or 0)
 
@@ -179,7 +184,7 @@ class Watchdog:
 
     def _tick_pause(self, pause: job_pause.JobPause) -> None:
         if self.board is None and not self._connect():
-            pause.lost()
+            self._lost(pause)
             return
         assert self.board is not None
         try:
@@ -188,7 +193,15 @@ class Watchdog:
         except Exception as e:  # the store went away: this rank no longer waits for peers
             self.board, self.job_view_missing = None, f"lost the job store ({type(e).__name__})"
             self._next_connect = time.monotonic() + RECONNECT_SECONDS
-            pause.lost()
+            self._lost(pause)
+
+    def _lost(self, pause: job_pause.JobPause) -> None:
+        """No job store: stop waiting for peers; a job break asked for meanwhile parks
+        this rank alone (it was queued before the first connection was tried)."""
+        pause.lost()
+        if pause.break_wanted:
+            pause.break_wanted = False
+            _break_alone(self.job_view_missing or "the job store is not reachable")
 
     def _step_seconds(self) -> float | None:
         if not self.durations:
@@ -396,15 +409,35 @@ def note_park(reason: str, frame: FrameType | None) -> None:
     announce(f"this rank parks alone: the job was not paused ({_why_no_pause()})")
 
 
-def request_job_break() -> str | None:
-    """A broker ``break``: ask every rank to park at one step; why not, when it cannot."""
-    if _active is None or _active.pause is None:
-        return _why_no_pause()
-    if _active.board is None:
-        return _active.job_view_missing or "the job store is not reachable"
-    _active.pause.break_wanted = True
-    _active.wake()
-    return None
+def request_break() -> str:
+    """A broker ``break``: every rank of a job parks at one step it agrees on, or this
+    rank alone at its next step boundary; says which."""
+    if _active is not None and _active.pause is not None:
+        if _active.board is not None or _active.job_view_missing is None:
+            # connected, or the first connection is not tried yet (a break that arrives
+            # as the job starts): the watchdog thread proposes it, or parks this rank
+            # alone if the store turns out unreachable
+            _active.pause.break_wanted = True
+            _active.wake()
+            return "the job parks at a step boundary every rank agrees on"
+        return _break_alone(_active.job_view_missing)
+    if job.Place.from_env().distributed:
+        return _break_alone(_why_no_pause())
+    _arm_break()
+    return "will park at the next step boundary"
+
+
+def _break_alone(why: str) -> str:
+    _arm_break()
+    announce(f"break: this rank parks alone; the job was not paused ({why})")
+    return f"will park at the next step boundary; the job was not paused ({why})"
+
+
+def _arm_break() -> None:
+    """The next step boundary parks: breakpod.step()'s, or a monitor's."""
+    global _armed
+    events.request_break()
+    _armed = True
 
 
 def _why_no_pause() -> str:
@@ -454,12 +487,24 @@ def _stop_at_exit() -> None:
 
 
 def step(number: int | None = None) -> None:
-    """Mark a training step boundary (``breakpod.step()``); one global check when off."""
+    """Mark a training step boundary (``breakpod.step()``); one global check when off.
+    Parks here after a ``break`` command."""
     if _armed:
-        _step(number)
+        frame = sys._getframe(1)
+        _step(number, frame)
+        if events.pending_break():
+            shim.set_trace(frame=frame, header=events.BREAK_HEADER)
 
 
-def _step(number: int | None) -> None:
+def boundary(number: int, frame: FrameType, *, hold: bool = False) -> None:
+    """A monitor's step boundary: as :func:`step`, but the monitor takes a ``break``
+    itself; ``hold`` when it runs inside torch (the optimizer's step pre-hook), where a
+    debugger tracing from the next line would stop in torch's code first."""
+    if _armed:
+        _step(number, frame, hold=hold)
+
+
+def _step(number: int | None, frame: FrameType, *, hold: bool = False) -> None:
     global _armed
     if _active is None:
         _armed = False
@@ -467,7 +512,7 @@ def _step(number: int | None) -> None:
     if _active is not None:
         _active.beat(number)
         if _active.pause is not None:
-            _active.at_boundary(sys._getframe(2))
+            _active.at_boundary(frame, hold=hold)
 
 
 def _start_from_env(env: Mapping[str, str], *, after_first_step: bool = False) -> None:

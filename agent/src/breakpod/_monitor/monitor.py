@@ -427,9 +427,9 @@ class Monitor:
         frame = _user_frame(sys._getframe())
         self._end_step(None, frame)
         self._updated = True
-        watchdog.step(self.step_count)
+        watchdog.boundary(self.step_count, frame, hold=True)
         if events.pending_break():  # `breakpod send ID break`, held before the update
-            shim.hold(frame, header="break requested through the broker")
+            shim.hold(frame, header=events.BREAK_HEADER)
 
     # ------------------------------------------------------------------ hooks (hot path)
     # A forward hook runs for every watched module in every step and a gradient hook for
@@ -650,9 +650,9 @@ class Monitor:
             elif loss is not None:
                 self._late_loss(loss) if self._updated else self.record_loss(loss)
             self._updated = False
-        watchdog.step(self.step_count)
+        watchdog.boundary(self.step_count, frame)
         if events.pending_break():  # `breakpod send ID break`: one flag check per step
-            shim.set_trace(frame=frame, header="break requested through the broker")
+            shim.set_trace(frame=frame, header=events.BREAK_HEADER)
 
     def _handles_steps(self) -> bool:
         return self._optimizer is None

@@ -1,0 +1,102 @@
+"""A ``break`` that reaches a rank before its watchdog first reached the job's store
+(as a job starts) is queued, not dropped: the watchdog proposes the job-wide break once
+connected, or parks this rank alone when the store is unreachable (a real torch store,
+one rank of two in a child process)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from tests.agent.test_job_timeouts import probe
+
+EARLY_BREAK = """
+import datetime, json, os, time
+import torch
+from torch.distributed import TCPStore
+from breakpod._broker import commands
+from breakpod._core import events
+from breakpod._job import watchdog
+store = None
+if os.environ.get("SERVE_STORE"):
+    port = int(os.environ["MASTER_PORT"])
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=5))
+dog = watchdog.watch_stalls(60.0, after_first_step=True)  # as init_process_group starts it
+ok, reply = commands.do_break()  # before the watchdog thread's first tick
+deadline = time.monotonic() + 20
+while dog.pause.break_at is None and dog.job_view_missing is None and time.monotonic() < deadline:
+    time.sleep(0.05)
+proposed = store.get("breakpod/job/0/break").decode() if store is not None else None
+print(json.dumps({
+    "reply": reply, "break_at": dog.pause.break_at, "proposed": proposed,
+    "alone": events.pending_break(), "missing": dog.job_view_missing,
+}))
+dog.stop(wait=10)
+"""
+
+DISTRIBUTED_DEBUG = {"ENABLE_REMOTE_DEBUG": "1", "RANK": "0", "WORLD_SIZE": "2"}
+
+
+def test_a_break_before_the_first_connection_becomes_a_job_wide_break():
+    found = probe(EARLY_BREAK, SERVE_STORE="1", **DISTRIBUTED_DEBUG)
+    assert found["reply"] == "the job parks at a step boundary every rank agrees on"
+    assert found["missing"] is None and found["break_at"] == 1  # no step yet: the next one
+    assert '"step": 1' in str(found["proposed"])
+    assert found["alone"] is False  # no local break besides the job's
+    assert "parks alone" not in str(found["stderr"])
+
+
+def test_a_break_queued_for_an_unreachable_store_parks_this_rank_alone():
+    found = probe(EARLY_BREAK, **DISTRIBUTED_DEBUG)  # nothing listens on MASTER_PORT
+    assert found["break_at"] is None and "cannot reach the job store" in str(found["missing"])
+    assert found["alone"] is True  # the next step boundary parks
+    assert "break: this rank parks alone; the job was not paused (cannot reach" in str(
+        found["stderr"]
+    )
+
+
+MONITORED_JOB_BREAK = """
+    import datetime, os, socket
+    import torch
+    from torch.distributed import TCPStore
+    import breakpod
+    from breakpod._broker import commands
+    from breakpod._job import watchdog
+    from tests.agent.nets import Net, batch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    store = TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=True,
+                     wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
+    watchdog.watch_stalls(60.0, after_first_step=True)
+    commands.do_break()  # the job-wide break lands at the first step boundary
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = breakpod.watch(model, optimizer=optimizer)
+    for step in range(40):
+        x, y = batch(step)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()  # the monitor's boundary
+    print("finished", monitor.step_count)
+"""
+
+
+def test_a_job_wide_break_at_a_monitors_boundary_stops_in_the_training_loop(spawn, pdb_client):
+    """Nothing between the park and the loop's next line may run code the debugger does
+    not skip: the first stop was threading.py's ``Event.is_set`` (the local-break check
+    after the boundary)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+    env = {"PYTHONPATH": root, "MASTER_ADDR": "127.0.0.1", **DISTRIBUTED_DEBUG}
+    child = spawn(MONITORED_JOB_BREAK, env=env)
+    client = pdb_client(child.park_port(timeout=60))
+    banner = client.read_until()
+    assert "job-wide break at step" in banner
+    assert re.search(r"child\d+\.py\(\d+\)<module>\(\)\n-> optimizer.step\(\)", banner), banner
+    assert client.command("p type(step).__name__").strip() == "'int'"
+    client.send("c")
+    client.read_all()
+    assert child.wait(timeout=60) == 0 and "finished 40" in child.stdout()
