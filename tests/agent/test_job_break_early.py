@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import re
 
+import pytest
+
 from tests.agent.test_job_timeouts import probe
 
 EARLY_BREAK = """
@@ -22,8 +24,11 @@ if os.environ.get("SERVE_STORE"):
     port = int(os.environ["MASTER_PORT"])
     store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=5))
+if os.environ.get("BREAK_FIRST"):
+    ok, reply = commands.do_break()  # before the process group started the watchdog
 dog = watchdog.watch_stalls(60.0, after_first_step=True)  # as init_process_group starts it
-ok, reply = commands.do_break()  # before the watchdog thread's first tick
+if not os.environ.get("BREAK_FIRST"):
+    ok, reply = commands.do_break()  # before the watchdog thread's first tick
 deadline = time.monotonic() + 20
 while dog.pause.break_at is None and dog.job_view_missing is None and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -38,9 +43,17 @@ dog.stop(wait=10)
 DISTRIBUTED_DEBUG = {"ENABLE_REMOTE_DEBUG": "1", "RANK": "0", "WORLD_SIZE": "2"}
 
 
-def test_a_break_before_the_first_connection_becomes_a_job_wide_break():
-    found = probe(EARLY_BREAK, SERVE_STORE="1", **DISTRIBUTED_DEBUG)
-    assert found["reply"] == "the job parks at a step boundary every rank agrees on"
+@pytest.mark.parametrize(
+    "when, reply",
+    [
+        ("before the first tick", ""),
+        ("before the watchdog started", ", once its ranks connect"),
+    ],
+)
+def test_a_break_before_the_first_connection_becomes_a_job_wide_break(when: str, reply: str):
+    env = {"BREAK_FIRST": "1"} if reply else {}
+    found = probe(EARLY_BREAK, SERVE_STORE="1", **DISTRIBUTED_DEBUG, **env)
+    assert found["reply"] == f"the job parks at a step boundary every rank agrees on{reply}"
     assert found["missing"] is None and found["break_at"] == 1  # no step yet: the next one
     assert '"step": 1' in str(found["proposed"])
     assert found["alone"] is False  # no local break besides the job's

@@ -89,8 +89,7 @@ class Watchdog:
         self._recovered = False  # set by beat(), taken back to the board by the thread
         self._job_report: dict[str, Any] | None = None  # rank 0: the stall it reported
         self.after_first_step = after_first_step  # no step-silence stall before one step
-        pausing = self.place.distributed and job_timeouts.debug_mode()
-        self.pause = job_pause.JobPause(self.place) if pausing else None
+        self.pause = job_pause.JobPause(self.place) if _pausing(self.place) else None
         self.job_stalled = False  # another rank reported a stall: publish stacks too
         self.exit_at: float | None = None  # a collective timed out: exit then
         self._wake = threading.Event()
@@ -362,6 +361,7 @@ class Watchdog:
 
 _active: Watchdog | None = None
 _armed = True  # the first step() reads the environment, then this is False unless watching
+_queued_break = False  # a job-wide break asked for before this rank's watchdog started
 
 
 def suspend() -> None:
@@ -412,6 +412,11 @@ def note_park(reason: str, frame: FrameType | None) -> None:
 def request_break() -> str:
     """A broker ``break``: every rank of a job parks at one step it agrees on, or this
     rank alone at its next step boundary; says which."""
+    global _queued_break
+    if _active is None and _pausing(job.Place.from_env()):
+        _queued_break = True  # the job is starting: its process group starts the watchdog
+        if _active is None:  # else it started meanwhile, maybe without the flag: as below
+            return "the job parks at a step boundary every rank agrees on, once its ranks connect"
     if _active is not None and _active.pause is not None:
         if _active.board is not None or _active.job_view_missing is None:
             # connected, or the first connection is not tried yet (a break that arrives
@@ -440,6 +445,11 @@ def _arm_break() -> None:
     _armed = True
 
 
+def _pausing(place: job.Place) -> bool:
+    """Whether this rank's watchdog runs the job pause: debug mode, several ranks."""
+    return place.distributed and job_timeouts.debug_mode()
+
+
 def _why_no_pause() -> str:
     if not job_timeouts.debug_mode():
         return f"debug mode is off: {ENV['enabled']}=1 pauses the whole job"
@@ -464,12 +474,16 @@ def watch_stalls(
     after_first_step: bool = False,
 ) -> Watchdog:
     """Start (or replace) the process's stall watchdog."""
-    global _active, _armed
-    if _active is not None:
-        _active.stop()
+    global _active, _armed, _queued_break
+    before = _active
+    if before is not None:
+        before.stop()
     else:
         atexit.register(_stop_at_exit)
     _active = Watchdog(timeout, action, adaptive=adaptive, after_first_step=after_first_step)
+    if _active.pause is not None:  # a break queued before it started, or in the one replaced
+        queued = before is not None and before.pause is not None and before.pause.break_wanted
+        _active.pause.break_wanted, _queued_break = queued or _queued_break, False
     if _active.place.distributed:
         collectives.install()
     _active._thread.start()
