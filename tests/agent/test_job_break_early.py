@@ -13,7 +13,7 @@ import pytest
 from tests.agent.test_job_timeouts import probe
 
 EARLY_BREAK = """
-import datetime, json, os, time
+import datetime, json, os, sys, time
 import torch
 from torch.distributed import TCPStore
 from breakpod._broker import commands
@@ -29,6 +29,7 @@ if os.environ.get("BREAK_FIRST"):
 dog = watchdog.watch_stalls(60.0, after_first_step=True)  # as init_process_group starts it
 if not os.environ.get("BREAK_FIRST"):
     ok, reply = commands.do_break()  # before the watchdog thread's first tick
+watchdog.note_park("breakpoint() at here", sys._getframe())  # published once connected
 deadline = time.monotonic() + 20
 while dog.pause.break_at is None and dog.job_view_missing is None and time.monotonic() < deadline:
     time.sleep(0.05)

@@ -403,7 +403,7 @@ def note_park(reason: str, frame: FrameType | None) -> None:
     where = stall_report.where(stall_report.user_frame(frame))
     if _active is not None and _active.pause is not None:
         _active.pause.park_note = job_pause.note_for(reason, where)
-        if _active.board is None:
+        if _active.board is None and _active.job_view_missing is not None:  # else: not tried
             announce(f"this rank parks alone: the job was not paused ({_active.job_view_missing})")
         return
     announce(f"this rank parks alone: the job was not paused ({_why_no_pause()})")
