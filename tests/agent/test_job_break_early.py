@@ -31,7 +31,7 @@ if not os.environ.get("BREAK_FIRST"):
     ok, reply = commands.do_break()  # before the watchdog thread's first tick
 watchdog.note_park("breakpoint() at here", sys._getframe())  # published once connected
 deadline = time.monotonic() + 20
-while dog.pause.break_at is None and dog.job_view_missing is None and time.monotonic() < deadline:
+while dog.pause.break_at is None and not events._break_requested and time.monotonic() < deadline:
     time.sleep(0.05)
 proposed = store.get("breakpod/job/0/break").decode() if store is not None else None
 print(json.dumps({
@@ -45,14 +45,16 @@ DISTRIBUTED_DEBUG = {"ENABLE_REMOTE_DEBUG": "1", "RANK": "0", "WORLD_SIZE": "2"}
 
 
 @pytest.mark.parametrize(
-    "when, reply",
+    "env, reply",
     [
-        ("before the first tick", ""),
-        ("before the watchdog started", ", once its ranks connect"),
+        ({}, " (this rank alone if it cannot reach the job's store)"),
+        ({"BREAK_FIRST": "1"}, ", once its ranks connect"),
     ],
+    ids=["before-the-first-tick", "before-the-watchdog-started"],
 )
-def test_a_break_before_the_first_connection_becomes_a_job_wide_break(when: str, reply: str):
-    env = {"BREAK_FIRST": "1"} if reply else {}
+def test_a_break_before_the_first_connection_becomes_a_job_wide_break(
+    env: dict[str, str], reply: str
+):
     found = probe(EARLY_BREAK, SERVE_STORE="1", **DISTRIBUTED_DEBUG, **env)
     assert found["reply"] == f"the job parks at a step boundary every rank agrees on{reply}"
     assert found["missing"] is None and found["break_at"] == 1  # no step yet: the next one
@@ -70,15 +72,17 @@ def test_a_break_queued_for_an_unreachable_store_parks_this_rank_alone():
     )
 
 
-MONITORED_JOB_BREAK = """
+JOB_BREAK_AT_A_BOUNDARY = """
     import datetime, os, socket
     import torch
     from torch.distributed import TCPStore
     import breakpod
     from breakpod._broker import commands
+    from breakpod._core import events
     from breakpod._job import watchdog
     from tests.agent.nets import Net, batch
 
+    BOUNDARY = os.environ["BOUNDARY"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
@@ -86,31 +90,45 @@ MONITORED_JOB_BREAK = """
                      wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
     watchdog.watch_stalls(60.0, after_first_step=True)
     commands.do_break()  # the job-wide break lands at the first step boundary
+    events.request_break()  # and a local one (a later `break` after the store was lost)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = breakpod.watch(model, optimizer=optimizer)
+    if BOUNDARY != "breakpod.step()":
+        monitor = breakpod.watch(model, optimizer=optimizer if BOUNDARY == "optimizer" else None)
     for step in range(40):
         x, y = batch(step)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()
         loss.backward()
-        optimizer.step()  # the monitor's boundary
-    print("finished", monitor.step_count)
+        optimizer.step()  # the boundary with optimizer=
+        if BOUNDARY == "monitor.step()":
+            monitor.step()
+        elif BOUNDARY == "breakpod.step()":
+            breakpod.step()
+    print("finished", step)
 """
 
 
-def test_a_job_wide_break_at_a_monitors_boundary_stops_in_the_training_loop(spawn, pdb_client):
+@pytest.mark.parametrize("boundary", ["optimizer", "monitor.step()", "breakpod.step()"])
+def test_a_job_wide_break_parks_once_and_stops_in_the_training_loop(
+    spawn, pdb_client, boundary: str
+):
     """Nothing between the park and the loop's next line may run code the debugger does
-    not skip: the first stop was threading.py's ``Event.is_set`` (the local-break check
-    after the boundary)."""
+    not skip (the first stops were threading.py's ``Event.is_set``, the local-break check
+    after a boundary, and, inside the optimizer's step, torch's ``typing.cast``); a local
+    break pending at the same boundary is served by the same park, not a second one."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
-    env = {"PYTHONPATH": root, "MASTER_ADDR": "127.0.0.1", **DISTRIBUTED_DEBUG}
-    child = spawn(MONITORED_JOB_BREAK, env=env)
+    path = os.pathsep.join([os.path.join(root, "agent", "src"), root])
+    env = {"PYTHONPATH": path, "MASTER_ADDR": "127.0.0.1", "BOUNDARY": boundary}
+    child = spawn(JOB_BREAK_AT_A_BOUNDARY, env={**env, **DISTRIBUTED_DEBUG})
     client = pdb_client(child.park_port(timeout=60))
     banner = client.read_until()
-    assert "job-wide break at step" in banner
-    assert re.search(r"child\d+\.py\(\d+\)<module>\(\)\n-> optimizer.step\(\)", banner), banner
-    assert client.command("p type(step).__name__").strip() == "'int'"
+    assert "job-wide break at step 1" in banner
+    here = r"child\d+\.py\(\d+\)<module>\(\)\n-> "
+    line = "optimizer.step()" if boundary == "optimizer" else "for step in range(40):"
+    assert re.search(here + re.escape(line), banner), banner
+    assert client.command("p step").strip() == "0"
     client.send("c")
     client.read_all()
-    assert child.wait(timeout=60) == 0 and "finished 40" in child.stdout()
+    assert child.wait(timeout=60) == 0 and "finished 39" in child.stdout()
+    assert child.stderr.count("waiting") == 1  # one park

@@ -133,9 +133,9 @@ class JobPause:
     def _follow_break(self, board: job.Board, step: int, speed: float | None) -> None:
         current = board.get(BREAK_KEY)
         if self.break_wanted:
-            self.break_wanted = False
             if current is None or current.get("over"):
                 current = self._propose_break(board, current, step, speed)
+            self.break_wanted = False  # once proposed: a store lost meanwhile parks it alone
         if self.break_done is not None and current and current["id"] == self.break_done:
             if not current.get("over"):
                 current = board.replace(BREAK_KEY, current, {**current, "over": True})

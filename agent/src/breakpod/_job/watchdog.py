@@ -126,6 +126,7 @@ class Watchdog:
         if pause is None:
             return
         if pause.parks_at(self.step or 0):
+            events.pending_break()  # one park serves a local break asked for meanwhile too
             header = f"job-wide break at step {self.step}"
             if hold:
                 shim.hold(frame, header)
@@ -409,6 +410,9 @@ def note_park(reason: str, frame: FrameType | None) -> None:
     announce(f"this rank parks alone: the job was not paused ({_why_no_pause()})")
 
 
+JOB_BREAK = "the job parks at a step boundary every rank agrees on"
+
+
 def request_break() -> str:
     """A broker ``break``: every rank of a job parks at one step it agrees on, or this
     rank alone at its next step boundary; says which."""
@@ -416,7 +420,8 @@ def request_break() -> str:
     if _active is None and _pausing(job.Place.from_env()):
         _queued_break = True  # the job is starting: its process group starts the watchdog
         if _active is None:  # else it started meanwhile, maybe without the flag: as below
-            return "the job parks at a step boundary every rank agrees on, once its ranks connect"
+            return f"{JOB_BREAK}, once its ranks connect"
+        _queued_break = False
     if _active is not None and _active.pause is not None:
         if _active.board is not None or _active.job_view_missing is None:
             # connected, or the first connection is not tried yet (a break that arrives
@@ -424,7 +429,9 @@ def request_break() -> str:
             # alone if the store turns out unreachable
             _active.pause.break_wanted = True
             _active.wake()
-            return "the job parks at a step boundary every rank agrees on"
+            if _active.board is None:
+                return f"{JOB_BREAK} (this rank alone if it cannot reach the job's store)"
+            return JOB_BREAK
         return _break_alone(_active.job_view_missing)
     if job.Place.from_env().distributed:
         return _break_alone(_why_no_pause())
