@@ -3,6 +3,7 @@ behind by a failed start, a stale server on the directory stopped first."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import threading
 import time
@@ -14,6 +15,8 @@ from breakpod_broker.errors import RedisServerError
 from breakpod_broker.redis_server import EmbeddedRedis, find_binary, free_port, repair_aof, serves
 from tests.brokerkit import wait_until
 from tests.chaos.kit import EmbeddedBroker, redis_servers
+from tests.valkey_aof import CASES as REDIS_7_CASES
+from tests.valkey_aof import redis_7_layout, valkey_bin
 
 
 def test_one_server_per_data_directory(tmp_path):
@@ -137,15 +140,18 @@ def test_the_aof_check_cuts_only_a_damaged_end(tmp_path, tail, kept):
     assert aof.read_bytes() == WHOLE + kept
 
 
-def test_a_manifests_broken_line_is_left_to_redis(tmp_path):
-    """The offsets of a manifest's report point into the files it lists: a broken line
-    is not known to be at their end (the 6.2 tool here reads the manifest's path as
-    one file, so an AOF there stands in for it)."""
-    aof = tmp_path / "appendonlydir" / "appendonly.aof.manifest"
-    aof.parent.mkdir()
-    aof.write_bytes(WHOLE + b"*3\r\n$")
-    repair_aof(tmp_path)
-    assert aof.read_bytes() == WHOLE + b"*3\r\n$"
+@pytest.mark.parametrize("case", REDIS_7_CASES)
+def test_a_redis_7_layout_is_repaired_alike(tmp_path, monkeypatch, case):
+    """A manifest's report points into the file that failed: its size comes from the
+    report (a real Valkey 8 layout, checked by that server as redis-check-aof)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").symlink_to(valkey_bin())
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    incr, after = redis_7_layout(tmp_path / "data", case)
+    before = incr.read_bytes()
+    repair_aof(tmp_path / "data")
+    assert incr.read_bytes() == (before if after is None else after)
 
 
 @pytest.mark.parametrize(

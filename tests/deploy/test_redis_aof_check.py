@@ -16,11 +16,13 @@ pytest.importorskip("breakpod_broker")
 from breakpod_broker.redis_server import find_binary
 from tests.deploy.conftest import ROOT, documents, find, render
 from tests.deploy.test_compose_docker import compose_config, needs_compose
+from tests.valkey_aof import CASES as REDIS_7_CASES
+from tests.valkey_aof import redis_7_layout, valkey_bin
 
 WHOLE = b"*3\r\n$3\r\nSET\r\n$1\r\na\r\n$1\r\n1\r\n"
 MULTI = b"*1\r\n$5\r\nMULTI\r\n"
 EXEC = b"*1\r\n$4\r\nEXEC\r\n"
-MANIFEST = "appendonlydir/appendonly.aof.manifest"  # Redis 7 (the 6.2 tool reads one file)
+MANIFEST = "appendonlydir/appendonly.aof.manifest"  # Redis 7's path, read by the 6.2 tool
 SINGLE = "appendonly.aof"  # Redis 6.2
 
 CASES = [
@@ -77,14 +79,19 @@ def run_check(
 ) -> tuple[Path, list[str]]:
     """The AOF after the check ran (``tool``: with redis-check-aof on the PATH), and
     what it printed, the server's "server started" last."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    if tool:
-        (bin_dir / "redis-check-aof").symlink_to(find_binary())
     aof = tmp_path / "data" / layout
     if content is not None:
         aof.parent.mkdir(parents=True)
         aof.write_bytes(content)
+    return aof, run_script(command, tmp_path, Path(find_binary()) if tool else None)
+
+
+def run_script(command: list[str], tmp_path: Path, tool: Path | None) -> list[str]:
+    """What the check printed, run with ``tool`` as redis-check-aof (None: none)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if tool is not None:
+        (bin_dir / "redis-check-aof").symlink_to(tool)
     done = subprocess.run(
         [*command, "echo", "server started"],  # in place of the server and its arguments
         env={"PATH": f"{bin_dir}:/usr/bin:/bin"},
@@ -95,7 +102,7 @@ def run_check(
     )
     said = done.stdout.decode().splitlines()
     assert said[-1] == "server started"
-    return aof, said
+    return said
 
 
 @pytest.mark.parametrize(("layout", "content", "after"), CASES, ids=IDS)
@@ -122,3 +129,18 @@ def test_without_redis_check_aof_the_server_still_starts(tmp_path):
     aof, said = run_check(command, tmp_path, SINGLE, WHOLE + MULTI, tool=False)
     assert said == ["redis-check-aof not found: the AOF was not checked", "server started"]
     assert aof.read_bytes() == WHOLE + MULTI
+
+
+@pytest.mark.parametrize("case", REDIS_7_CASES)
+@pytest.mark.parametrize("deployment", ["chart", pytest.param("compose", marks=needs_compose)])
+def test_a_redis_7_manifests_last_file_is_checked_alike(tmp_path, deployment, case):
+    """The offsets of a manifest's report point into the file that failed; the check
+    reads its size from the report (the chart's image runs Redis 7)."""
+    data = tmp_path / "data"
+    incr, after = redis_7_layout(data, case)
+    before = incr.read_bytes()
+    command = chart_command(data) if deployment == "chart" else compose_command(data)
+    said = run_script(command, tmp_path, valkey_bin())
+    assert any("damaged" in line for line in said) == (case == "damaged-inside"), said
+    assert incr.read_bytes() == (before if after is None else after)
+    assert (data / MANIFEST).is_file()  # the layout the script looks for first

@@ -238,9 +238,7 @@ def repair_aof(data_dir: Path) -> None:
     if found is None or found.returncode == 0:
         return
     report = found.stdout.decode(errors="replace")
-    # a manifest's report points into the files it lists, not into the manifest
-    size = None if target == manifest else target.stat().st_size
-    if not _ends_damaged(report, size):
+    if not _ends_damaged(report):
         log.error("the AOF %s is damaged before its end, left as it is: %s", target, report[-300:])
         return
     fixed = _check_aof(target, fix=True)
@@ -264,10 +262,11 @@ def _check_aof(target: Path, *, fix: bool = False) -> subprocess.CompletedProces
         return None
 
 
-def _ends_damaged(report: str, size: int | None) -> bool:
-    """Does redis-check-aof's ``report`` place the damage at the file's end? A short
-    read happens only there; a broken line counts when it is in the last bytes of the
-    file checked (``size``; None when that is not the file the offsets point into).
+def _ends_damaged(report: str) -> bool:
+    """Does redis-check-aof's ``report`` place the damage at the end of the file it is
+    in? A short read happens only there; a broken line counts when it is in the last
+    bytes of that file: the ``size=`` the report gives for it after the offset (Redis
+    6.2's one file, or the file of a Redis 7 manifest that failed the check).
     The chart's and compose's Redis decide alike (helm/breakpod/files/redis-aof-check.sh)."""
     found = re.search(r"0x\s*([0-9a-fA-F]+): (.*)", report)
     if found is None:
@@ -275,9 +274,10 @@ def _ends_damaged(report: str, size: int | None) -> bool:
     at, what = int(found.group(1), 16), found.group(2)
     if what.startswith(("Reached EOF before reading EXEC", "Expected to read")):
         return True
+    size = re.search(r"^AOF analyzed: .*\bsize=(\d+),", report[found.end() :], re.MULTILINE)
     # (at 0 the file is no AOF at all: a Redis 7 manifest read by an older tool)
     broken_line = what.startswith(("Expected \\r\\n", "Expected prefix"))
-    return broken_line and size is not None and at > 0 and 0 <= size - at <= 64
+    return broken_line and size is not None and at > 0 and 0 <= int(size.group(1)) - at <= 64
 
 
 def stop_stale(pidfile: Path, data_dir: Path, timeout: float = 10.0) -> None:

