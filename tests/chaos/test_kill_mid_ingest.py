@@ -6,6 +6,7 @@ answers 5xx. ``CHAOS_ROUNDS`` kills per test (``make chaos``: 20)."""
 from __future__ import annotations
 
 import collections
+import os
 import time
 
 import pytest
@@ -22,6 +23,7 @@ from tests.chaos.kit import (
     server_errors_after,
     stored_ids,
 )
+from tests.valkey_aof import valkey_bin
 
 LIMIT = pytest.mark.timeout(90 + 30 * ROUNDS)
 
@@ -49,7 +51,15 @@ def _ingest_through(broker_url: str, fault, rounds: int = ROUNDS) -> Ingester:
 
 
 @LIMIT
-def test_embedded_redis_killed_mid_ingest_is_restarted_and_loses_nothing(tmp_path):
+@pytest.mark.parametrize("server", ["redis-6.2", "valkey-8"])
+def test_embedded_redis_killed_mid_ingest_is_restarted_and_loses_nothing(
+    tmp_path, monkeypatch, server
+):
+    """Redis 6.2 keeps one AOF file; Valkey 8 (as Redis 7) a manifest and its files."""
+    if server == "valkey-8":  # the broker runs the first redis-server on its PATH
+        (tmp_path / "bin").mkdir()
+        (tmp_path / "bin" / "redis-server").symlink_to(valkey_bin())
+        monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
     broker = EmbeddedBroker(tmp_path / "data", tmp_path / "broker.log").start()
     try:
 
@@ -65,6 +75,8 @@ def test_embedded_redis_killed_mid_ingest_is_restarted_and_loses_nothing(tmp_pat
     finally:
         broker.stop()
     assert wait_until(lambda: not redis_servers(tmp_path / "data"), timeout=15) is not None
+    manifests = list((tmp_path / "data").rglob("appendonly.aof.manifest"))
+    assert bool(manifests) == (server == "valkey-8")
 
 
 @LIMIT
