@@ -3,7 +3,6 @@ behind by a failed start, a stale server on the directory stopped first."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 import time
@@ -16,7 +15,12 @@ from breakpod_broker.redis_server import EmbeddedRedis, find_binary, free_port, 
 from tests.brokerkit import wait_until
 from tests.chaos.kit import EmbeddedBroker, redis_servers
 from tests.valkey_aof import CASES as REDIS_7_CASES
-from tests.valkey_aof import redis_7_layout, valkey_bin
+from tests.valkey_aof import (
+    DAMAGED_INSIDE,
+    cut_in_a_transaction,
+    redis_7_layout,
+    valkey_as_redis_server,
+)
 
 
 def test_one_server_per_data_directory(tmp_path):
@@ -141,17 +145,30 @@ def test_the_aof_check_cuts_only_a_damaged_end(tmp_path, tail, kept):
 
 
 @pytest.mark.parametrize("case", REDIS_7_CASES)
-def test_a_redis_7_layout_is_repaired_alike(tmp_path, monkeypatch, case):
+def test_a_redis_7_layout_is_repaired_alike(tmp_path, monkeypatch, caplog, case):
     """A manifest's report points into the file that failed: its size comes from the
     report (a real Valkey 8 layout, checked by that server as redis-check-aof)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    (bin_dir / "redis-server").symlink_to(valkey_bin())
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    valkey_as_redis_server(tmp_path / "bin", monkeypatch)
     incr, after = redis_7_layout(tmp_path / "data", case)
     before = incr.read_bytes()
     repair_aof(tmp_path / "data")
     assert incr.read_bytes() == (before if after is None else after)
+    assert ("damaged" in caplog.text) == (case in DAMAGED_INSIDE), caplog.text
+
+
+def test_a_damaged_end_of_a_manifests_earlier_file_is_reported(tmp_path, monkeypatch, caplog):
+    """Only a manifest's last file can be cut back (redis-check-aof refuses the others,
+    and Redis then refuses to start): the log says so."""
+    valkey_as_redis_server(tmp_path / "bin", monkeypatch)
+    incr, _ = cut_in_a_transaction(tmp_path / "data", into_last_command=True)
+    later = incr.with_name("appendonly.aof.2.incr.aof")
+    later.write_bytes(WHOLE)
+    manifest = incr.with_name("appendonly.aof.manifest")
+    manifest.write_text(manifest.read_text() + f"file {later.name} seq 2 type i\n")
+    before = incr.read_bytes()
+    repair_aof(tmp_path / "data")
+    assert incr.read_bytes() == before and later.read_bytes() == WHOLE
+    assert "damaged and could not be cut back" in caplog.text, caplog.text
 
 
 @pytest.mark.parametrize(

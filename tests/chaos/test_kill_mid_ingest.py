@@ -6,7 +6,6 @@ answers 5xx. ``CHAOS_ROUNDS`` kills per test (``make chaos``: 20)."""
 from __future__ import annotations
 
 import collections
-import os
 import time
 
 import pytest
@@ -23,7 +22,7 @@ from tests.chaos.kit import (
     server_errors_after,
     stored_ids,
 )
-from tests.valkey_aof import valkey_bin
+from tests.valkey_aof import valkey_as_redis_server
 
 LIMIT = pytest.mark.timeout(90 + 30 * ROUNDS)
 
@@ -56,10 +55,8 @@ def test_embedded_redis_killed_mid_ingest_is_restarted_and_loses_nothing(
     tmp_path, monkeypatch, server
 ):
     """Redis 6.2 keeps one AOF file; Valkey 8 (as Redis 7) a manifest and its files."""
-    if server == "valkey-8":  # the broker runs the first redis-server on its PATH
-        (tmp_path / "bin").mkdir()
-        (tmp_path / "bin" / "redis-server").symlink_to(valkey_bin())
-        monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    if server == "valkey-8":
+        valkey_as_redis_server(tmp_path / "bin", monkeypatch)
     broker = EmbeddedBroker(tmp_path / "data", tmp_path / "broker.log").start()
     try:
 

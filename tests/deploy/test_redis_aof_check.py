@@ -17,7 +17,7 @@ from breakpod_broker.redis_server import find_binary
 from tests.deploy.conftest import ROOT, documents, find, render
 from tests.deploy.test_compose_docker import compose_config, needs_compose
 from tests.valkey_aof import CASES as REDIS_7_CASES
-from tests.valkey_aof import redis_7_layout, valkey_bin
+from tests.valkey_aof import DAMAGED_INSIDE, redis_7_layout, valkey_bin
 
 WHOLE = b"*3\r\n$3\r\nSET\r\n$1\r\na\r\n$1\r\n1\r\n"
 MULTI = b"*1\r\n$5\r\nMULTI\r\n"
@@ -141,6 +141,6 @@ def test_a_redis_7_manifests_last_file_is_checked_alike(tmp_path, deployment, ca
     before = incr.read_bytes()
     command = chart_command(data) if deployment == "chart" else compose_command(data)
     said = run_script(command, tmp_path, valkey_bin())
-    assert any("damaged" in line for line in said) == (case == "damaged-inside"), said
+    assert any("damaged" in line for line in said) == (case in DAMAGED_INSIDE), said
     assert incr.read_bytes() == (before if after is None else after)
     assert (data / MANIFEST).is_file()  # the layout the script looks for first

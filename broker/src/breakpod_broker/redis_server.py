@@ -244,6 +244,9 @@ def repair_aof(data_dir: Path) -> None:
     fixed = _check_aof(target, fix=True)
     if fixed is not None and b"Successfully truncated" in fixed.stdout:
         log.warning("the AOF %s ended inside a command or a transaction: cut back", target)
+    elif fixed is not None:  # e.g. a Redis 7 manifest's damaged file is not its last
+        said = fixed.stdout.decode(errors="replace")[-300:]
+        log.error("the AOF %s is damaged and could not be cut back: %s", target, said)
 
 
 def _check_aof(target: Path, *, fix: bool = False) -> subprocess.CompletedProcess[bytes] | None:

@@ -17,7 +17,8 @@ ends_damaged() {  # $1: redis-check-aof's report
   # the file of a Redis 7 manifest that failed), given after it.
   at=$(printf '%s\n' "$1" | sed -n 's/^0x *\([0-9a-fA-F][0-9a-fA-F]*\):.*/\1/p' | head -n 1)
   size=$(printf '%s\n' "$1" | sed -n '/^0x/,$ s/^AOF analyzed: .*size=\([0-9][0-9]*\),.*/\1/p' | head -n 1)
-  [ -n "$at" ] && [ -n "$size" ] && [ $((0x$at)) -gt 0 ] && [ $((size - 0x$at)) -le 64 ]
+  [ -n "$at" ] && [ -n "$size" ] && [ $((0x$at)) -gt 0 ] &&
+    [ $((size - 0x$at)) -ge 0 ] && [ $((size - 0x$at)) -le 64 ]
 }
 
 for aof in /data/appendonlydir/appendonly.aof.manifest /data/appendonly.aof; do
