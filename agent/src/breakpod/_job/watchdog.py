@@ -422,17 +422,18 @@ def request_break() -> str:
         if _active is None:  # else it started meanwhile, maybe without the flag: as below
             return f"{JOB_BREAK}, once its ranks connect"
         _queued_break = False
-    if _active is not None and _active.pause is not None:
-        if _active.board is not None or _active.job_view_missing is None:
+    active = _active
+    if active is not None and active.pause is not None:
+        if active.board is not None or active.job_view_missing is None:
             # connected, or the first connection is not tried yet (a break that arrives
             # as the job starts): the watchdog thread proposes it, or parks this rank
             # alone if the store turns out unreachable
-            _active.pause.break_wanted = True
-            _active.wake()
-            if _active.board is None:
+            active.pause.break_wanted = True
+            active.wake()
+            if active.board is None:
                 return f"{JOB_BREAK} (this rank alone if it cannot reach the job's store)"
             return JOB_BREAK
-        return _break_alone(_active.job_view_missing)
+        return _break_alone(active.job_view_missing)
     if job.Place.from_env().distributed:
         return _break_alone(_why_no_pause())
     _arm_break()
