@@ -51,6 +51,25 @@ def test_a_bad_stall_after_is_one_line_naming_the_variable_and_the_job_runs_on(s
     )
 
 
+def test_a_break_re_arms_step_without_reading_the_environment_again(spawn):
+    """``breakpod.step()`` parks after a ``break`` though stall detection is off; the
+    bad setting is announced once, not again at each break."""
+    child = spawn(
+        """
+        import breakpod
+        from breakpod._broker import commands
+        for _ in range(3):
+            commands.do_break()
+            breakpod.step()  # parks; nobody attaches within the hold time
+            breakpod.step()
+        """,
+        env={"BREAKPOD_STALL_AFTER": "abc", "BREAKPOD_HOLD_SECONDS": "0.2"},
+    )
+    assert child.wait(timeout=60) == 0, child.stderr
+    assert child.stderr.count("stall detection is off") == 1, child.stderr
+    assert child.stderr.count("break requested through the broker") == 3, child.stderr
+
+
 def test_disabled_means_no_thread_and_no_hooks(spawn):
     child = spawn(
         """

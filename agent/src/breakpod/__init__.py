@@ -8,7 +8,7 @@ neither torch nor debugpy, and each name below is imported on first use.
     breakpod.install_excepthook()          # post-mortem on crashes (BREAKPOD_POST_MORTEM=1)
     monitor = breakpod.watch(model)        # tensor monitors: NaN/Inf, shapes, grads, dead units
     breakpod.step()                        # a step boundary: stall detection, a `break` parks here
-    breakpod.break_if_requested()          # park after a `break` only (no stall detection)
+    breakpod.break_if_requested()          # park after a `break` (no stall detection)
     breakpod.emit("log", message="...")    # an event for the broker (when one is configured)
     breakpod.export.tensorboard("runs/x")  # the monitors' stats in TensorBoard (or .mlflow())
     with breakpod.phase("forward"): ...    # the training health toolkit: breakpod.health

@@ -54,9 +54,12 @@ def _wait_for_client(endpoint: Endpoint, settings: Settings, frame: FrameType) -
 def break_if_requested(frame: FrameType | None = None) -> None:
     """Call at a step boundary of your own loop: after a ``break`` command
     (``breakpod send SESSION break``) it parks in ``frame`` (default: the caller).
-    Costs one flag check otherwise; ``breakpod.watch()`` monitors call it for you."""
+    In a job that pauses as one (debug mode, several ranks) it is a step boundary as
+    ``breakpod.step()``'s, where a job-wide break parks: call one of the two. Costs
+    a few lookups otherwise; ``breakpod.watch()`` monitors do the same for you."""
+    frame = frame if frame is not None else sys._getframe(1)
+    watchdog = sys.modules.get("breakpod._job.watchdog")  # loaded wherever a watchdog runs
+    if watchdog is not None:
+        watchdog.join_job_break(frame)
     if events.pending_break():
-        shim.set_trace(
-            frame=frame if frame is not None else sys._getframe(1),
-            header=events.BREAK_HEADER,
-        )
+        shim.set_trace(frame=frame, header=events.BREAK_HEADER)

@@ -85,6 +85,7 @@ class Watchdog:
         self.place = job.Place.from_env()
         self.board: job.Board | None = None
         self.job_view_missing: str | None = None
+        self.park_unsaid = False  # parked before the store was tried: say "alone" if lost
         self._stalled = False
         self._recovered = False  # set by beat(), taken back to the board by the thread
         self._job_report: dict[str, Any] | None = None  # rank 0: the stall it reported
@@ -197,7 +198,12 @@ class Watchdog:
 
     def _lost(self, pause: job_pause.JobPause) -> None:
         """No job store: stop waiting for peers; a job break asked for meanwhile parks
-        this rank alone (it was queued before the first connection was tried)."""
+        this rank alone (it was queued before the first connection was tried), and a
+        park that began before that try says now that the job was not paused."""
+        if self.park_unsaid and holding.is_held():
+            why = self.job_view_missing or "the job store is not reachable"
+            announce(f"this rank parks alone: the job was not paused ({why})")
+        self.park_unsaid = False
         pause.lost()
         if pause.break_wanted:
             pause.break_wanted = False
@@ -283,7 +289,10 @@ class Watchdog:
             return False
         self._next_connect = time.monotonic() + RECONNECT_SECONDS
         self.board, self.job_view_missing = job.connect(self.place)
-        return self.board is not None
+        if self.board is None:
+            return False
+        self.park_unsaid = False  # the park is published at this tick
+        return True
 
     def _record(self, silent: float, *, stacks: bool) -> dict[str, Any]:
         main = sys._current_frames().get(threading.main_thread().ident or -1)
@@ -363,6 +372,7 @@ class Watchdog:
 _active: Watchdog | None = None
 _armed = True  # the first step() reads the environment, then this is False unless watching
 _queued_break = False  # a job-wide break asked for before this rank's watchdog started
+_env_read = False  # the first step() read the environment (a `break` re-arms, not re-reads)
 
 
 def suspend() -> None:
@@ -404,7 +414,9 @@ def note_park(reason: str, frame: FrameType | None) -> None:
     where = stall_report.where(stall_report.user_frame(frame))
     if _active is not None and _active.pause is not None:
         _active.pause.park_note = job_pause.note_for(reason, where)
-        if _active.board is None and _active.job_view_missing is not None:  # else: not tried
+        if _active.board is None and _active.job_view_missing is None:  # not tried yet
+            _active.park_unsaid = True
+        elif _active.board is None:
             announce(f"this rank parks alone: the job was not paused ({_active.job_view_missing})")
         return
     announce(f"this rank parks alone: the job was not paused ({_why_no_pause()})")
@@ -526,11 +538,22 @@ def boundary(number: int, frame: FrameType, *, hold: bool = False) -> None:
         _step(number, frame, hold=hold)
 
 
+def join_job_break(frame: FrameType) -> None:
+    """``break_if_requested()`` in a job that pauses as one: a step boundary as
+    :func:`step`'s, where a job-wide break parks (a loop that calls only
+    ``break_if_requested()`` would never reach one)."""
+    active = _active
+    if active is not None and active.pause is not None:
+        _step(None, frame)
+
+
 def _step(number: int | None, frame: FrameType, *, hold: bool = False) -> None:
-    global _armed
+    global _armed, _env_read
     if _active is None:
         _armed = False
-        _start_from_env(os.environ)
+        if not _env_read:
+            _env_read = True
+            _start_from_env(os.environ)
     if _active is not None:
         _active.beat(number)
         if _active.pause is not None:
