@@ -11,7 +11,6 @@ import sys
 from types import FrameType
 
 from breakpod import protocol
-from breakpod._core import events
 from breakpod._core.announce import announce
 from breakpod._core.config import Settings, format_seconds
 from breakpod._debug import debugger, shim
@@ -61,5 +60,4 @@ def break_if_requested(frame: FrameType | None = None) -> None:
     watchdog = sys.modules.get("breakpod._job.watchdog")  # loaded wherever a watchdog runs
     if watchdog is not None:
         watchdog.join_job_break(frame)
-    if events.pending_break():
-        shim.set_trace(frame=frame, header=events.BREAK_HEADER)
+    shim.take_break(frame)

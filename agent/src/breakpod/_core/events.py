@@ -114,7 +114,6 @@ def _contained(what: str, fn: Callable[..., Any], *args: Any) -> Any:
 # A plain flag, not a threading.Event: pending_break() runs right after a park at the same
 # boundary, and a debugger stepping there would stop in threading.py's is_set().
 _break_requested = False
-BREAK_HEADER = "break requested through the broker"  # the banner of a park it causes
 
 
 def request_break() -> None:

@@ -120,19 +120,15 @@ class Watchdog:
     def wake(self) -> None:
         self._wake.set()
 
-    def at_boundary(self, frame: FrameType, *, hold: bool = False) -> None:
-        """Training thread, after the beat: park for a job break (``hold``: now, showing
-        ``frame``, for a boundary inside torch), or wait for a parked peer."""
+    def at_boundary(self, frame: FrameType, *, now: bool = False) -> None:
+        """Training thread, after the beat: park for a job break (see
+        :func:`shim.park_at_step` for ``now``), or wait for a parked peer."""
         pause = self.pause
         if pause is None:
             return
         if pause.parks_at(self.step or 0):
             events.pending_break()  # one park serves a local break asked for meanwhile too
-            header = f"job-wide break at step {self.step}"
-            if hold:
-                shim.hold(frame, header)
-            else:
-                shim.set_trace(frame=frame, header=header)
+            shim.park_at_step(frame, f"job-wide break at step {self.step}", now=now)
             return
         pause.wait_at_step(self.step or 0)
 
@@ -429,7 +425,8 @@ def request_break() -> str:
     """A broker ``break``: every rank of a job parks at one step it agrees on, or this
     rank alone at its next step boundary; says which."""
     global _queued_break
-    if _active is None and _pausing(job.Place.from_env()):
+    place = job.Place.from_env()
+    if _active is None and _pausing(place):
         _queued_break = True  # the job is starting: its process group starts the watchdog
         if _active is None:  # else it started meanwhile, maybe without the flag: as below
             return f"{JOB_BREAK}, once its ranks connect"
@@ -446,7 +443,7 @@ def request_break() -> str:
                 return f"{JOB_BREAK} (this rank alone if it cannot reach the job's store)"
             return JOB_BREAK
         return _break_alone(active.job_view_missing)
-    if job.Place.from_env().distributed:
+    if place.distributed:
         return _break_alone(_why_no_pause())
     _arm_break()
     return "will park at the next step boundary"
@@ -502,8 +499,9 @@ def watch_stalls(
         atexit.register(_stop_at_exit)
     _active = Watchdog(timeout, action, adaptive=adaptive, after_first_step=after_first_step)
     if _active.pause is not None:  # a break queued before it started, or in the one replaced
-        queued = before is not None and before.pause is not None and before.pause.break_wanted
-        _active.pause.break_wanted, _queued_break = queued or _queued_break, False
+        replaced = before is not None and before.pause is not None and before.pause.break_wanted
+        _active.pause.break_wanted = replaced or _queued_break
+    _queued_break = False
     if _active.place.distributed:
         collectives.install()
     _active._thread.start()
@@ -526,16 +524,14 @@ def step(number: int | None = None) -> None:
     if _armed:
         frame = sys._getframe(1)
         _step(number, frame)
-        if events.pending_break():
-            shim.set_trace(frame=frame, header=events.BREAK_HEADER)
+        shim.take_break(frame)
 
 
-def boundary(number: int, frame: FrameType, *, hold: bool = False) -> None:
+def boundary(number: int, frame: FrameType, *, now: bool = False) -> None:
     """A monitor's step boundary: as :func:`step`, but the monitor takes a ``break``
-    itself; ``hold`` when it runs inside torch (the optimizer's step pre-hook), where a
-    debugger tracing from the next line would stop in torch's code first."""
+    itself (``now``: see :func:`shim.park_at_step`)."""
     if _armed:
-        _step(number, frame, hold=hold)
+        _step(number, frame, now=now)
 
 
 def join_job_break(frame: FrameType) -> None:
@@ -547,7 +543,7 @@ def join_job_break(frame: FrameType) -> None:
         _step(None, frame)
 
 
-def _step(number: int | None, frame: FrameType, *, hold: bool = False) -> None:
+def _step(number: int | None, frame: FrameType, *, now: bool = False) -> None:
     global _armed, _env_read
     if _active is None:
         _armed = False
@@ -557,7 +553,7 @@ def _step(number: int | None, frame: FrameType, *, hold: bool = False) -> None:
     if _active is not None:
         _active.beat(number)
         if _active.pause is not None:
-            _active.at_boundary(frame, hold=hold)
+            _active.at_boundary(frame, now=now)
 
 
 def _start_from_env(env: Mapping[str, str], *, after_first_step: bool = False) -> None:

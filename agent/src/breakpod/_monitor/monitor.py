@@ -427,9 +427,8 @@ class Monitor:
         frame = _user_frame(sys._getframe())
         self._end_step(None, frame)
         self._updated = True
-        watchdog.boundary(self.step_count, frame, hold=True)
-        if events.pending_break():  # `breakpod send ID break`, held before the update
-            shim.hold(frame, header=events.BREAK_HEADER)
+        watchdog.boundary(self.step_count, frame, now=True)
+        shim.take_break(frame, now=True)  # `breakpod send ID break`: before the update
 
     # ------------------------------------------------------------------ hooks (hot path)
     # A forward hook runs for every watched module in every step and a gradient hook for
@@ -651,8 +650,7 @@ class Monitor:
                 self._late_loss(loss) if self._updated else self.record_loss(loss)
             self._updated = False
         watchdog.boundary(self.step_count, frame)
-        if events.pending_break():  # `breakpod send ID break`: one flag check per step
-            shim.set_trace(frame=frame, header=events.BREAK_HEADER)
+        shim.take_break(frame)  # `breakpod send ID break`: one flag check per step
 
     def _handles_steps(self) -> bool:
         return self._optimizer is None
