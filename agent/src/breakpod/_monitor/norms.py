@@ -68,7 +68,7 @@ class NormPlan:
                 try:
                     out += self._planned(group, tensors)
                 except (TypeError, RuntimeError, NotImplementedError):  # not as planned
-                    out += self._by_device(group.positions, tensors)
+                    out += self._unplanned(group.positions, tensors)
         return out
 
     def _planned(self, group: _Group, tensors: Sequence[Any]) -> list[tuple[Any, list[int], Any]]:
@@ -84,17 +84,14 @@ class NormPlan:
             keys = [self._keys[i] for got, _ in results for i in got]
         return [(group.device, keys, torch.cat(values) if len(values) > 1 else values[0])]
 
-    def _by_device(
+    def _unplanned(
         self, positions: list[int], tensors: Sequence[Any]
     ) -> list[tuple[Any, list[int], Any]]:
         """The unplanned way: the tensors grouped by device now, a fused norm each group."""
-        groups: dict[Any, list[int]] = {}
-        for i in positions:
-            if tensors[i] is not None:
-                groups.setdefault(tensors[i].device, []).append(i)
+        present = [i for i in positions if tensors[i] is not None]
         return [
             (device, [self._keys[i] for i in got], _norm_each([tensors[i] for i in got]))
-            for device, got in groups.items()
+            for device, got in _by_device(tensors, present).items()
         ]
 
     def _moved(self) -> bool:
@@ -110,12 +107,16 @@ class NormPlan:
         return False
 
 
+def _by_device(tensors: Sequence[Any], positions: Sequence[int]) -> dict[Any, list[int]]:
+    groups: dict[Any, list[int]] = {}
+    for i in positions:
+        groups.setdefault(tensors[i].device, []).append(i)
+    return groups
+
+
 def _plan(like: list[Any], keys: list[int]) -> tuple[_Group, ...]:
-    by_device: dict[Any, list[int]] = {}
-    for i, t in enumerate(like):
-        by_device.setdefault(t.device, []).append(i)
     groups = []
-    for device, on_device in by_device.items():
+    for device, on_device in _by_device(like, range(len(like))).items():
         narrow = tuple(i for i in on_device if _narrow(like[i]))
         wide = tuple(i for i in on_device if not _narrow(like[i]))
         parts = _cpu_parts(like, narrow) if device.type == "cpu" else (_Part(narrow),)
