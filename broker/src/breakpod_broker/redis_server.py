@@ -271,7 +271,7 @@ def _ends_damaged(report: str) -> bool:
     bytes of that file: the ``size=`` the report gives for it after the offset (Redis
     6.2's one file, or the file of a Redis 7 manifest that failed the check).
     The chart's and compose's Redis decide alike (helm/breakpod/files/redis-aof-check.sh)."""
-    found = re.search(r"0x\s*([0-9a-fA-F]+): (.*)", report)
+    found = re.search(r"^0x\s*([0-9a-fA-F]+): (.*)", report, re.MULTILINE)
     if found is None:
         return False
     at, what = int(found.group(1), 16), found.group(2)
