@@ -9,6 +9,7 @@ import importlib.util
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,11 @@ def write_aof(data: Path, script: str) -> Path:
     return data / INCR
 
 
+def resp(*words: str) -> bytes:
+    """One command as the AOF stores it (RESP)."""
+    return f"*{len(words)}\r\n".encode() + b"".join(f"${len(w)}\r\n{w}\r\n".encode() for w in words)
+
+
 WRITES = "SET k1 v1\nSET k2 v2\nSET k3 v3\n"
 TRANSACTION = "MULTI\nSET a 1\nSET b 2\nEXEC\n"
 
@@ -82,30 +88,8 @@ def orphan_multi_inside(data: Path) -> Path:
     incr = write_aof(data, WRITES + TRANSACTION + WRITES)
     whole = incr.read_bytes()
     at = whole.index(b"*3\r\n$3\r\nSET\r\n$2\r\nk2")
-    incr.write_bytes(whole[:at] + b"*1\r\n$5\r\nMULTI\r\n" + whole[at:])
+    incr.write_bytes(whole[:at] + resp("MULTI") + whole[at:])
     return incr
-
-
-def redis_7_layout(data: Path, case: str) -> tuple[Path, bytes | None]:
-    """A real Redis 7 layout AOF (Valkey 8's), damaged as ``case`` says: its incr file,
-    and what the check leaves in it (None: the file as it is)."""
-    if case == "valid":
-        return write_aof(data, "SET a 1\nMULTI\nSET b 2\nEXEC\n"), None
-    if case == "damaged-inside":
-        return orphan_multi_inside(data), None
-    if case == "header-line-further-in":
-        return broken_line_further_in(data), None
-    return cut_in_a_transaction(data, into_last_command=case == "header-line-in-a-transaction")
-
-
-CASES = [
-    "header-line-in-a-transaction",
-    "ends-in-a-transaction",
-    "valid",
-    "damaged-inside",
-    "header-line-further-in",
-]
-DAMAGED_INSIDE = ("damaged-inside", "header-line-further-in")  # reported, left to Redis
 
 
 def broken_line_further_in(data: Path) -> Path:
@@ -117,3 +101,15 @@ def broken_line_further_in(data: Path) -> Path:
     at = whole.index(b"$2\r\nk2")
     incr.write_bytes(whole[:at] + b"$2x\r\nk2" + whole[at + 6 :])
     return incr
+
+
+Layout = Callable[[Path], tuple[Path, bytes | None]]
+# case: (make it in a data dir -> (its incr file, what the check leaves there, None: the
+# file as it was), whether the check reports damage it leaves to Redis)
+REDIS_7_CASES: dict[str, tuple[Layout, bool]] = {
+    "header-line-in-a-transaction": (lambda d: cut_in_a_transaction(d, True), False),
+    "ends-in-a-transaction": (lambda d: cut_in_a_transaction(d, False), False),
+    "valid": (lambda d: (write_aof(d, WRITES + TRANSACTION), None), False),
+    "damaged-inside": (lambda d: (orphan_multi_inside(d), None), True),
+    "header-line-further-in": (lambda d: (broken_line_further_in(d), None), True),
+}

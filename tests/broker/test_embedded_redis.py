@@ -14,13 +14,7 @@ from breakpod_broker.errors import RedisServerError
 from breakpod_broker.redis_server import EmbeddedRedis, find_binary, free_port, repair_aof, serves
 from tests.brokerkit import wait_until
 from tests.chaos.kit import EmbeddedBroker, redis_servers
-from tests.valkey_aof import CASES as REDIS_7_CASES
-from tests.valkey_aof import (
-    DAMAGED_INSIDE,
-    cut_in_a_transaction,
-    redis_7_layout,
-    valkey_as_redis_server,
-)
+from tests.valkey_aof import REDIS_7_CASES, cut_in_a_transaction, resp, valkey_as_redis_server
 
 
 def test_one_server_per_data_directory(tmp_path):
@@ -91,10 +85,6 @@ def test_a_second_broker_on_one_data_directory_refuses_clearly(tmp_path):
     assert not redis_servers(tmp_path / "data")
 
 
-def _resp(*words: str) -> bytes:
-    return f"*{len(words)}\r\n".encode() + b"".join(f"${len(w)}\r\n{w}\r\n".encode() for w in words)
-
-
 @pytest.mark.timeout(60)
 def test_a_transaction_cut_by_a_kill_is_never_replayed(tmp_path):
     """A kill in the middle of writing a script's MULTI/EXEC block to the AOF: the
@@ -106,7 +96,7 @@ def test_a_transaction_cut_by_a_kill_is_never_replayed(tmp_path):
         redis.Redis.from_url(server.url).set("before", "1")
     aof = tmp_path / "appendonly.aof"
     with aof.open("ab") as f:  # the kill came while the block was being written
-        f.write(_resp("MULTI") + _resp("SET", "half", "1") + _resp("SET", "x", "y")[:-6])
+        f.write(resp("MULTI") + resp("SET", "half", "1") + resp("SET", "x", "y")[:-6])
     with EmbeddedRedis(tmp_path) as server:
         client = redis.Redis.from_url(server.url)
         assert client.get("half") is None
@@ -125,14 +115,14 @@ def _answers(client) -> bool:
         return False
 
 
-WHOLE = _resp("SET", "a", "1")
+WHOLE = resp("SET", "a", "1")
 
 
 @pytest.mark.parametrize(
     ("tail", "kept"),
     [
-        (_resp("MULTI") + WHOLE, b""),  # stops inside a transaction
-        (_resp("MULTI") + WHOLE + _resp("SET", "b", "2")[:-3], b""),  # ...inside its command
+        (resp("MULTI") + WHOLE, b""),  # stops inside a transaction
+        (resp("MULTI") + WHOLE + resp("SET", "b", "2")[:-3], b""),  # ...inside its command
         (b"*3\r\n$", b""),  # stops inside a command's header
     ],
     ids=["in-multi", "in-multi-command", "in-header"],
@@ -149,11 +139,12 @@ def test_a_redis_7_layout_is_repaired_alike(tmp_path, monkeypatch, caplog, case)
     """A manifest's report points into the file that failed: its size comes from the
     report (a real Valkey 8 layout, checked by that server as redis-check-aof)."""
     valkey_as_redis_server(tmp_path / "bin", monkeypatch)
-    incr, after = redis_7_layout(tmp_path / "data", case)
+    make, reported = REDIS_7_CASES[case]
+    incr, after = make(tmp_path / "data")
     before = incr.read_bytes()
     repair_aof(tmp_path / "data")
     assert incr.read_bytes() == (before if after is None else after)
-    assert ("damaged" in caplog.text) == (case in DAMAGED_INSIDE), caplog.text
+    assert ("damaged" in caplog.text) == reported, caplog.text
 
 
 def test_a_damaged_end_of_a_manifests_earlier_file_is_reported(tmp_path, monkeypatch, caplog):
@@ -176,7 +167,7 @@ def test_a_damaged_end_of_a_manifests_earlier_file_is_reported(tmp_path, monkeyp
     [
         # an orphaned MULTI from an older crash, then a whole transaction and more writes:
         # cutting at the orphan would drop every write after it
-        WHOLE + _resp("MULTI") + WHOLE + _resp("MULTI") + WHOLE + _resp("EXEC") + WHOLE * 20,
+        WHOLE + resp("MULTI") + WHOLE + resp("MULTI") + WHOLE + resp("EXEC") + WHOLE * 20,
         b"file appendonly.aof.1.base.rdb seq 1 type b\n",  # not an AOF this tool reads
     ],
     ids=["orphan-multi-inside", "foreign-format"],

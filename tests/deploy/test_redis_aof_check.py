@@ -16,35 +16,23 @@ pytest.importorskip("breakpod_broker")
 from breakpod_broker.redis_server import find_binary
 from tests.deploy.conftest import ROOT, documents, find, render
 from tests.deploy.test_compose_docker import compose_config, needs_compose
-from tests.valkey_aof import CASES as REDIS_7_CASES
-from tests.valkey_aof import DAMAGED_INSIDE, redis_7_layout, valkey_bin
+from tests.valkey_aof import REDIS_7_CASES, resp, valkey_bin
 
-WHOLE = b"*3\r\n$3\r\nSET\r\n$1\r\na\r\n$1\r\n1\r\n"
-MULTI = b"*1\r\n$5\r\nMULTI\r\n"
-EXEC = b"*1\r\n$4\r\nEXEC\r\n"
-MANIFEST = "appendonlydir/appendonly.aof.manifest"  # Redis 7's path, read by the 6.2 tool
-SINGLE = "appendonly.aof"  # Redis 6.2
+WHOLE = resp("SET", "a", "1")
+MULTI, EXEC = resp("MULTI"), resp("EXEC")
+MANIFEST = "appendonlydir/appendonly.aof.manifest"  # Redis 7 (real ones: REDIS_7_CASES)
+SINGLE = "appendonly.aof"  # Redis 6.2, the redis-check-aof here
 
-CASES = [
-    (MANIFEST, None, None),  # the first start: no AOF yet, nothing to check
-    (MANIFEST, WHOLE + MULTI + WHOLE + b"*3\r\n$3\r\nSE", WHOLE),  # cut back
-    (MANIFEST, WHOLE * 3, WHOLE * 3),  # valid
-    (MANIFEST, MULTI + WHOLE + MULTI + WHOLE + EXEC + WHOLE, None),  # damaged inside: left
-    (SINGLE, WHOLE + MULTI + WHOLE, WHOLE),  # Redis 6.2's one file, cut back too
-    (SINGLE, WHOLE + MULTI + WHOLE + b"*3\r\n$", WHOLE),  # cut in a header line: cut back
-    (SINGLE, WHOLE + b"*3\r\n$", WHOLE),  # likewise, outside a transaction
-    (SINGLE, b"", b""),  # Redis 6.2 makes an empty file before the first write
-]
-IDS = [
-    "no-aof",
-    "ends-in-a-transaction",
-    "valid",
-    "damaged-inside",
-    "redis-6.2-file",
-    "header-line-in-a-transaction",
-    "header-line",
-    "empty",
-]
+# Redis 6.2's one file: (content, what the check leaves, whether it reports damage)
+CASES = {
+    "no-aof": (None, None, False),  # the first start: nothing to check
+    "ends-in-a-transaction": (WHOLE + MULTI + WHOLE, WHOLE, False),
+    "header-line-in-a-transaction": (WHOLE + MULTI + WHOLE + b"*3\r\n$", WHOLE, False),
+    "header-line": (WHOLE + b"*3\r\n$", WHOLE, False),  # likewise, outside a transaction
+    "valid": (WHOLE * 3, WHOLE * 3, False),
+    "damaged-inside": (MULTI + WHOLE + MULTI + WHOLE + EXEC + WHOLE, None, True),  # left
+    "empty": (b"", b"", False),  # Redis 6.2 makes an empty file before the first write
+}
 
 
 def chart_command(data: Path) -> list[str]:
@@ -75,11 +63,11 @@ def compose_command(data: Path) -> list[str]:
 
 
 def run_check(
-    command: list[str], tmp_path: Path, layout: str, content: bytes | None, tool: bool = True
+    command: list[str], tmp_path: Path, content: bytes | None, tool: bool = True
 ) -> tuple[Path, list[str]]:
-    """The AOF after the check ran (``tool``: with redis-check-aof on the PATH), and
-    what it printed, the server's "server started" last."""
-    aof = tmp_path / "data" / layout
+    """Redis 6.2's AOF after the check ran (``tool``: with redis-check-aof on the PATH),
+    and what it printed, the server's "server started" last."""
+    aof = tmp_path / "data" / SINGLE
     if content is not None:
         aof.parent.mkdir(parents=True)
         aof.write_bytes(content)
@@ -105,28 +93,30 @@ def run_script(command: list[str], tmp_path: Path, tool: Path | None) -> list[st
     return said
 
 
-@pytest.mark.parametrize(("layout", "content", "after"), CASES, ids=IDS)
-def test_the_charts_redis_checks_its_aof_before_every_start(tmp_path, layout, content, after):
+@pytest.mark.parametrize("case", CASES)
+def test_the_charts_redis_checks_its_aof_before_every_start(tmp_path, case):
     """It cuts only a damaged end, leaves damage further in to Redis, then execs the server."""
-    checked(chart_command(tmp_path / "data"), tmp_path, layout, content, after)
+    checked(chart_command(tmp_path / "data"), tmp_path, *CASES[case])
 
 
-def checked(command: list[str], tmp_path: Path, layout: str, content: bytes | None, after) -> None:
-    aof, said = run_check(command, tmp_path, layout, content)
-    assert any("damaged" in line for line in said) == (content is CASES[3][1]), said
+def checked(
+    command: list[str], tmp_path: Path, content: bytes | None, after: bytes | None, reported: bool
+) -> None:
+    aof, said = run_check(command, tmp_path, content)
+    assert any("damaged" in line for line in said) == reported, said
     if content is not None:
         assert aof.read_bytes() == (content if after is None else after)
 
 
 @needs_compose
-@pytest.mark.parametrize(("layout", "content", "after"), CASES, ids=IDS)
-def test_composes_redis_checks_its_aof_before_every_start(tmp_path, layout, content, after):
-    checked(compose_command(tmp_path / "data"), tmp_path, layout, content, after)
+@pytest.mark.parametrize("case", CASES)
+def test_composes_redis_checks_its_aof_before_every_start(tmp_path, case):
+    checked(compose_command(tmp_path / "data"), tmp_path, *CASES[case])
 
 
 def test_without_redis_check_aof_the_server_still_starts(tmp_path):
     command = chart_command(tmp_path / "data")
-    aof, said = run_check(command, tmp_path, SINGLE, WHOLE + MULTI, tool=False)
+    aof, said = run_check(command, tmp_path, WHOLE + MULTI, tool=False)
     assert said == ["redis-check-aof not found: the AOF was not checked", "server started"]
     assert aof.read_bytes() == WHOLE + MULTI
 
@@ -137,10 +127,11 @@ def test_a_redis_7_manifests_last_file_is_checked_alike(tmp_path, deployment, ca
     """The offsets of a manifest's report point into the file that failed; the check
     reads its size from the report (the chart's image runs Redis 7)."""
     data = tmp_path / "data"
-    incr, after = redis_7_layout(data, case)
+    make, reported = REDIS_7_CASES[case]
+    incr, after = make(data)
     before = incr.read_bytes()
     command = chart_command(data) if deployment == "chart" else compose_command(data)
     said = run_script(command, tmp_path, valkey_bin())
-    assert any("damaged" in line for line in said) == (case in DAMAGED_INSIDE), said
+    assert any("damaged" in line for line in said) == reported, said
     assert incr.read_bytes() == (before if after is None else after)
     assert (data / MANIFEST).is_file()  # the layout the script looks for first
