@@ -32,7 +32,7 @@ from breakpod._core.config import parse_int
 from breakpod._core.errors import ConfigError
 from breakpod._monitor.detect import NORM, Slot
 from breakpod._monitor.flight_table import Flight, Series
-from breakpod._monitor.stats import SlotTable, StepRecord, copy_events, landed, to_host
+from breakpod._monitor.stats import SlotTable, StepRecord, copy_events, landed, lasting, to_host
 
 FLIGHT_ENV = "BREAKPOD_FLIGHT_STEPS"
 FIELD = protocol.FLIGHT_FIELD
@@ -121,7 +121,7 @@ class FlightRecorder:
             import torch
 
             shape = (self.size, width) if width else (self.size,)
-            ring = rings[device] = torch.full(shape, math.nan, device=device)
+            ring = rings[device] = lasting(torch.full, shape, math.nan, device=device)
         return ring
 
     def dump(self, wait: float = DUMP_WAIT) -> Flight | None:

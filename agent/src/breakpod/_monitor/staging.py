@@ -19,7 +19,7 @@ from typing import Any
 
 from breakpod._monitor import checks
 from breakpod._monitor.detect import HIGH, LOW, MEAN_ABS, NORM, TOTAL, ZEROS, Slot
-from breakpod._monitor.stats import SlotTable
+from breakpod._monitor.stats import SlotTable, lasting
 
 MAX_NUMEL = 1 << 15  # larger tensors take the direct path: their kernels outweigh a launch
 BLOCK_BYTES = 1 << 20  # a block's memory: rows of one shape, reduced together
@@ -161,7 +161,7 @@ def _new_group(x: Any, mode: str) -> _Group:
 
     budget = CPU_BLOCK_BYTES if x.device.type == "cpu" else BLOCK_BYTES
     rows = max(1, min(MAX_ROWS, budget // max(1, x.numel() * x.element_size())))
-    block = torch.empty((rows, *x.shape), dtype=x.dtype, device=x.device)
+    block = lasting(torch.empty, (rows, *x.shape), dtype=x.dtype, device=x.device)
     return _Group(block, list(block.unbind()), mode)
 
 

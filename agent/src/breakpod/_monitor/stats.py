@@ -116,7 +116,7 @@ class SlotTable:
         if found is None:
             import torch
 
-            found = self._buffers[device] = torch.zeros(self.width, device=device)
+            found = self._buffers[device] = lasting(torch.zeros, self.width, device=device)
         return found
 
     def snapshot(self, record: StepRecord) -> None:
@@ -179,6 +179,16 @@ class SlotTable:
                 row[-1] = float(dead[pos])
             rows.append((pos, row, int(numel[pos]), int(unit[pos])))
         return rows
+
+
+def lasting(make: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``make(*args, **kwargs)``: a tensor the monitor writes step after step, made as a
+    normal tensor even when its first use comes inside ``torch.inference_mode()`` (an
+    inference tensor could never be written again outside it)."""
+    import torch
+
+    with torch.inference_mode(False):
+        return make(*args, **kwargs)
 
 
 def by_device(items: Sequence[Any], tensor_of: Callable[[Any], Any]) -> dict[Any, list[Any]]:
