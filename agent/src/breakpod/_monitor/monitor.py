@@ -453,8 +453,8 @@ class Monitor:
         # outputs >= 0 (or NaN) by construction: dead units take one cheap max (checks.py)
         nonnegative = type(module) in (torch.nn.ReLU, torch.nn.ReLU6)
         mode = staging.unit_mode(slot, nonnegative) if slot is not None else ""
-        grad_hook = self._grad_hook(back) if back is not None else None
-        pre_hooks: dict[int, Callable[[Any], None]] = {}  # output index -> node pre-hook
+        # output index -> node pre-hook (-1: the tensor hook of a leaf input)
+        grad_hooks: dict[int, Callable[[Any], None]] = {}
         seen = self.shapes
         compiling = _is_compiling()
 
@@ -475,8 +475,8 @@ class Monitor:
                 if slot is not None and out.is_floating_point() and _claim(out, _FWD, name):
                     # the value, not the graph
                     self._write_stats(slot, out.detach(), nonnegative, mode)
-                if grad_hook is not None:
-                    self._hook_inputs(name, grad_hook, pre_hooks, inputs)
+                if back is not None:
+                    self._hook_inputs(name, back, grad_hooks, inputs)
             except AnomalyError:
                 raise
             except Exception as e:
@@ -484,12 +484,17 @@ class Monitor:
 
         return hook
 
-    def _grad_hook(self, slot: Slot) -> Callable[[Any], None]:
-        """The hook that checks the gradient w.r.t. a module's input (see _forward_hook)."""
+    def _grad_hook(self, slot: Slot, index: int) -> Callable[[Any], None]:
+        """The hook that checks the gradient w.r.t. a module's input (see _forward_hook):
+        a node pre-hook given the node's output gradients, of which it takes ``index``,
+        or, with ``index`` -1, a tensor hook given the gradient itself."""
         compiling = _is_compiling()
 
-        def hook(grad: Any) -> None:
+        def hook(grads: Any) -> None:
             if compiling() or REPLAYING[0]:
+                return
+            grad = grads if index < 0 else grads[index]
+            if grad is None:  # an output no loss depends on has no gradient
                 return
             try:
                 self._write_stats(slot, grad.detach())
@@ -556,8 +561,8 @@ class Monitor:
     def _hook_inputs(
         self,
         name: str,
-        grad_hook: Callable[[Any], None],
-        pre_hooks: dict[int, Callable[[Any], None]],
+        slot: Slot,
+        grad_hooks: dict[int, Callable[[Any], None]],
         inputs: tuple[Any, ...],
     ) -> None:
         """The gradient w.r.t. a module's input is what its backward produced: check it there.
@@ -565,21 +570,21 @@ class Monitor:
         A pre-hook on the node that produced the input sees that gradient (all
         consumers' sum, as a tensor hook would) for about half the cost of
         ``Tensor.register_hook``; a leaf input has no node, so it gets a tensor hook.
-        The pre-hooks are made once per module and output index, not per call.
+        The hooks are made once per module and output index, not per call.
         """
         if not self._grad_enabled():
             return
         for x in inputs:
             if isinstance(x, self._tensor) and x.requires_grad and _first_claim(x, name):
                 node = x.grad_fn
+                index = -1 if node is None else x.output_nr
+                hook = grad_hooks.get(index)
+                if hook is None:
+                    hook = grad_hooks[index] = self._grad_hook(slot, index)
                 if node is None:
-                    x.register_hook(grad_hook)  # type: ignore[no-untyped-call]
-                    continue
-                index = x.output_nr
-                pre_hook = pre_hooks.get(index)
-                if pre_hook is None:
-                    pre_hook = pre_hooks[index] = _output_grad(grad_hook, index)
-                node.register_prehook(pre_hook)
+                    x.register_hook(hook)  # type: ignore[no-untyped-call]
+                else:
+                    node.register_prehook(hook)
 
     def _queue_backward_end(self, *_: Any) -> None:
         if self._backward_queued or not self._params:
@@ -882,17 +887,6 @@ def _optimizer_params(optimizer: Any) -> list[Any]:
     if optimizer is None:
         return []
     return [p for group in optimizer.param_groups for p in group["params"]]
-
-
-def _output_grad(grad_hook: Callable[[Any], None], index: int) -> Callable[[Any], None]:
-    """A node pre-hook handing ``grad_hook`` the gradient of the node's output ``index``."""
-
-    def pre_hook(grad_outputs: Any) -> None:
-        grad = grad_outputs[index]
-        if grad is not None:  # an output no loss depends on has no gradient
-            grad_hook(grad)
-
-    return pre_hook
 
 
 def _float32() -> Any:
