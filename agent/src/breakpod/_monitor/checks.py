@@ -169,6 +169,35 @@ def batchnorm_stats(modules: Sequence[Any]) -> torch.Tensor:
     return torch.cat(rows).float()
 
 
+def dense_values(x: torch.Tensor) -> torch.Tensor | None:
+    """The values of a tensor that is not dense and strided, as one dense tensor, for the
+    statistics: a nested tensor's buffer, a sparse tensor's stored values (its implicit
+    zeros are finite), an MKL-DNN tensor made dense. None for a meta tensor, which holds
+    no values."""
+    import torch
+
+    if x.is_meta:
+        return None
+    if x.is_nested:
+        return x.values()
+    if x.layout is torch.sparse_coo:
+        return x.coalesce().values()
+    if x.layout in (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc):
+        return x.values()
+    return x.to_dense()
+
+
+def shape_of(x: torch.Tensor) -> tuple[int, ...]:
+    """``x.shape``; for a nested tensor, with -1 for each ragged dim (its components
+    differ there; a strided nested tensor has no ``shape`` of its own)."""
+    if not x.is_nested:
+        return x.shape
+    sizes = x._nested_tensor_size()  # one row of sizes per component
+    if not len(sizes):
+        return (0,)
+    return (len(sizes), *(int(d[0]) if bool((d == d[0]).all()) else -1 for d in sizes.T))
+
+
 def first_tensor(value: Any) -> torch.Tensor | None:
     """The tensor a module produced: itself, or the first one in a tuple/list/dict."""
     import torch

@@ -344,6 +344,7 @@ class Monitor:
 
         self._grad_enabled = torch.is_grad_enabled
         self._tensor = torch.Tensor
+        self._strided = torch.strided
         self._float64 = torch.float64
         self._ignore_pass = False
         self._input_slot: Slot | None = None
@@ -465,11 +466,18 @@ class Monitor:
                 out = output if isinstance(output, tensor_type) else checks.first_tensor(output)
                 if out is None:
                     return
-                now: Shapes = ([x.shape for x in inputs if isinstance(x, tensor_type)], out.shape)
+                try:
+                    now: Shapes = (
+                        [x.shape for x in inputs if isinstance(x, tensor_type)],
+                        out.shape,
+                    )
+                except RuntimeError:  # a nested tensor has no one shape
+                    now = _shapes(inputs, out)
                 if seen.get(name) != now:  # kept only on a change: see the note above
                     seen[name] = now
-                for rule, contract in shapes:
-                    self._check_shape(name, rule, contract, out)
+                if shapes and not out.is_nested:  # a contract names one size per dim
+                    for rule, contract in shapes:
+                        self._check_shape(name, rule, contract, out)
                 if self._ignore_pass:
                     return  # an evaluation pass inside a training step
                 if slot is not None and out.is_floating_point() and _claim(out, _FWD, name):
@@ -511,7 +519,7 @@ class Monitor:
         """Remember the last input/output shapes; returns the output tensor (or None)."""
         out = checks.first_tensor(output)
         if out is not None:
-            self.shapes[name] = (_shapes(inputs), out.shape)
+            self.shapes[name] = _shapes(inputs, out)
         return out
 
     def _write_stats(self, slot: Slot, x: Any, nonnegative: bool = False, mode: str = "") -> None:
@@ -519,6 +527,10 @@ class Monitor:
 
         ``mode``: :func:`.staging.unit_mode` of the slot (made once per hook, not per call).
         """
+        if x.layout is not self._strided or x.is_nested or x.is_meta:
+            x = checks.dense_values(x)  # sparse, nested, mkldnn: their values; meta: none
+            if x is None:
+                return
         numel = x.numel()
         if not numel:
             return  # an empty batch's tensor: no value to check
@@ -867,8 +879,12 @@ class Monitor:
         )
 
 
-def _shapes(inputs: tuple[Any, ...]) -> list[tuple[int, ...]]:
-    return [x.shape for x in inputs if hasattr(x, "shape")]
+def _shapes(inputs: tuple[Any, ...], out: Any) -> Shapes:
+    """The input and output shapes, nested tensors' too (see :func:`.checks.shape_of`)."""
+    import torch
+
+    ins = [checks.shape_of(x) for x in inputs if isinstance(x, torch.Tensor)]
+    return ins, checks.shape_of(out)
 
 
 def _is_compiling() -> Callable[[], bool]:
