@@ -167,3 +167,34 @@ def test_healthy_run_reads_once_per_step_with_a_break_rule_and_never_parks():
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     assert monitor.step_count == 30 and monitor.reads == 30 and not monitor.anomalies
+
+
+@pytest.mark.parametrize("loss_first", [True, False], ids=["loss-before-update", "loss-after"])
+def test_a_skip_drops_its_own_steps_update_or_none(loss_first, capfd):
+    """With optimizer=, a loss given after opt.step() is judged once its update is applied:
+    a skip then cannot drop it, and must not drop the next step's good update instead."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rules = [{"check": "loss_spike", "action": "skip", "min_history": 3}]
+    monitor = breakpod.watch(model, rules, config={"defaults": False}, optimizer=opt)
+    changed = []
+    for step in range(7):
+        x = torch.randn(8, 4) * (100 if step == 4 else 1)  # step 4: a spike
+        loss = (model(x) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if loss_first:
+            monitor.record_loss(loss)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        after = model.parameters()
+        changed.append(not all(torch.equal(a, p) for a, p in zip(before, after, strict=True)))
+        if not loss_first:
+            monitor.step(loss)
+    monitor.flush()
+    ((a),) = monitor.anomalies
+    assert (a.step, a.skipped) == (4, loss_first)
+    assert changed == [step != 4 or not loss_first for step in range(7)]
+    said = "step 4: update not skipped: it was applied before the anomaly was found"
+    assert (said in capfd.readouterr().err) == (not loss_first)

@@ -86,11 +86,22 @@ class ActionContext:
     failed: set[str] = dataclasses.field(default_factory=set)
     # The user's frame at the step boundary (where a break parks), while actions run.
     frame: FrameType | None = None
-    skip: bool = False  # asked by the skip action, the pdb ``skip`` command or the hold expiry
+    # the step whose update to drop: asked by the skip action, the pdb ``skip`` command or
+    # the hold expiry
+    skip: int | None = None
 
-    def take_skip(self) -> bool:
-        asked, self.skip = self.skip, False
-        return asked
+    def take_skip(self, step: int) -> bool:
+        """Drop ``step``'s update? A skip asked for an earlier step comes too late: that
+        update was applied before the anomaly was found (a loss given after the
+        optimizer's step), and the update of this step is no fault of it."""
+        asked, self.skip = self.skip, None
+        if asked is not None and asked != step:
+            announce(
+                f"step {asked}: update not skipped: it was applied before the anomaly was "
+                "found (with optimizer=, call monitor.record_loss(loss) before "
+                "optimizer.step() to judge the loss in time)"
+            )
+        return asked == step
 
 
 Found = tuple[Anomaly, Any]
@@ -203,8 +214,8 @@ def find_module(model: Any, name: str) -> Any:
         return None
 
 
-# The anomaly park in progress (the pdb ``skip`` command acts on it).
-_PARKED: list[ActionContext] = []
+# The anomaly parks in progress, with their steps (the pdb ``skip`` command acts on them).
+_PARKED: list[tuple[ActionContext, int]] = []
 
 
 def park(anomaly: Anomaly, ctx: ActionContext) -> None:
@@ -217,7 +228,7 @@ def park(anomaly: Anomaly, ctx: ActionContext) -> None:
     added = LOCAL not in frame.f_locals
     if added:
         frame.f_locals[LOCAL] = anomaly
-    _PARKED.append(ctx)
+    _PARKED.append((ctx, anomaly.step))
     try:
         attached = shim.hold(frame, header=f"anomaly: {anomaly}")
     finally:
@@ -259,7 +270,7 @@ def on_expire(environ: Any = None) -> str:
 def _expired(anomaly: Anomaly, ctx: ActionContext) -> None:
     policy = on_expire()
     if policy == "skip":
-        ctx.skip = True
+        ctx.skip = anomaly.step
     elif policy == "exit":
         why = f"anomaly hold expired ({ON_EXPIRE_ENV}=exit): {anomaly}"
         announce(f"{why}; exiting with status {EXPIRED_STATUS}")
@@ -268,7 +279,7 @@ def _expired(anomaly: Anomaly, ctx: ActionContext) -> None:
 
 
 def _skip(anomaly: Anomaly, ctx: ActionContext) -> None:
-    ctx.skip = True
+    ctx.skip = anomaly.step
 
 
 @command("skip")
@@ -278,7 +289,8 @@ def skip_command(debugger: pdb.Pdb, arg: str) -> bool:
     if not _PARKED:
         debugger.error("skip: only at an anomaly park (a rule with action 'break')")
         return False
-    _PARKED[-1].skip = True
+    ctx, step = _PARKED[-1]
+    ctx.skip = step
     debugger.message("breakpod: this step's update will be skipped")
     return bool(debugger.do_continue(arg))
 

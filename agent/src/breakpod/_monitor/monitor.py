@@ -728,7 +728,7 @@ class Monitor:
 
     def _apply_skip(self, step: int) -> None:
         """Drop this step's update: no gradient, so the optimizer's step changes nothing."""
-        if not self._ctx.take_skip():
+        if not self._ctx.take_skip(step):
             return
         params = _optimizer_params(self._optimizer) or list(self.model.parameters())
         for p in params:

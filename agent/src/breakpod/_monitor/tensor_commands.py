@@ -133,8 +133,8 @@ def tnan(debugger: pdb.Pdb, arg: str) -> None:
 
 def _monitor_here(debugger: pdb.Pdb) -> Monitor:
     """The parked anomaly's monitor, else the only open one."""
-    if _PARKED and isinstance(_PARKED[-1].monitor, Monitor):
-        return _PARKED[-1].monitor
+    if _PARKED and isinstance(_PARKED[-1][0].monitor, Monitor):
+        return _PARKED[-1][0].monitor
     open_ = [m for ref in list(MONITORS.values()) if (m := ref()) is not None]
     if len(open_) == 1:
         return open_[0]
