@@ -1,8 +1,9 @@
-"""Modules whose outputs are not dense strided tensors: checked through their values.
+"""Tensors other than dense float32-like ones, and passes that are not the step's.
 
 A stock ``nn.TransformerEncoder`` evaluated with a padding mask runs its layers
-on nested tensors; sparse and MKL-DNN outputs and meta tensors (shape
-inference) are rarer. Each made every hook of the monitor fail.
+on nested tensors; sparse and MKL-DNN outputs, meta tensors (shape inference),
+complex and float8 tensors and torch.func transforms are rarer. Each made the
+monitor's hooks or its step boundary fail.
 """
 
 from __future__ import annotations
@@ -117,3 +118,90 @@ def test_a_transformer_evaluated_with_a_padding_mask_runs_on_nested_tensors_unha
     assert (first.step, first.module) == (2, "layers.1.linear2")
     assert monitor.shapes["layers.1.linear2"][1] == (4, -1, 32)  # ragged: one is longer
     monitor.close()
+
+
+class Complex(nn.Module):
+    """A spectral layer's shape: complex in the middle, real out; NaN in the imaginary
+    part when ``bad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.fft.fft(self.fc(x))
+        if self.bad:
+            z = z + torch.complex(torch.zeros(()), torch.tensor(math.nan))
+        return z
+
+
+class Spectral(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.spec = Complex()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.spec(x).abs())
+
+
+def test_a_complex_output_and_its_gradients_are_checked_as_their_real_and_imaginary_parts():
+    """A complex tensor made every step boundary fail (torch's float32 norm refuses it):
+    no step was ever judged."""
+    torch.manual_seed(0)
+    model = Spectral()
+    monitor = breakpod.watch(model)
+    for step in range(4):
+        model.spec.bad = step == 2
+        model(torch.randn(4, 8)).sum().backward()
+        monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    assert monitor.errors == 0 and monitor.step_count == 4
+    first = next(a for a in found if a.check == "nonfinite")
+    assert (first.step, first.module, first.phase) == (2, "spec", "forward")
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_a_float8_output_is_checked_in_float32(dtype):
+    class Cast(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.to(dtype)
+
+    model = nn.Sequential(nn.Linear(8, 8), Cast())
+    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
+    with torch.no_grad():
+        for step in range(3):
+            model(torch.full((2, 8), math.inf if step == 1 else 1.0))
+            monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    assert monitor.errors == 0
+    assert [(a.step, a.module) for a in found] == [(1, "0")]  # Linear(inf) -> inf, then cast
+
+
+def test_hooks_stand_aside_inside_torch_func_transforms():
+    """vmap, grad and jacrev over a watched model: their tensors are not the step's, and
+    their hooks' writes were refused (an error per hook, and a lost step)."""
+    from torch.func import functional_call, grad, jacrev, vmap
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    monitor = breakpod.watch(model)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (x,)).sum()
+
+    vmap(model)(torch.randn(5, 3, 4)).sum().backward()
+    grad(loss)(params, torch.randn(3, 4))
+    jacrev(loss)(params, torch.randn(3, 4))
+    monitor.step()
+    for step in range(1, 4):
+        with torch.no_grad():
+            model[2].bias.fill_(math.nan if step == 3 else 0.0)
+        model(torch.randn(3, 4)).sum().backward()
+        monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    assert monitor.errors == 0 and monitor.step_count == 4
+    first = next(a for a in found if a.check == "nonfinite")
+    assert (first.step, first.module) == (3, "2")

@@ -169,6 +169,24 @@ def batchnorm_stats(modules: Sequence[Any]) -> torch.Tensor:
     return torch.cat(rows).float()
 
 
+def as_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the statistics take it: float32, or bfloat16/float16 as they are.
+
+    A complex tensor counts as its real and imaginary parts (a NaN or Inf in
+    either is one in it); float64 and float8 are converted. torch's float32
+    norms refuse to narrow float64 and to read complex at all, so a float64
+    model pays one conversion per watched tensor, and a finite value beyond
+    float32's range (3.4e38) reads as Inf.
+    """
+    import torch
+
+    if x.is_complex():
+        x = torch.view_as_real(x.resolve_conj())
+    if x.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return x
+    return x.float()
+
+
 def dense_values(x: torch.Tensor) -> torch.Tensor | None:
     """The values of a tensor that is not dense and strided, as one dense tensor, for the
     statistics: a nested tensor's buffer, a sparse tensor's stored values (its implicit

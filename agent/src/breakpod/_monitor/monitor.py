@@ -345,7 +345,8 @@ class Monitor:
         self._grad_enabled = torch.is_grad_enabled
         self._tensor = torch.Tensor
         self._strided = torch.strided
-        self._float64 = torch.float64
+        # dtypes the statistics read as they are (all others: checks.as_float32)
+        self._native = frozenset((torch.float32, torch.bfloat16, torch.float16))
         self._ignore_pass = False
         self._input_slot: Slot | None = None
         if not self._module_checks:
@@ -367,7 +368,7 @@ class Monitor:
         self._sort_pass(self._current)
         slot = self._input_slot
         x = checks.first_tensor(inputs) if slot is not None and not self._ignore_pass else None
-        if slot is not None and x is not None and x.is_floating_point():
+        if slot is not None and x is not None and (x.is_floating_point() or x.is_complex()):
             self._write_stats(slot, x.detach())
 
     def _sort_pass(self, record: StepRecord) -> None:
@@ -407,10 +408,10 @@ class Monitor:
     def _guarded(self, where: str, fn: Callable[..., None]) -> Callable[..., None]:
         """Wrap a hook: a failure is reported once and swallowed; only ``stop`` raises."""
 
-        compiling = _is_compiling()
+        aside = _stand_aside()
 
         def hook(*args: Any) -> None:
-            if compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
+            if aside():  # torch.compile, torch.func: see _stand_aside
                 return
             if replaying():  # timetravel: a replayed step is not a new step
                 return
@@ -457,10 +458,10 @@ class Monitor:
         # output index -> node pre-hook (-1: the tensor hook of a leaf input)
         grad_hooks: dict[int, Callable[[Any], None]] = {}
         seen = self.shapes
-        compiling = _is_compiling()
+        aside = _stand_aside()
 
         def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
-            if compiling() or REPLAYING[0]:  # see _guarded
+            if aside() or REPLAYING[0]:  # see _guarded
                 return
             try:
                 out = output if isinstance(output, tensor_type) else checks.first_tensor(output)
@@ -480,7 +481,11 @@ class Monitor:
                         self._check_shape(name, rule, contract, out)
                 if self._ignore_pass:
                     return  # an evaluation pass inside a training step
-                if slot is not None and out.is_floating_point() and _claim(out, _FWD, name):
+                if (
+                    slot is not None
+                    and (out.is_floating_point() or out.is_complex())
+                    and _claim(out, _FWD, name)
+                ):
                     # the value, not the graph
                     self._write_stats(slot, out.detach(), nonnegative, mode)
                 if back is not None:
@@ -496,10 +501,10 @@ class Monitor:
         """The hook that checks the gradient w.r.t. a module's input (see _forward_hook):
         a node pre-hook given the node's output gradients, of which it takes ``index``,
         or, with ``index`` -1, a tensor hook given the gradient itself."""
-        compiling = _is_compiling()
+        aside = _stand_aside()
 
         def hook(grads: Any) -> None:
-            if compiling() or REPLAYING[0]:
+            if aside() or REPLAYING[0]:
                 return
             grad = grads if index < 0 else grads[index]
             if grad is None:  # an output no loss depends on has no gradient
@@ -534,28 +539,29 @@ class Monitor:
         numel = x.numel()
         if not numel:
             return  # an empty batch's tensor: no value to check
-        if x.dtype is self._float64:  # the statistics are float32: torch's norms refuse
-            x = x.float()  # to narrow, so a float64 model pays one conversion per tensor
+        if x.dtype not in self._native:  # float64, float8, complex: see checks.as_float32
+            x = checks.as_float32(x)
+            numel = x.numel()
         if slot.retain:  # as the statistics saw it: its exact counts must agree with them
             self._current.kept[slot.index] = x
         record, device = self._current, x.device
         ran = record.ran.get(device)
-        if ran is None:
+        index = slot.index
+        if ran is not None and index in ran:  # a second call this step: the sums add
+            self._add_stats(record, device, slot, x, nonnegative)
+            return
+        staged = self._stager.put(slot, x, mode, device, numel, not record.stats)
+        if not staged:  # a large tensor: at once
+            cells = self._table.cells(device)
+            checks.write_stats(
+                x, cells, slot.base, *slot.flags, nonnegative=nonnegative, stats=record.stats
+            )
+        if ran is None:  # noted once its statistics are written: a failure leaves no trace
             ran = record.ran[device] = {}
             record.units[device] = {}
-        index = slot.index
-        if index in ran:  # a second call in this step (micro-batches): the sums add
-            self._add_stats(record, device, slot, x, nonnegative)
-        else:
-            ran[index] = numel
-            staged = self._stager.put(slot, x, mode, device, numel, not record.stats)
-            if not staged:  # a large tensor: at once
-                cells = self._table.cells(device)
-                checks.write_stats(
-                    x, cells, slot.base, *slot.flags, nonnegative=nonnegative, stats=record.stats
-                )
-            if slot.zeros and record.stats:
-                record.units[device][index] = checks.unit_count(x.shape)
+        ran[index] = numel
+        if slot.zeros and record.stats:
+            record.units[device][index] = checks.unit_count(x.shape)
 
     def _add_stats(
         self, record: StepRecord, device: Any, slot: Slot, x: Any, nonnegative: bool
@@ -709,9 +715,10 @@ class Monitor:
             return
         self._said_compiled = True
         announce(
-            "monitor: the model ran under torch.compile, where breakpod's module hooks do not "
-            "run; only gradient norms, parameters and the loss are checked (blamed on the "
-            "parameter's module). For per-module checks set BREAKPOD_DISABLE_COMPILE=1"
+            "monitor: the model ran under torch.compile or a torch.func transform (vmap, "
+            "grad, jacrev), where breakpod's module hooks do not run; only gradient norms, "
+            "parameters and the loss are checked (blamed on the parameter's module). For "
+            "per-module checks under torch.compile set BREAKPOD_DISABLE_COMPILE=1"
         )
 
     def _late_loss(self, loss: Any) -> None:
@@ -887,12 +894,23 @@ def _shapes(inputs: tuple[Any, ...], out: Any) -> Shapes:
     return ins, checks.shape_of(out)
 
 
-def _is_compiling() -> Callable[[], bool]:
-    """True inside a torch.compile trace (constant there, so the hook traces to nothing);
-    looked up once per hook, not per call."""
-    compiler = getattr(sys.modules.get("torch"), "compiler", None)
-    check = getattr(compiler, "is_compiling", None)
-    return check if check is not None else _never
+def _stand_aside() -> Callable[[], bool]:
+    """A test for where hooks must do nothing, looked up once per hook, not per call:
+    inside a torch.compile trace (dynamo would trace the hooks' tensor marks and fail;
+    constant there, so a hook traces to nothing) and inside a torch.func transform
+    (``vmap``, ``grad``, ``jacrev``: they refuse the hooks' writes into the step's
+    buffers, and their tensors are not the step's)."""
+    torch = sys.modules.get("torch")
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or _never
+    functorch = getattr(getattr(torch, "_C", None), "_functorch", None)
+    transform = getattr(functorch, "peek_interpreter_stack", None)
+    if transform is None:
+        return compiling
+
+    def aside() -> bool:
+        return compiling() or transform() is not None
+
+    return aside
 
 
 def _never() -> bool:
