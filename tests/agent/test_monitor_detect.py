@@ -340,3 +340,107 @@ def synthetic(model: nn.Module) -> tuple[Detector, FirstStep]:
 def _ranges(bn: nn.Module) -> list[float]:
     mean, var = bn.running_mean, bn.running_var
     return [float(mean.min()), float(mean.max()), float(var.min()), float(var.max())]
+
+
+class Cached(nn.Module):
+    """Returns the same buffer object every step; it turns NaN at step 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("value", torch.zeros(3, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.value
+
+
+class WithCache(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.cache = Cached()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc(x) + self.cache(x))
+
+
+def test_a_tensor_a_module_returns_every_step_is_checked_every_step():
+    """The mark that keeps a container from checking its submodule's output again held
+    across steps: the buffer was checked once, and its NaN blamed on the consumer."""
+    model = WithCache()
+    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
+    for step in range(4):
+        if step == 2:
+            model.cache.value.fill_(math.nan)
+        model(torch.randn(3, 4)).sum().backward()
+        monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    assert [(a.step, a.module) for a in found][:1] == [(2, "cache")]
+    assert monitor.errors == 0
+
+
+class BadGrad(torch.autograd.Function):
+    on = False
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return grad * (math.nan if BadGrad.on else 1.0)
+
+
+class Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return self.fc(BadGrad.apply(q))  # its backward makes a NaN when BadGrad.on
+
+
+class Queries(nn.Module):
+    """A learned parameter fed to a module as its input (DETR's object queries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(3, 4))
+        self.dec = Decoder()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.q) * x
+
+
+def test_watching_again_hooks_the_gradients_the_first_monitor_hooked():
+    """A leaf input keeps its tensor hook and its mark: the first monitor's mark kept a
+    second monitor off it, and the closed monitor's hook still ran."""
+    model, x = Queries(), torch.randn(3, 4)
+    rules = [{"check": "nonfinite", "where": ["gradient"]}]
+    first = breakpod.watch(model, rules, config={"defaults": False})
+    model(x).sum().backward()
+    first.step()
+    second = breakpod.watch(model, rules, config={"defaults": False})  # closes the first
+    BadGrad.on = True
+    try:
+        model.zero_grad()
+        model(x).sum().backward()
+        second.step()
+    finally:
+        BadGrad.on = False
+    found = second.flush() or second.anomalies
+    assert [(a.module, a.phase) for a in found] == [("dec", "backward")]
+    assert first.anomalies == [] and first.errors == second.errors == 0
+
+
+@pytest.mark.parametrize("loss", [torch.tensor([]), {"loss": torch.tensor(1.0)}, "1.0"])
+def test_a_loss_with_no_value_or_of_the_wrong_type_raises_no_false_alarm(loss, capfd):
+    model = nn.Linear(2, 1)
+    monitor = breakpod.watch(model)
+    for _ in range(2):
+        model(torch.randn(3, 2)).sum().backward()
+        monitor.step(loss)
+    assert monitor.flush() == [] and monitor.anomalies == [] and monitor.errors == 0
+    said = capfd.readouterr().err
+    if not isinstance(loss, torch.Tensor):
+        assert said.count(f"is a {type(loss).__name__}; expected a tensor or a number") == 1

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import math
 import os
@@ -70,7 +71,9 @@ from breakpod._monitor.stats import (
 log = logging.getLogger(__name__)
 
 ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
-_FWD = "_breakpod_fwd"  # the tensor attribute naming the module that checked an output
+# Each monitor marks the tensors it checked with attributes of its own, so that a later
+# monitor (watch() again, another model sharing a module) is not kept off them.
+_MONITOR_IDS = itertools.count()
 # model -> its monitor. Weak both ways: the monitor holds the model, so a strong
 # value would keep every watched model (and its hooks) alive forever.
 MONITORS: weakref.WeakKeyDictionary[Any, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
@@ -199,6 +202,9 @@ class Monitor:
         self._ctx = ctx or ActionContext(model=model, snapshot_dir=Path("breakpod-snapshots"))
         self._ctx.monitor = self
         self._handles: list[Any] = []
+        number = next(_MONITOR_IDS)
+        # attributes marking the tensors this monitor checked (see _claim, _first_claim)
+        self._fwd_mark, self._bwd_mark = f"_breakpod_fwd{number}", f"_breakpod_bwd{number}"
         self._current = self._record(0)
         self._pending: list[StepRecord] = []
         self._inflight: list[tuple[list[Any], dict[Any, Any], list[StepRecord]]] = []
@@ -210,6 +216,7 @@ class Monitor:
         self.skipped_steps = 0
         self._module_checks = False  # some forward/backward hook records stats
         self._said_compiled = False
+        self._said_bad_loss = False
         self._shape_active: set[tuple[str, str]] = set()
         self._shape_names: dict[tuple[str, str], dict[str, int]] = {}
         self._failed: set[str] = set()
@@ -343,6 +350,7 @@ class Monitor:
         import torch
 
         self._grad_enabled = torch.is_grad_enabled
+        self._pass = 0  # forward passes of the model so far (see _claim)
         self._tensor = torch.Tensor
         self._strided = torch.strided
         # dtypes the statistics read as they are (all others: checks.as_float32)
@@ -365,6 +373,7 @@ class Monitor:
         self._handles.append(self.model.register_forward_pre_hook(hook))
 
     def _on_model_input(self, module: Any, inputs: tuple[Any, ...]) -> None:
+        self._pass += 1  # a claim holds for one pass: a module may return one tensor each step
         self._sort_pass(self._current)
         slot = self._input_slot
         x = checks.first_tensor(inputs) if slot is not None and not self._ignore_pass else None
@@ -458,6 +467,7 @@ class Monitor:
         # output index -> node pre-hook (-1: the tensor hook of a leaf input)
         grad_hooks: dict[int, Callable[[Any], None]] = {}
         seen = self.shapes
+        fwd_mark = self._fwd_mark
         aside = _stand_aside()
 
         def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
@@ -484,7 +494,7 @@ class Monitor:
                 if (
                     slot is not None
                     and (out.is_floating_point() or out.is_complex())
-                    and _claim(out, _FWD, name)
+                    and _claim(out, fwd_mark, name, self._pass)
                 ):
                     # the value, not the graph
                     self._write_stats(slot, out.detach(), nonnegative, mode)
@@ -504,7 +514,8 @@ class Monitor:
         aside = _stand_aside()
 
         def hook(grads: Any) -> None:
-            if aside() or REPLAYING[0]:
+            # closed: a tensor hook on a leaf (a parameter fed as an input) outlives close()
+            if aside() or REPLAYING[0] or not self.enabled:
                 return
             grad = grads if index < 0 else grads[index]
             if grad is None:  # an output no loss depends on has no gradient
@@ -593,7 +604,11 @@ class Monitor:
         if not self._grad_enabled():
             return
         for x in inputs:
-            if isinstance(x, self._tensor) and x.requires_grad and _first_claim(x, name):
+            if (
+                isinstance(x, self._tensor)
+                and x.requires_grad
+                and _first_claim(x, self._bwd_mark, name)
+            ):
                 node = x.grad_fn
                 index = -1 if node is None else x.output_nr
                 hook = grad_hooks.get(index)
@@ -651,7 +666,20 @@ class Monitor:
             return
         import torch
 
-        value = torch.as_tensor(loss).detach().float()
+        try:
+            value = torch.as_tensor(loss).detach()
+        except (TypeError, ValueError, RuntimeError):
+            if not self._said_bad_loss:
+                self._said_bad_loss = True
+                announce(
+                    f"monitor: the loss passed to monitor.step() is a {type(loss).__name__}; "
+                    "expected a tensor or a number (the loss itself, e.g. outputs['loss']): "
+                    "it is not checked"
+                )
+            return
+        if not value.numel():
+            return  # an empty batch's loss: no value to check
+        value = checks.as_float32(value).float()
         value = value.reshape(1) if value.numel() == 1 else value.mean().reshape(1)
         self._current.entries = [e for e in self._current.entries if e.kind != "loss"]
         kept = loss.detach() if isinstance(loss, torch.Tensor) else value
@@ -938,24 +966,27 @@ def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
     return where in ("param", "loss") or type(module).__name__ not in rule["skip_types"]
 
 
-def _claim(tensor: Any, attr: str, name: str) -> bool:
-    """Check a tensor once: a container skips what one of its submodules already took.
+def _claim(tensor: Any, attr: str, name: str, pass_: int) -> bool:
+    """Check a tensor once a pass: a container skips what one of its submodules already
+    took in this forward pass.
 
     The mark is an attribute on the tensor object, so it lives exactly as long
     as the tensor (an id() table could confuse a freed tensor with a new one).
     """
     owner = tensor.__dict__.get(attr)
-    if owner is not None and (name == "" or owner.startswith(name + ".") or owner == name):
-        return False
-    setattr(tensor, attr, name)
+    if owner is not None and owner[1] == pass_:
+        module = owner[0]
+        if name == "" or module == name or module.startswith(name + "."):
+            return False
+    setattr(tensor, attr, (name, pass_))
     return True
 
 
-def _first_claim(tensor: Any, name: str) -> bool:
+def _first_claim(tensor: Any, attr: str, name: str) -> bool:
     """One gradient hook per tensor: its gradient is the same whichever consumer hooks it."""
-    if "_breakpod_bwd" in tensor.__dict__:
+    if attr in tensor.__dict__:
         return False
-    tensor._breakpod_bwd = name
+    setattr(tensor, attr, name)
     return True
 
 
