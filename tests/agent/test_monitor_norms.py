@@ -277,3 +277,20 @@ def test_float64_norms_are_summed_in_float64_and_planned_apart(monkeypatch):
     found = as_dict(NormPlan(tensors)(tensors))
     assert found == {k: pytest.approx(4e19 if k < 6 else 4.0, rel=1e-6) for k in range(9)}
     assert torch.float64 not in handed
+
+
+def test_a_lazy_modules_parameters_are_planned_once_they_exist():
+    """Watched before its first call, a lazy module's parameters cannot be read:
+    watch() raised (ValueError: uninitialized parameter)."""
+    model = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.LazyLinear(1))
+    rules = [{"check": "nonfinite", "where": ["param"]}]
+    monitor = breakpod.watch(model, rules, config={"defaults": False})
+    for step in range(4):
+        if step == 2:
+            with torch.no_grad():
+                model[2].weight[0, 0] = math.nan
+        model(torch.randn(3, 4)).sum().backward()
+        monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    assert [(a.step, a.module) for a in found] == [(2, "2")]
+    assert monitor.errors == 0

@@ -52,6 +52,7 @@ class NormPlan:
     def __init__(self, like: Sequence[Any], keys: Sequence[int] | None = None) -> None:
         self._like = list(like)
         self._keys = list(range(len(self._like)) if keys is None else keys)
+        self._lazy = _lazy(self._like)  # a lazy module's parameters, planned once they exist
         self._groups = _plan(self._like, self._keys)
 
     def __call__(self, tensors: Sequence[Any]) -> list[tuple[Any, list[int], Any]]:
@@ -60,7 +61,8 @@ class NormPlan:
         keys); a ``None`` (a parameter without a gradient) is left out."""
         import torch
 
-        if self._moved():
+        if self._moved() or (self._lazy and self._lazy != _lazy(self._like)):
+            self._lazy = _lazy(self._like)
             self._groups = _plan(self._like, self._keys)
         out = []
         with torch.no_grad():  # one guard, not a detach per tensor
@@ -114,9 +116,18 @@ def _by_device(tensors: Sequence[Any], positions: Sequence[int]) -> dict[Any, li
     return groups
 
 
+def _lazy(like: list[Any]) -> list[int]:
+    """Positions of parameters not made yet (a lazy module's, before its first call)."""
+    from torch.nn.parameter import is_lazy
+
+    return [i for i, t in enumerate(like) if is_lazy(t)]
+
+
 def _plan(like: list[Any], keys: list[int]) -> tuple[_Group, ...]:
     groups = []
-    for device, on_device in _by_device(like, range(len(like))).items():
+    lazy = set(_lazy(like))
+    ready = [i for i in range(len(like)) if i not in lazy]
+    for device, on_device in _by_device(like, ready).items():
         narrow = tuple(i for i in on_device if _narrow(like[i]))
         wide = tuple(i for i in on_device if not _narrow(like[i]))
         parts = _cpu_parts(like, narrow) if device.type == "cpu" else (_Part(narrow),)
