@@ -294,3 +294,54 @@ def test_a_lazy_modules_parameters_are_planned_once_they_exist():
     found = monitor.flush() or monitor.anomalies
     assert [(a.step, a.module) for a in found] == [(2, "2")]
     assert monitor.errors == 0
+
+
+class NanWeightGrad(torch.autograd.Function):
+    """x * w, whose backward makes the weight's gradient NaN (and nothing else)."""
+
+    @staticmethod
+    def forward(ctx, x, w):  # type: ignore[no-untyped-def]
+        return x * w
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        return grad, torch.full((4,), math.nan)
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return NanWeightGrad.apply(x, self.w) if self.bad else x * self.w
+
+
+@pytest.mark.parametrize("replace", ["load_state_dict(assign=True)", "to_empty from meta"])
+def test_parameters_replaced_after_watch_are_watched(replace):
+    """The monitor held the parameters it saw at watch(): once replaced, their gradients
+    were never checked again (or, from the meta device, every step failed)."""
+    if replace == "to_empty from meta":
+        with torch.device("meta"):
+            model = nn.Sequential(Scale(), nn.Linear(4, 1))
+        monitor = breakpod.watch(model)
+        model.to_empty(device="cpu")
+        for p in model.parameters():
+            nn.init.normal_(p)
+    else:
+        model = nn.Sequential(Scale(), nn.Linear(4, 1))
+        monitor = breakpod.watch(model)
+        model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        model[0].bad = step == 2
+        loss = model(torch.randn(3, 4)).sum()
+        opt.zero_grad()
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+    found = monitor.flush() or monitor.anomalies
+    assert [(a.step, a.module, a.check) for a in found][:1] == [(2, "0", "nonfinite")]
+    assert "gradient of 0.w" in found[0].summary
+    assert monitor.errors == 0

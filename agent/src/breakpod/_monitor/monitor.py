@@ -266,13 +266,7 @@ class Monitor:
             if bn and getattr(module, "running_var", None) is not None:
                 batchnorm[name] = bn
                 self._bn_modules.append((name, module))
-        self._params = self._watched_params()
-        state = [
-            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
-        ]
-        self._grad_norms = NormPlan([p for _, p in self._params])
-        self._param_norms = NormPlan([p for _, p in state], keys=[i for i, _ in state])
-        self._state_params = [p for _, p in state]
+        self._plan_params()
         self._install_input_hook()
         self._table = SlotTable(self._slots)
         self._stager = staging.Stager(self._table)
@@ -281,7 +275,32 @@ class Monitor:
         if optimizer is not None:  # before the update, so a bad step can still be dropped
             hook = self._guarded("optimizer step hook", self._before_update)
             self._handles.append(optimizer.register_step_pre_hook(hook))
+        self._batchnorm = batchnorm
         self._detector = Detector(self.rules, [info for info, _ in self._params], batchnorm)
+
+    def _plan_params(self) -> None:
+        """The watched parameters and how their norms, and their gradients', are taken."""
+        self._params = self._watched_params()
+        state = [
+            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
+        ]
+        self._grad_norms = NormPlan([p for _, p in self._params])
+        self._param_norms = NormPlan([p for _, p in state], keys=[i for i, _ in state])
+        self._state_params = [p for _, p in state]
+        self._missing_grads = 0  # watched parameters without a gradient at the last backward
+
+    def _replaced_params(self, grads: list[Any]) -> bool:
+        """Were parameters replaced since they were planned (``load_state_dict(assign=True)``,
+        ``to_empty()`` after building on the meta device)? The old ones stop getting
+        gradients, so this looks only when more of them than before have none."""
+        missing = sum(g is None for g in grads)
+        grew, self._missing_grads = missing > self._missing_grads, missing
+        if not grew:
+            return False
+        now = [p for _, p in self._watched_params()]
+        return len(now) != len(self._params) or any(
+            p is not q for p, (_, q) in zip(now, self._params, strict=False)
+        )
 
     def _watched_params(self) -> list[tuple[ParamInfo, Any]]:
         """Parameters whose owning module some gradient or parameter rule watches."""
@@ -636,7 +655,15 @@ class Monitor:
         """The norms of every watched gradient (``NormPlan``); a later backward in the step
         replaces them."""
         entries = [e for e in self._current.entries if e.kind != "grads"]
-        for _, keys, norms in self._grad_norms([p.grad for _, p in self._params]):
+        grads = [p.grad for _, p in self._params]
+        if self._replaced_params(grads):
+            infos = [info for info, _ in self._params]
+            self._plan_params()
+            if [info for info, _ in self._params] != infos:  # else its baselines stay good
+                infos = [info for info, _ in self._params]
+                self._detector = Detector(self.rules, infos, self._batchnorm)
+            grads = [p.grad for _, p in self._params]
+        for _, keys, norms in self._grad_norms(grads):
             entries.append(Entry("grads", norms, keys=keys))
         self._current.entries = entries
 
