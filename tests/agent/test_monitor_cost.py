@@ -292,6 +292,39 @@ def test_summary_is_one_line_and_never_prints_the_tensor():
     assert len(breakpod.summary(list(range(10_000)))) <= 120
 
 
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR, nested, quantized: beta APIs
+@pytest.mark.parametrize(
+    ("make", "expect"),
+    [
+        (
+            lambda: torch.tensor([1 + 1j, complex(NAN, 0), complex(INF, 0)]),
+            "c64 cpu 24b .* nan=1 inf=1",
+        ),
+        (
+            lambda: torch.tensor([1.0, NAN, 3.0]).to(torch.float8_e5m2),
+            "x∈\\[1, 3\\] .* nan=1 inf=0",
+        ),
+        (lambda: torch.tensor([[0.0, NAN], [1.0, 0.0]]).to_sparse(), "nan=1 inf=0"),
+        (lambda: torch.tensor([[0.0, NAN], [1.0, 0.0]]).to_sparse_csr(), "nan=1 inf=0"),
+        (lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "tensor\\[2,-1\\]"),
+        (
+            lambda: torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 0.1, 0, torch.quint8),
+            "μ=1.5",
+        ),
+        (lambda: torch.empty(3, device="meta"), "tensor\\[3\\] f32 meta 12b$"),
+        (lambda: torch.tensor([3e38, 3e38]), "μ=3e\\+38 σ=0 nan=0 inf=0"),  # no float32 overflow
+        (lambda: nn.LazyLinear(2).weight, "^uninitialized parameter"),
+    ],
+    ids=["complex", "float8", "sparse", "csr", "nested", "quantized", "meta", "huge", "lazy"],
+)
+def test_summary_reads_every_kind_of_tensor(make, expect):
+    """tstat, tnan and reports summarise with this: each of these raised, or misread."""
+    assert re.search(expect, breakpod.summary(make())), breakpod.summary(make())
+
+
 def test_import_breakpod_and_monitor_names_do_not_import_torch():
     code = (
         "import sys, breakpod\n"

@@ -2,8 +2,11 @@
 
     tensor[16,64,32,32] f32 cuda:0 2.1Mb x∈[-3.2, 4.1] μ=0.01 σ=1.0 nan=3 inf=0 grad
 
-Statistics are taken over the finite values; this reads the tensor on the
-host, so it is for debugger sessions and reports, not for hooks.
+Statistics are taken over the finite values (in float64, so values near
+float32's limit do not overflow them); this reads the tensor on the host, so it
+is for debugger sessions and reports, not for hooks. A complex tensor is counted
+by its real and imaginary parts; sparse, nested, MKL-DNN and quantized tensors
+by their values; a meta tensor has none.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ DTYPES = {
     "uint8": "u8",
     "bool": "bool",
     "complex64": "c64",
+    "complex128": "c128",
 }
 
 
@@ -30,6 +34,8 @@ def summary(t: Any) -> str:
     import torch
 
     if isinstance(t, torch.nn.Parameter | torch.Tensor):
+        if torch.nn.parameter.is_lazy(t):
+            return "uninitialized parameter (a lazy module's, before its first call)"
         return _tensor(t)
     own = getattr(t, "summary_line", None)
     if callable(own):  # a Monitor: the counts first, so a cut never loses them
@@ -42,9 +48,12 @@ def nonfinite_counts(t: Any) -> dict[str, int]:
     """``{"nan": n, "+inf": n, "-inf": n}`` counted exactly (a host read)."""
     import torch
 
-    x = t.detach()
-    if not (x.is_floating_point() or x.is_complex()):
+    if torch.nn.parameter.is_lazy(t):  # no values yet
         return {"nan": 0, "+inf": 0, "-inf": 0}
+    x = _readable(t.detach())
+    if x is None or not x.is_floating_point():
+        return {"nan": 0, "+inf": 0, "-inf": 0}
+    x = x if x.element_size() >= 2 else x.float()  # float8: few ops take it
     return {
         "nan": int(torch.isnan(x).sum()),
         "+inf": int(torch.isposinf(x).sum()),
@@ -53,11 +62,14 @@ def nonfinite_counts(t: Any) -> dict[str, int]:
 
 
 def _tensor(t: Any) -> str:
+    from breakpod._monitor.checks import shape_of
+
     x = t.detach()
     dtype = DTYPES.get(str(x.dtype).removeprefix("torch."), str(x.dtype).removeprefix("torch."))
     size = _size(x.numel() * x.element_size())
-    head = f"tensor[{','.join(map(str, x.shape))}] {dtype} {x.device} {size}"
-    parts = [head, *_values(x)]
+    head = f"tensor[{','.join(map(str, shape_of(x)))}] {dtype} {x.device} {size}"
+    values = _readable(x)
+    parts = [head, *(_values(values) if values is not None else [])]
     if t.requires_grad:
         parts.append("grad")
     if t.grad is not None if t.is_leaf else False:
@@ -65,18 +77,31 @@ def _tensor(t: Any) -> str:
     return " ".join(parts)
 
 
+def _readable(x: Any) -> Any:
+    """``x`` as a dense real tensor whose values a summary reads; None for a meta tensor."""
+    import torch
+
+    from breakpod._monitor.checks import dense_values
+
+    if x.is_quantized:
+        x = x.dequantize()
+    if x.layout is not torch.strided or x.is_nested or x.is_meta:
+        x = dense_values(x)
+    if x is not None and x.is_complex():
+        x = torch.view_as_real(x.resolve_conj())
+    return x
+
+
 def _values(x: Any) -> list[str]:
     import torch
 
-    if x.numel() == 0 or x.is_complex() or x.is_meta:
+    if x.numel() == 0:
         return []
     if x.dtype == torch.bool:
         return [f"true={int(x.sum())}"]
-    finite = x[torch.isfinite(x)]  # a copy of the finite values only
-    finite = (
-        finite.float() if finite.element_size() < 4 or not finite.is_floating_point() else finite
-    )
     counts = nonfinite_counts(x)
+    wide = x.double() if x.is_floating_point() else x.to(torch.float64)
+    finite = wide[torch.isfinite(wide)]  # a copy of the finite values only
     out = []
     if finite.numel():
         lo, hi = float(finite.min()), float(finite.max())

@@ -79,7 +79,8 @@ def tgrad(debugger: pdb.Pdb, arg: str) -> None:
             continue
         counts = nonfinite_counts(param.grad)
         bad = " ".join(f"{k}={v}" for k, v in counts.items() if v)
-        norm = float(param.grad.detach().float().norm())
+        grad = param.grad.detach()
+        norm = float((grad if grad.is_complex() else grad.float()).norm())
         debugger.message(f"{name}: |grad|={norm:.4g}{' ' + bad if bad else ''}")
 
 
