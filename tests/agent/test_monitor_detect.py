@@ -444,3 +444,27 @@ def test_a_loss_with_no_value_or_of_the_wrong_type_raises_no_false_alarm(loss, c
     said = capfd.readouterr().err
     if not isinstance(loss, torch.Tensor):
         assert said.count(f"is a {type(loss).__name__}; expected a tensor or a number") == 1
+
+
+class TwoInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.f = nn.Linear(4, 4)
+        self.g = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return self.f(x) + self.g(context)
+
+
+def test_a_nan_in_any_input_of_the_model_is_the_batchs_fault():
+    """Only the first input was checked: a NaN in the second was blamed on the module
+    that read it."""
+    model = TwoInputs()
+    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
+    for step in range(3):
+        context = torch.full((2, 4), math.nan) if step == 1 else torch.randn(2, 4)
+        model(torch.randn(2, 4), context).sum().backward()
+        monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    assert [(a.step, a.phase) for a in found][:1] == [(1, "input")]
+    assert monitor.errors == 0
