@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import subprocess
 import sys
 import textwrap
@@ -105,3 +106,31 @@ def test_replay_off_installs_no_hook_and_says_how_to_turn_it_on():
     assert len(model._forward_pre_hooks) == watched + 1  # capture adds exactly one
     on.close()
     assert len(model._forward_pre_hooks) == hooks
+
+
+Batch = collections.namedtuple("Batch", "x y")
+
+
+class FromBatch(torch.nn.Module):
+    """Takes a namedtuple batch, as many data loaders give."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net()
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.net(batch.x)
+
+
+def test_a_namedtuple_batch_replays_as_a_namedtuple():
+    """The captured batch was rebuilt as a plain tuple: the replayed forward's ``batch.x``
+    raised AttributeError."""
+    torch.manual_seed(0)
+    model = FromBatch()
+    monitor = breakpod.watch(model, replay=True)
+    model.net.poison.mode = "backward"
+    x, y = batch(0)
+    torch.nn.functional.cross_entropy(model(Batch(x, y)), y).backward()
+    found = monitor.replay()
+    assert found.reproduced and found.first is not None and found.first.phase == "backward"
+    monitor.close()

@@ -181,7 +181,8 @@ def _detached(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach()
     if isinstance(value, tuple):
-        return tuple(_detached(v) for v in value)
+        items = [_detached(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuple
     if isinstance(value, list):
         return [_detached(v) for v in value]
     if isinstance(value, dict):
