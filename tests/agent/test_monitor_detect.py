@@ -468,3 +468,38 @@ def test_a_nan_in_any_input_of_the_model_is_the_batchs_fault():
     found = monitor.flush() or monitor.anomalies
     assert [(a.step, a.phase) for a in found][:1] == [(1, "input")]
     assert monitor.errors == 0
+
+
+class MaskFirst(nn.Module):
+    """Returns ``(mask, values)``: its first tensor is no value to judge."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.fc(x) * (math.nan if self.bad else 1.0)
+        return y > 0, y
+
+
+class UsesMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = MaskFirst()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask, y = self.first(x)
+        return self.head(y * mask)
+
+
+def test_an_output_whose_first_tensor_is_a_mask_is_judged_on_its_values():
+    model = UsesMask()
+    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
+    for step in range(3):
+        model.first.bad = step == 1
+        model(torch.randn(2, 4)).sum().backward()
+        monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    assert [(a.step, a.module, a.phase) for a in found][:1] == [(1, "first", "forward")]

@@ -514,13 +514,14 @@ class Monitor:
                         self._check_shape(name, rule, contract, out)
                 if self._ignore_pass:
                     return  # an evaluation pass inside a training step
-                if (
-                    slot is not None
-                    and (out.is_floating_point() or out.is_complex())
-                    and _claim(out, fwd_mark, name, self._pass)
-                ):
-                    # the value, not the graph
-                    self._write_stats(slot, out.detach(), nonnegative, mode)
+                if slot is not None:
+                    # the module's first value: (mask, y) is judged on y
+                    value = (
+                        out if out.is_floating_point() or out.is_complex() else _first_value(output)
+                    )
+                    if value is not None and _claim(value, fwd_mark, name, self._pass):
+                        # the value, not the graph
+                        self._write_stats(slot, value.detach(), nonnegative, mode)
                 if back is not None:
                     self._hook_inputs(name, back, grad_hooks, inputs)
             except AnomalyError:
@@ -951,6 +952,18 @@ def _shapes(inputs: tuple[Any, ...], out: Any) -> Shapes:
 
     ins = [checks.shape_of(x) for x in inputs if isinstance(x, torch.Tensor)]
     return ins, checks.shape_of(out)
+
+
+def _first_value(output: Any) -> Any:
+    """The first floating-point or complex tensor in a module's output, if any."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() or output.is_complex() else None
+    items = output.values() if isinstance(output, dict) else output
+    if isinstance(items, (tuple, list)) or isinstance(output, dict):
+        return next((v for v in map(_first_value, items) if v is not None), None)
+    return None
 
 
 def _stand_aside() -> Callable[[], bool]:
