@@ -503,3 +503,43 @@ def test_an_output_whose_first_tensor_is_a_mask_is_judged_on_its_values():
         monitor.step()
     found = monitor.flush() or monitor.anomalies
     assert [(a.step, a.module, a.phase) for a in found][:1] == [(1, "first", "forward")]
+
+
+class CalledByKeyword(nn.Module):
+    """Calls its layer as layer(hidden_states=h), as Hugging Face models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 8)
+        self.layer = KeywordLayer()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layer(hidden_states=self.embed(x)))
+
+
+class KeywordLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bad = False
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        h = BadGrad.apply(hidden_states) if self.bad else hidden_states
+        return self.fc(h)
+
+
+def test_a_backward_nan_in_a_module_called_by_keyword_names_it():
+    """Only positional inputs got a gradient hook: the NaN went to the parameters of the
+    module before."""
+    model = CalledByKeyword()
+    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
+    for step in range(3):
+        model.layer.bad = BadGrad.on = step == 1
+        try:
+            model(torch.randn(2, 4)).sum().backward()
+        finally:
+            BadGrad.on = False
+        monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    assert [(a.step, a.module, a.phase) for a in found][:1] == [(1, "layer", "backward")]

@@ -35,7 +35,7 @@ import math
 import os
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -353,7 +353,9 @@ class Monitor:
         if bwd:
             back = self._new_slot(name, "backward", bwd, retain=any(by_name[n].parks for n in bwd))
         hook = self._forward_hook(name, module, slot, back, shapes)
-        self._handles.append(module.register_forward_hook(hook))
+        # with the call's keyword arguments: a module called as layer(hidden_states=h) has
+        # its input there
+        self._handles.append(module.register_forward_hook(hook, with_kwargs=True))
 
     def _new_slot(self, name: str, phase: str, rules: frozenset[str], **flags: Any) -> Slot:
         """A slot with its columns after the previous slots' in the per-step buffer."""
@@ -493,7 +495,7 @@ class Monitor:
         fwd_mark = self._fwd_mark
         aside = _stand_aside()
 
-        def hook(module: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        def hook(module: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             if aside() or REPLAYING[0]:  # see _guarded
                 return
             try:
@@ -524,6 +526,8 @@ class Monitor:
                         self._write_stats(slot, value.detach(), nonnegative, mode)
                 if back is not None:
                     self._hook_inputs(name, back, grad_hooks, inputs)
+                    if kwargs:
+                        self._hook_inputs(name, back, grad_hooks, kwargs.values())
             except AnomalyError:
                 raise
             except Exception as e:
@@ -616,7 +620,7 @@ class Monitor:
         name: str,
         slot: Slot,
         grad_hooks: dict[int, Callable[[Any], None]],
-        inputs: tuple[Any, ...],
+        inputs: Iterable[Any],
     ) -> None:
         """The gradient w.r.t. a module's input is what its backward produced: check it there.
 
