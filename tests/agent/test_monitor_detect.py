@@ -543,3 +543,35 @@ def test_a_backward_nan_in_a_module_called_by_keyword_names_it():
         monitor.step()
     found = monitor.flush() or monitor.anomalies
     assert [(a.step, a.module, a.phase) for a in found][:1] == [(1, "layer", "backward")]
+
+
+class NanInBackward(nn.Module):
+    """Passes its input on; its backward makes the gradient NaN when ``bad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bad = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.bad:
+            return x * 1.0
+        BadGrad.on = True
+        return BadGrad.apply(x)
+
+
+def test_a_backward_nan_after_an_in_place_activation_names_the_module_that_made_it():
+    """SiLU(inplace=True) returns its input, whose node is then SiLU's own: it hooked the
+    gradient of its output, took the tensor's one hook from the module after it, and
+    was blamed for that module's NaN."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.SiLU(inplace=True), NanInBackward(), nn.Linear(8, 1))
+    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
+    for step in range(3):
+        model[2].bad = step == 1
+        try:
+            model(torch.randn(6, 4)).sum().backward()
+        finally:
+            BadGrad.on = False
+        monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    assert [(a.step, a.module, a.phase) for a in found][:1] == [(1, "2", "backward")]
+    assert monitor.errors == 0

@@ -489,6 +489,8 @@ class Monitor:
         # outputs >= 0 (or NaN) by construction: dead units take one cheap max (checks.py)
         nonnegative = type(module) in (torch.nn.ReLU, torch.nn.ReLU6)
         mode = staging.unit_mode(slot, nonnegative) if slot is not None else ""
+        # SiLU(inplace=True) and the like: they change their input and return it
+        inplace = getattr(module, "inplace", False) is True
         # output index -> node pre-hook (-1: the tensor hook of a leaf input)
         grad_hooks: dict[int, Callable[[Any], None]] = {}
         seen = self.shapes
@@ -525,9 +527,10 @@ class Monitor:
                         # the value, not the graph
                         self._write_stats(slot, value.detach(), nonnegative, mode)
                 if back is not None:
-                    self._hook_inputs(name, back, grad_hooks, inputs)
+                    changed = out if inplace else None
+                    self._hook_inputs(name, back, grad_hooks, inputs, changed)
                     if kwargs:
-                        self._hook_inputs(name, back, grad_hooks, kwargs.values())
+                        self._hook_inputs(name, back, grad_hooks, kwargs.values(), changed)
             except AnomalyError:
                 raise
             except Exception as e:
@@ -621,31 +624,41 @@ class Monitor:
         slot: Slot,
         grad_hooks: dict[int, Callable[[Any], None]],
         inputs: Iterable[Any],
+        changed: Any,
     ) -> None:
         """The gradient w.r.t. a module's input is what its backward produced: check it there.
 
         A pre-hook on the node that produced the input sees that gradient (all
         consumers' sum, as a tensor hook would) for about half the cost of
         ``Tensor.register_hook``; a leaf input has no node, so it gets a tensor hook.
-        The hooks are made once per module and output index, not per call.
+        The hooks are made once per module and output index, not per call. An
+        in-place module (``SiLU(inplace=True)``) returns its input, ``changed``, whose
+        node is now the module's own: the input's producer is that node's first next
+        function.
         """
         if not self._grad_enabled():
             return
         for x in inputs:
-            if (
-                isinstance(x, self._tensor)
-                and x.requires_grad
-                and _first_claim(x, self._bwd_mark, name)
-            ):
-                node = x.grad_fn
+            if not (isinstance(x, self._tensor) and x.requires_grad):
+                continue
+            node = x.grad_fn
+            if x is changed and node is not None and node.next_functions:
+                # the producer before the change; x itself is the module's output, left
+                # unclaimed for the module that reads it next
+                node, index = node.next_functions[0]
+                if node is None:  # the input needed no gradient before the change
+                    continue
+            elif _first_claim(x, self._bwd_mark, name):
                 index = -1 if node is None else x.output_nr
-                hook = grad_hooks.get(index)
-                if hook is None:
-                    hook = grad_hooks[index] = self._grad_hook(slot, index)
-                if node is None:
-                    x.register_hook(hook)  # type: ignore[no-untyped-call]
-                else:
-                    node.register_prehook(hook)
+            else:
+                continue
+            hook = grad_hooks.get(index)
+            if hook is None:
+                hook = grad_hooks[index] = self._grad_hook(slot, index)
+            if node is None:
+                x.register_hook(hook)
+            else:
+                node.register_prehook(hook)
 
     def _queue_backward_end(self, *_: Any) -> None:
         if self._backward_queued or not self._params:
