@@ -372,6 +372,7 @@ class Monitor:
 
         self._grad_enabled = torch.is_grad_enabled
         self._pass = 0  # forward passes of the model so far (see _claim)
+        self._aside = False  # this pass runs inside a torch.func transform (_in_transform)
         self._tensor = torch.Tensor
         self._strided = torch.strided
         # dtypes the statistics read as they are (all others: checks.as_float32)
@@ -395,6 +396,9 @@ class Monitor:
 
     def _on_model_input(self, module: Any, inputs: tuple[Any, ...]) -> None:
         self._pass += 1  # a claim holds for one pass: a module may return one tensor each step
+        self._aside = _in_transform()  # the module hooks do nothing in this pass
+        if self._aside:
+            return
         self._sort_pass(self._current)
         slot = self._input_slot
         if slot is None or self._ignore_pass:
@@ -435,6 +439,8 @@ class Monitor:
         self._backward_end = self._guarded("gradient norms", self._on_backward_end)
 
     def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
+        if self._aside:
+            return
         out = checks.first_tensor(output)
         if out is not None and out.requires_grad:
             out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
@@ -442,10 +448,10 @@ class Monitor:
     def _guarded(self, where: str, fn: Callable[..., None]) -> Callable[..., None]:
         """Wrap a hook: a failure is reported once and swallowed; only ``stop`` raises."""
 
-        aside = _stand_aside()
+        compiling = _is_compiling()
 
         def hook(*args: Any) -> None:
-            if aside():  # torch.compile, torch.func: see _stand_aside
+            if compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
                 return
             if replaying():  # timetravel: a replayed step is not a new step
                 return
@@ -495,10 +501,10 @@ class Monitor:
         grad_hooks: dict[int, Callable[[Any], None]] = {}
         seen = self.shapes
         fwd_mark = self._fwd_mark
-        aside = _stand_aside()
+        compiling = _is_compiling()
 
         def hook(module: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if aside() or REPLAYING[0]:  # see _guarded
+            if compiling() or REPLAYING[0] or self._aside:  # see _guarded, _in_transform
                 return
             try:
                 out = output if isinstance(output, tensor_type) else checks.first_tensor(output)
@@ -542,11 +548,11 @@ class Monitor:
         """The hook that checks the gradient w.r.t. a module's input (see _forward_hook):
         a node pre-hook given the node's output gradients, of which it takes ``index``,
         or, with ``index`` -1, a tensor hook given the gradient itself."""
-        aside = _stand_aside()
+        compiling = _is_compiling()
 
         def hook(grads: Any) -> None:
             # closed: a tensor hook on a leaf (a parameter fed as an input) outlives close()
-            if aside() or REPLAYING[0] or not self.enabled:
+            if compiling() or REPLAYING[0] or not self.enabled:
                 return
             grad = grads if index < 0 else grads[index]
             if grad is None:  # an output no loss depends on has no gradient
@@ -983,23 +989,21 @@ def _first_value(output: Any) -> Any:
     return None
 
 
-def _stand_aside() -> Callable[[], bool]:
-    """A test for where hooks must do nothing, looked up once per hook, not per call:
-    inside a torch.compile trace (dynamo would trace the hooks' tensor marks and fail;
-    constant there, so a hook traces to nothing) and inside a torch.func transform
-    (``vmap``, ``grad``, ``jacrev``: they refuse the hooks' writes into the step's
-    buffers, and their tensors are not the step's)."""
-    torch = sys.modules.get("torch")
-    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or _never
-    functorch = getattr(getattr(torch, "_C", None), "_functorch", None)
-    transform = getattr(functorch, "peek_interpreter_stack", None)
-    if transform is None:
-        return compiling
+def _is_compiling() -> Callable[[], bool]:
+    """True inside a torch.compile trace (constant there, so the hook traces to nothing);
+    looked up once per hook, not per call."""
+    compiler = getattr(sys.modules.get("torch"), "compiler", None)
+    check = getattr(compiler, "is_compiling", None)
+    return check if check is not None else _never
 
-    def aside() -> bool:
-        return compiling() or transform() is not None
 
-    return aside
+def _in_transform() -> bool:
+    """Inside a torch.func transform (``vmap``, ``grad``, ``jacrev``)? They refuse the
+    hooks' writes into the step's buffers, and their tensors are not the step's. Asked
+    once per pass of the model, not per module."""
+    functorch = getattr(sys.modules["torch"]._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 def _never() -> bool:
