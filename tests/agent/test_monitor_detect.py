@@ -368,15 +368,13 @@ def test_a_tensor_a_module_returns_every_step_is_checked_every_step():
     """The mark that keeps a container from checking its submodule's output again held
     across steps: the buffer was checked once, and its NaN blamed on the consumer."""
     model = WithCache()
-    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
-    for step in range(4):
+
+    def forward(step: int) -> torch.Tensor:
         if step == 2:
             model.cache.value.fill_(math.nan)
-        model(torch.randn(3, 4)).sum().backward()
-        monitor.step()
-    found = monitor.flush() or monitor.anomalies
-    assert [(a.step, a.module) for a in found][:1] == [(2, "cache")]
-    assert monitor.errors == 0
+        return model(torch.randn(3, 4))
+
+    assert first_nonfinite(model, forward, steps=4) == (2, "cache", "forward")
 
 
 class BadGrad(torch.autograd.Function):
@@ -389,6 +387,23 @@ class BadGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[no-untyped-def]
         return grad * (math.nan if BadGrad.on else 1.0)
+
+
+def first_nonfinite(
+    model: nn.Module, forward: Callable[[int], torch.Tensor], steps: int = 3
+) -> tuple[int, str, str]:
+    """Train with the nonfinite rule alone, ``forward(step)`` making each step's output:
+    the first anomaly's step, module and phase (and no error inside the monitor)."""
+    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
+    for step in range(steps):
+        try:
+            forward(step).sum().backward()
+        finally:
+            BadGrad.on = False
+        monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    assert found and monitor.errors == 0, (found, monitor.errors)
+    return found[0].step, found[0].module, found[0].phase
 
 
 class Decoder(nn.Module):
@@ -460,14 +475,12 @@ def test_a_nan_in_any_input_of_the_model_is_the_batchs_fault():
     """Only the first input was checked: a NaN in the second was blamed on the module
     that read it."""
     model = TwoInputs()
-    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
-    for step in range(3):
+
+    def forward(step: int) -> torch.Tensor:
         context = torch.full((2, 4), math.nan) if step == 1 else torch.randn(2, 4)
-        model(torch.randn(2, 4), context).sum().backward()
-        monitor.step()
-    found = monitor.flush() or monitor.anomalies
-    assert [(a.step, a.phase) for a in found][:1] == [(1, "input")]
-    assert monitor.errors == 0
+        return model(torch.randn(2, 4), context)
+
+    assert first_nonfinite(model, forward) == (1, "f", "input")  # named after its reader
 
 
 class MaskFirst(nn.Module):
@@ -496,13 +509,12 @@ class UsesMask(nn.Module):
 
 def test_an_output_whose_first_tensor_is_a_mask_is_judged_on_its_values():
     model = UsesMask()
-    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
-    for step in range(3):
+
+    def forward(step: int) -> torch.Tensor:
         model.first.bad = step == 1
-        model(torch.randn(2, 4)).sum().backward()
-        monitor.step()
-    found = monitor.flush() or monitor.anomalies
-    assert [(a.step, a.module, a.phase) for a in found][:1] == [(1, "first", "forward")]
+        return model(torch.randn(2, 4))
+
+    assert first_nonfinite(model, forward) == (1, "first", "forward")
 
 
 class CalledByKeyword(nn.Module):
@@ -533,16 +545,12 @@ def test_a_backward_nan_in_a_module_called_by_keyword_names_it():
     """Only positional inputs got a gradient hook: the NaN went to the parameters of the
     module before."""
     model = CalledByKeyword()
-    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
-    for step in range(3):
+
+    def forward(step: int) -> torch.Tensor:
         model.layer.bad = BadGrad.on = step == 1
-        try:
-            model(torch.randn(2, 4)).sum().backward()
-        finally:
-            BadGrad.on = False
-        monitor.step()
-    found = monitor.flush() or monitor.anomalies
-    assert [(a.step, a.module, a.phase) for a in found][:1] == [(1, "layer", "backward")]
+        return model(torch.randn(2, 4))
+
+    assert first_nonfinite(model, forward) == (1, "layer", "backward")
 
 
 class NanInBackward(nn.Module):
@@ -564,14 +572,9 @@ def test_a_backward_nan_after_an_in_place_activation_names_the_module_that_made_
     gradient of its output, took the tensor's one hook from the module after it, and
     was blamed for that module's NaN."""
     model = nn.Sequential(nn.Linear(4, 8), nn.SiLU(inplace=True), NanInBackward(), nn.Linear(8, 1))
-    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
-    for step in range(3):
+
+    def forward(step: int) -> torch.Tensor:
         model[2].bad = step == 1
-        try:
-            model(torch.randn(6, 4)).sum().backward()
-        finally:
-            BadGrad.on = False
-        monitor.step()
-    found = monitor.flush() or monitor.anomalies
-    assert [(a.step, a.module, a.phase) for a in found][:1] == [(1, "2", "backward")]
-    assert monitor.errors == 0
+        return model(torch.randn(6, 4))
+
+    assert first_nonfinite(model, forward) == (1, "2", "backward")
