@@ -461,28 +461,6 @@ def test_a_loss_with_no_value_or_of_the_wrong_type_raises_no_false_alarm(loss, c
         assert said.count(f"is a {type(loss).__name__}; expected a tensor or a number") == 1
 
 
-class TwoInputs(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.f = nn.Linear(4, 4)
-        self.g = nn.Linear(4, 4)
-
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        return self.f(x) + self.g(context)
-
-
-def test_a_nan_in_any_input_of_the_model_is_the_batchs_fault():
-    """Only the first input was checked: a NaN in the second was blamed on the module
-    that read it."""
-    model = TwoInputs()
-
-    def forward(step: int) -> torch.Tensor:
-        context = torch.full((2, 4), math.nan) if step == 1 else torch.randn(2, 4)
-        return model(torch.randn(2, 4), context)
-
-    assert first_nonfinite(model, forward) == (1, "f", "input")  # named after its reader
-
-
 class MaskFirst(nn.Module):
     """Returns ``(mask, values)``: its first tensor is no value to judge."""
 
@@ -578,3 +556,16 @@ def test_a_backward_nan_after_an_in_place_activation_names_the_module_that_made_
         return model(torch.randn(6, 4))
 
     assert first_nonfinite(model, forward) == (1, "2", "backward")
+
+
+def test_an_attention_mask_of_minus_inf_is_no_bad_batch():
+    """A causal mask holds -inf by design: only the model's first argument is the batch."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+    model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    monitor = breakpod.watch(model)
+    for _ in range(3):
+        model(torch.randn(2, 5, 16), mask).sum().backward()
+        monitor.step()
+    assert monitor.flush() == [] and monitor.anomalies == [] and monitor.errors == 0

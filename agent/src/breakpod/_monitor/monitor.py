@@ -401,13 +401,10 @@ class Monitor:
             return
         self._sort_pass(self._current)
         slot = self._input_slot
-        if slot is None or self._ignore_pass:
-            return
-        # every tensor argument (x and a mask, two images...), else the first one nested
-        tensors: list[Any] = [x for x in inputs if isinstance(x, self._tensor)]
-        for x in tensors or [checks.first_tensor(inputs)]:
-            if x is not None and (x.is_floating_point() or x.is_complex()):
-                self._write_stats(slot, x.detach())
+        # the first tensor only: a later argument may hold -inf by design (an attention mask)
+        x = checks.first_tensor(inputs) if slot is not None and not self._ignore_pass else None
+        if slot is not None and x is not None and (x.is_floating_point() or x.is_complex()):
+            self._write_stats(slot, x.detach())
 
     def _sort_pass(self, record: StepRecord) -> None:
         """Evaluation under no_grad is not the training step: a training pass drops the
