@@ -269,6 +269,26 @@ def test_an_inference_mode_pass_before_training_leaves_the_monitor_working():
     assert a.step == 3 and a.phase == "input", a
 
 
+def test_a_step_ended_inside_inference_mode_leaves_the_monitor_working():
+    """The step's own state (gradient-norm baselines) first made there was made of
+    inference tensors: every later read failed."""
+    model = Wide()
+    monitor = breakpod.watch(model)
+    with torch.inference_mode():
+        model(batch(0)[0])
+        monitor.step()
+    for step in range(1, 4):
+        x, y = batch(step)
+        if step == 3:
+            x[0, 0] = float("nan")
+        F.cross_entropy(model(x), y).backward()
+        monitor.step()
+    monitor.flush()
+    assert monitor.errors == 0
+    a = next(a for a in monitor.anomalies if a.check == "nonfinite")
+    assert a.step == 3 and a.phase == "input", a
+
+
 def test_an_inference_only_job_is_still_checked():
     model = Wide()
     monitor = breakpod.watch(model)

@@ -448,12 +448,28 @@ def test_watching_again_hooks_the_gradients_the_first_monitor_hooked():
     assert first.anomalies == [] and first.errors == second.errors == 0
 
 
+def test_closing_removes_the_gradient_hooks_left_on_a_learned_input():
+    """A leaf input (a parameter fed to a module) keeps its tensor hooks across steps: each
+    watch() and close() left one more, keeping its closed monitor alive."""
+    model, x = Queries(), torch.randn(3, 4)
+    for _ in range(3):
+        monitor = breakpod.watch(model)
+        model(x).sum().backward()
+        monitor.step()
+        monitor.close()
+    assert not model.q._backward_hooks
+
+
 @pytest.mark.parametrize("loss", [torch.tensor([]), {"loss": torch.tensor(1.0)}, "1.0"])
-def test_a_loss_with_no_value_or_of_the_wrong_type_raises_no_false_alarm(loss, capfd):
+@pytest.mark.parametrize("late", [False, True], ids=["step-ends", "optimizer-ends"])
+def test_a_loss_with_no_value_or_of_the_wrong_type_raises_no_false_alarm(loss, late, capfd):
     model = nn.Linear(2, 1)
-    monitor = breakpod.watch(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    monitor = breakpod.watch(model, optimizer=opt if late else None)
     for _ in range(2):
         model(torch.randn(3, 2)).sum().backward()
+        if late:  # the loss after the optimizer ended the step
+            opt.step()
         monitor.step(loss)
     assert monitor.flush() == [] and monitor.anomalies == [] and monitor.errors == 0
     said = capfd.readouterr().err

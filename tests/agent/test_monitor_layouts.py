@@ -58,6 +58,16 @@ class Net(nn.Module):
         return self.odd(self.fc(x))
 
 
+def test_a_jagged_nested_output_keeps_its_own_shape():
+    model = Net("jagged")
+    monitor = breakpod.watch(model)
+    with torch.no_grad():
+        model(torch.randn(2, 8))
+    monitor.step()
+    assert monitor.errors == 0
+    assert str(monitor.shapes["odd"][1]).startswith("torch.Size([2, j")  # its ragged dim
+
+
 KINDS = ["sparse_coo", "sparse_csr", "nested", "jagged"]
 if torch.backends.mkldnn.is_available():
     KINDS.append("mkldnn")

@@ -318,10 +318,12 @@ class Scale(nn.Module):
         return NanWeightGrad.apply(x, self.w) if self.bad else x * self.w
 
 
+@pytest.mark.parametrize("evaluated", [False, True], ids=["", "after-an-evaluation-step"])
 @pytest.mark.parametrize("replace", ["load_state_dict(assign=True)", "to_empty from meta"])
-def test_parameters_replaced_after_watch_are_watched(replace):
+def test_parameters_replaced_after_watch_are_watched(replace, evaluated):
     """The monitor held the parameters it saw at watch(): once replaced, their gradients
-    were never checked again (or, from the meta device, every step failed)."""
+    were never checked again (or, from the meta device, every step failed). A step with
+    no backward before (an evaluation) must not hide the change."""
     if replace == "to_empty from meta":
         with torch.device("meta"):
             model = nn.Sequential(Scale(), nn.Linear(4, 1))
@@ -334,7 +336,11 @@ def test_parameters_replaced_after_watch_are_watched(replace):
         monitor = breakpod.watch(model)
         model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(3):
+    if evaluated:
+        with torch.no_grad():
+            model(torch.randn(3, 4))
+        monitor.step()
+    for step in range(int(evaluated), 3):
         model[0].bad = step == 2
         loss = model(torch.randn(3, 4)).sum()
         opt.zero_grad()

@@ -208,7 +208,9 @@ def dense_values(x: torch.Tensor) -> torch.Tensor | None:
 def shape_of(x: torch.Tensor) -> tuple[int, ...]:
     """``x.shape``; for a nested tensor, with -1 for each ragged dim (its components
     differ there; a strided nested tensor has no ``shape`` of its own)."""
-    if not x.is_nested:
+    import torch
+
+    if not x.is_nested or x.layout is not torch.strided:  # a jagged one has its own shape
         return x.shape
     sizes = x._nested_tensor_size()  # one row of sizes per component
     if not len(sizes):

@@ -77,6 +77,7 @@ _MONITOR_IDS = itertools.count()
 # model -> its monitor. Weak both ways: the monitor holds the model, so a strong
 # value would keep every watched model (and its hooks) alive forever.
 MONITORS: weakref.WeakKeyDictionary[Any, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
+REPLACED_EVERY = 64  # gradient collections between looks for replaced parameters
 
 
 Shapes = tuple[list[tuple[int, ...]], tuple[int, ...]]  # a module's input and output shapes
@@ -202,6 +203,8 @@ class Monitor:
         self._ctx = ctx or ActionContext(model=model, snapshot_dir=Path("breakpod-snapshots"))
         self._ctx.monitor = self
         self._handles: list[Any] = []
+        # leaf input -> its gradient hook (a learned input outlives the monitor)
+        self._leaf_hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         number = next(_MONITOR_IDS)
         # attributes marking the tensors this monitor checked (see _claim, _first_claim)
         self._fwd_mark, self._bwd_mark = f"_breakpod_fwd{number}", f"_breakpod_bwd{number}"
@@ -288,19 +291,24 @@ class Monitor:
         self._param_norms = NormPlan([p for _, p in state], keys=[i for i, _ in state])
         self._state_params = [p for _, p in state]
         self._missing_grads = 0  # watched parameters without a gradient at the last backward
+        self._grad_reads = 0  # gradient collections since
+        # built on the meta device: no values until to_empty() replaces them
+        self._on_meta = any(p.is_meta for _, p in self._params)
 
     def _replaced_params(self, grads: list[Any]) -> bool:
         """Were parameters replaced since they were planned (``load_state_dict(assign=True)``,
         ``to_empty()`` after building on the meta device)? The old ones stop getting
-        gradients, so this looks only when more of them than before have none."""
-        missing = sum(g is None for g in grads)
-        grew, self._missing_grads = missing > self._missing_grads, missing
-        if not grew:
+        gradients, so this looks when more of them than before have none, and every
+        :data:`REPLACED_EVERY` collections in case that came when none had any."""
+        grew = False
+        if self._current.grads_done:  # a step without a backward (evaluation) says nothing
+            missing = sum(g is None for g in grads)
+            grew, self._missing_grads = missing > self._missing_grads, missing
+        self._grad_reads += 1
+        if not (grew or self._on_meta) and self._grad_reads % REPLACED_EVERY:
             return False
-        now = [p for _, p in self._watched_params()]
-        return len(now) != len(self._params) or any(
-            p is not q for p, (_, q) in zip(now, self._params, strict=False)
-        )
+        now = dict(self.model.named_parameters())
+        return any(now.get(info.name) is not p for info, p in self._params)
 
     def _watched_params(self) -> list[tuple[ParamInfo, Any]]:
         """Parameters whose owning module some gradient or parameter rule watches."""
@@ -436,7 +444,8 @@ class Monitor:
         self._backward_end = self._guarded("gradient norms", self._on_backward_end)
 
     def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
-        if self._aside:
+        if self._aside:  # the pass inside a transform ends here: later calls are checked
+            self._aside = False
             return
         out = checks.first_tensor(output)
         if out is not None and out.requires_grad:
@@ -492,8 +501,11 @@ class Monitor:
         # outputs >= 0 (or NaN) by construction: dead units take one cheap max (checks.py)
         nonnegative = type(module) in (torch.nn.ReLU, torch.nn.ReLU6)
         mode = staging.unit_mode(slot, nonnegative) if slot is not None else ""
-        # SiLU(inplace=True) and the like: they change their input and return it
-        inplace = getattr(module, "inplace", False) is True
+        # SiLU(inplace=True) and the like: they change their input and return it (dropout
+        # need not: in evaluation, or with p=0, it returns its input untouched)
+        inplace = getattr(module, "inplace", False) is True and not isinstance(
+            module, torch.nn.modules.dropout._DropoutNd
+        )
         # output index -> node pre-hook (-1: the tensor hook of a leaf input)
         grad_hooks: dict[int, Callable[[Any], None]] = {}
         seen = self.shapes
@@ -658,8 +670,8 @@ class Monitor:
             hook = grad_hooks.get(index)
             if hook is None:
                 hook = grad_hooks[index] = self._grad_hook(slot, index)
-            if node is None:
-                x.register_hook(hook)
+            if node is None:  # a leaf keeps its hook across steps: removed by close()
+                self._leaf_hooks[x] = x.register_hook(hook)
             else:
                 node.register_prehook(hook)
 
@@ -809,6 +821,8 @@ class Monitor:
         late, self._current = self._current, StepRecord(self.step_count - 1, partial=True)
         self.record_loss(loss)
         self._current, record = late, self._current
+        if not record.entries:  # no value to check (an empty or a wrongly typed loss)
+            return
         if self.flight is not None:
             self.flight.record_loss(record.entries[-1].vec)
         self._pending.append(record)
@@ -851,7 +865,7 @@ class Monitor:
 
     def _add_state_checks(self, step: StepRecord) -> None:
         """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
-        if self._state_params:
+        if self._state_params and not self._on_meta:
             for _, keys, norms in self._param_norms(self._state_params):
                 step.entries.append(Entry("params", norms, keys=keys))
         for _, group in by_device(self._bn_modules, lambda item: item[1].running_var).items():
@@ -907,9 +921,12 @@ class Monitor:
     @contextlib.contextmanager
     def _contained(self, where: str) -> Iterator[None]:
         """A failure inside is the monitor's, reported once, never the training loop's;
-        only ``stop`` raises. (The hooks inline the same, being on the hot path.)"""
+        only ``stop`` raises. (The hooks inline the same, being on the hot path.)
+        Tensors made inside are normal ones even when the loop calls ``step()`` inside
+        ``torch.inference_mode()``: an inference tensor could never be written again."""
         try:
-            yield
+            with sys.modules["torch"].inference_mode(False):
+                yield
         except AnomalyError:
             raise
         except Exception as e:
@@ -923,9 +940,10 @@ class Monitor:
 
     def close(self) -> None:
         """Remove every hook; the monitor keeps its anomalies for inspection."""
-        for handle in self._handles:
+        for handle in [*self._handles, *self._leaf_hooks.values()]:
             handle.remove()
         self._handles.clear()
+        self._leaf_hooks.clear()
         if self.capture is not None:  # timetravel
             self.capture.close()
         if self.flight is not None:

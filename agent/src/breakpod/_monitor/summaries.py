@@ -100,7 +100,7 @@ def _values(x: Any) -> list[str]:
     if x.dtype == torch.bool:
         return [f"true={int(x.sum())}"]
     counts = nonfinite_counts(x)
-    wide = x.double() if x.is_floating_point() else x.to(torch.float64)
+    wide = x.to(torch.float32 if x.device.type == "mps" else torch.float64)  # MPS: no f64
     finite = wide[torch.isfinite(wide)]  # a copy of the finite values only
     out = []
     if finite.numel():
