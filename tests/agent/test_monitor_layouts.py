@@ -215,3 +215,25 @@ def test_hooks_stand_aside_inside_torch_func_transforms():
     assert monitor.errors == 0 and monitor.step_count == 4
     first = next(a for a in found if a.check == "nonfinite")
     assert (first.step, first.module) == (3, "2")
+
+
+def test_modules_called_directly_after_a_transformed_pass_are_checked():
+    """Per-sample gradients with torch.func, then the submodules called one by one: the
+    hooks stood aside until the model's next forward."""
+    from torch.func import functional_call, grad, vmap
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    monitor = breakpod.watch(model, [{"check": "nonfinite"}], config={"defaults": False})
+    params = {k: v.detach() for k, v in model.named_parameters()}
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (x,)).sum()
+
+    vmap(grad(loss), (None, 0))(params, torch.randn(3, 4))
+    x = torch.randn(3, 4)
+    x[0, 0] = math.nan
+    model[1](model[0](x)).sum().backward()
+    monitor.step()
+    found = monitor.flush() or monitor.anomalies
+    assert [(a.module, a.phase) for a in found][:1] == [("0", "forward")]
+    assert monitor.errors == 0
