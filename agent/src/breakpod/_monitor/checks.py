@@ -218,16 +218,19 @@ def shape_of(x: torch.Tensor) -> tuple[int, ...]:
     return (len(sizes), *(int(d[0]) if bool((d == d[0]).all()) else -1 for d in sizes.T))
 
 
-def first_tensor(value: Any) -> torch.Tensor | None:
-    """The tensor a module produced: itself, or the first one in a tuple/list/dict."""
+def first_tensor(value: Any, values_only: bool = False) -> torch.Tensor | None:
+    """The tensor a module produced: itself, or the first one in a tuple/list/dict.
+    ``values_only``: the first floating-point or complex one (``(mask, y)`` gives ``y``)."""
     import torch
 
     if isinstance(value, torch.Tensor):
+        if values_only and not (value.is_floating_point() or value.is_complex()):
+            return None
         return value
-    if isinstance(value, (tuple, list)):
-        return next((t for t in map(first_tensor, value) if t is not None), None)
     if isinstance(value, dict):
-        return first_tensor(list(value.values()))
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return next((t for v in value if (t := first_tensor(v, values_only)) is not None), None)
     return None
 
 

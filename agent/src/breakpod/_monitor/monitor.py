@@ -207,7 +207,8 @@ class Monitor:
         self._leaf_hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         number = next(_MONITOR_IDS)
         # attributes marking the tensors this monitor checked (see _claim, _first_claim)
-        self._fwd_mark, self._bwd_mark = f"_breakpod_fwd{number}", f"_breakpod_bwd{number}"
+        self._fwd_marks = (f"_breakpod_fwd{number}", f"_breakpod_pass{number}")
+        self._bwd_mark = f"_breakpod_bwd{number}"
         self._current = self._record(0)
         self._pending: list[StepRecord] = []
         self._inflight: list[tuple[list[Any], dict[Any, Any], list[StepRecord]]] = []
@@ -309,6 +310,15 @@ class Monitor:
             return False
         now = dict(self.model.named_parameters())
         return any(now.get(info.name) is not p for info, p in self._params)
+
+    def _replan_params(self) -> None:
+        """Plan for the parameters the model holds now; the detector keeps its baselines
+        when they go by the same names."""
+        before = [info for info, _ in self._params]
+        self._plan_params()
+        infos = [info for info, _ in self._params]
+        if infos != before:
+            self._detector = Detector(self.rules, infos, self._batchnorm)
 
     def _watched_params(self) -> list[tuple[ParamInfo, Any]]:
         """Parameters whose owning module some gradient or parameter rule watches."""
@@ -509,7 +519,7 @@ class Monitor:
         # output index -> node pre-hook (-1: the tensor hook of a leaf input)
         grad_hooks: dict[int, Callable[[Any], None]] = {}
         seen = self.shapes
-        fwd_mark = self._fwd_mark
+        fwd_marks = self._fwd_marks
         compiling = _is_compiling()
 
         def hook(module: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -536,9 +546,11 @@ class Monitor:
                 if slot is not None:
                     # the module's first value: (mask, y) is judged on y
                     value = (
-                        out if out.is_floating_point() or out.is_complex() else _first_value(output)
+                        out
+                        if out.is_floating_point() or out.is_complex()
+                        else checks.first_tensor(output, values_only=True)
                     )
-                    if value is not None and _claim(value, fwd_mark, name, self._pass):
+                    if value is not None and _claim(value, fwd_marks, name, self._pass):
                         # the value, not the graph
                         self._write_stats(slot, value.detach(), nonnegative, mode)
                 if back is not None:
@@ -694,11 +706,7 @@ class Monitor:
         entries = [e for e in self._current.entries if e.kind != "grads"]
         grads = [p.grad for _, p in self._params]
         if self._replaced_params(grads):
-            infos = [info for info, _ in self._params]
-            self._plan_params()
-            if [info for info, _ in self._params] != infos:  # else its baselines stay good
-                infos = [info for info, _ in self._params]
-                self._detector = Detector(self.rules, infos, self._batchnorm)
+            self._replan_params()
             grads = [p.grad for _, p in self._params]
         for _, keys, norms in self._grad_norms(grads):
             entries.append(Entry("grads", norms, keys=keys))
@@ -992,18 +1000,6 @@ def _shapes(inputs: tuple[Any, ...], out: Any) -> Shapes:
     return ins, checks.shape_of(out)
 
 
-def _first_value(output: Any) -> Any:
-    """The first floating-point or complex tensor in a module's output, if any."""
-    import torch
-
-    if isinstance(output, torch.Tensor):
-        return output if output.is_floating_point() or output.is_complex() else None
-    items = output.values() if isinstance(output, dict) else output
-    if isinstance(items, (tuple, list)) or isinstance(output, dict):
-        return next((v for v in map(_first_value, items) if v is not None), None)
-    return None
-
-
 def _is_compiling() -> Callable[[], bool]:
     """True inside a torch.compile trace (constant there, so the hook traces to nothing);
     looked up once per hook, not per call."""
@@ -1046,19 +1042,22 @@ def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
     return where in ("param", "loss") or type(module).__name__ not in rule["skip_types"]
 
 
-def _claim(tensor: Any, attr: str, name: str, pass_: int) -> bool:
+def _claim(tensor: Any, marks: tuple[str, str], name: str, pass_: int) -> bool:
     """Check a tensor once a pass: a container skips what one of its submodules already
     took in this forward pass.
 
-    The mark is an attribute on the tensor object, so it lives exactly as long
-    as the tensor (an id() table could confuse a freed tensor with a new one).
+    The marks (the module's name, the pass) are attributes on the tensor object, so
+    they live exactly as long as the tensor (an id() table could confuse a freed
+    tensor with a new one). Two plain values, not a tuple: a tuple a call is an object
+    the garbage collector tracks, made for every module in every step.
     """
-    owner = tensor.__dict__.get(attr)
-    if owner is not None and owner[1] == pass_:
-        module = owner[0]
-        if name == "" or module == name or module.startswith(name + "."):
-            return False
-    setattr(tensor, attr, (name, pass_))
+    owner_attr, pass_attr = marks
+    marked = tensor.__dict__
+    owner = marked.get(owner_attr)
+    taken = owner is not None and marked[pass_attr] == pass_  # in this pass
+    if taken and (name == "" or owner == name or owner.startswith(name + ".")):
+        return False
+    marked[owner_attr], marked[pass_attr] = name, pass_
     return True
 
 
