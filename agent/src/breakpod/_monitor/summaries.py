@@ -2,11 +2,12 @@
 
     tensor[16,64,32,32] f32 cuda:0 2.1Mb x∈[-3.2, 4.1] μ=0.01 σ=1.0 nan=3 inf=0 grad
 
-Statistics are taken over the finite values (in float64, so values near
-float32's limit do not overflow them); this reads the tensor on the host, so it
-is for debugger sessions and reports, not for hooks. A complex tensor is counted
-by its real and imaginary parts; sparse, nested, MKL-DNN and quantized tensors
-by their values; a meta tensor has none.
+Statistics are taken over the finite values, in float64 so that values near
+float32's limit do not overflow them (float32 on MPS, which has no float64).
+This reads the tensor on the host, so it is for debugger sessions and reports,
+not for hooks. A complex tensor is counted by its real and imaginary parts;
+sparse, nested, MKL-DNN and quantized tensors by their values; a meta tensor
+has none.
 """
 
 from __future__ import annotations
