@@ -2,18 +2,20 @@
 
 Two models (a small ResNet-style CNN, batch 32 x 3x64x64, and a 4-layer
 transformer encoder, batch 16 x 128 tokens x d_model 256), trained with SGD
-under eight setups: no monitoring, breakpod disabled, breakpod default rules
-with check_every=1 and 10, the default rules plus a ``break`` rule (judged
+under ten setups: no monitoring, breakpod disabled, breakpod default rules
+with check_every=1 and 10, the default rules less the flight recorder and
+less the input-gradient checks (what each of those costs), the default
+rules plus a ``break`` rule (judged
 before ``optimizer.step()``: one host read per step), 20 lines of
 hand-written hooks writing non-finite flags into a device tensor (read once
 per step: the floor of per-module checking), the per-layer ``.item()``
 checks tutorials paste into training loops, and
 ``torch.autograd.detect_anomaly()``. Then MLPs of 10 to 800 small
 Linear+ReLU modules, where the per-module cost shows: baseline, breakpod at
-check_every=1 and 10, the hand-written hooks, and the hook floor (empty
-forward hooks that put empty pre-hooks on the input gradients' nodes: the
-Python any per-module check of outputs and input gradients pays before it
-computes anything), with the added µs per module and per step. Last, each
+check_every=1 and 10 and less each of those two checks, the hand-written
+hooks, and the hook floor (empty forward hooks that put empty pre-hooks on the
+input gradients' nodes: the Python any per-module check of outputs and input
+gradients pays before it computes anything), with the added µs per module and per step. Last, each
 setup's peak resident memory, one fresh process per setup (``VmHWM``), and
 the top-level torch ops per step (the kernel launches on a GPU) from
 ``torch.profiler``, and the garbage collector's time per step (each MLP setup
@@ -167,6 +169,33 @@ class Breakpod(Setup):
         self.reads = self.monitor.reads
 
 
+class Without(Breakpod):
+    """The default rules at check_every=1 less one check, to show what that check costs:
+    the flight recorder (``BREAKPOD_FLIGHT_STEPS=0``), or the per-module input-gradient
+    checks (``nonfinite`` with ``where: [activation, param, loss]``: gradients are then
+    judged by their parameters' norms only)."""
+
+    def __init__(self, model: nn.Module, key: str) -> None:
+        Setup.__init__(self, model)
+        self.name, self.key = WITHOUT[key], key
+        from breakpod._monitor.flight import FLIGHT_ENV  # not at import: see peak_rss
+
+        rules = None
+        if key == "no input grads":
+            rules = [{"name": "nonfinite", "check": "nonfinite", "where": NO_INPUT_GRADS}]
+        else:
+            os.environ[FLIGHT_ENV] = "0"
+        self.monitor = breakpod.watch(model, rules, check_every=1)
+        os.environ.pop(FLIGHT_ENV, None)
+
+
+NO_INPUT_GRADS = ["activation", "param", "loss"]
+WITHOUT = {
+    "no flight": "breakpod, flight recorder off",
+    "no input grads": "breakpod, no input-gradient checks",
+}
+
+
 class BreakRule(Breakpod):
     """A ``break`` rule: each step is judged in the optimizer's pre-hook, one read per step."""
 
@@ -295,6 +324,8 @@ def setups(build: Callable[[], Any]) -> Iterator[Setup]:
     yield Breakpod(fresh(), 1, enabled=False)
     yield Breakpod(fresh(), 1)
     yield Breakpod(fresh(), 10)
+    yield Without(fresh(), "no flight")
+    yield Without(fresh(), "no input grads")
     yield BreakRule(fresh())
     yield DeviceFlags(fresh())
     yield ItemChecks(fresh())
@@ -310,6 +341,8 @@ def mlp_setups(build: Callable[[], Any]) -> Iterator[Setup]:
     yield Setup(fresh())
     yield Breakpod(fresh(), 1)
     yield Breakpod(fresh(), 10)
+    yield Without(fresh(), "no flight")
+    yield Without(fresh(), "no input grads")
     yield DeviceFlags(fresh())
     yield HookFloor(fresh())
 
@@ -413,7 +446,9 @@ def measure_mlps(rounds: int, sizes: tuple[int, ...] = MLP_SIZES) -> list[str]:
     return lines
 
 
-MLP_KEYS = ("check_every=1", "check_every=10", "device flags", "hook floor")
+MLP_KEYS = (
+    "check_every=1", "check_every=10", "no flight", "no input grads", "device flags", "hook floor"
+)  # fmt: skip
 MLP_RESULTS: dict[tuple[int, str], tuple[float, float]] = {}
 
 
@@ -517,7 +552,8 @@ def _peak_rss_mib() -> float:
 
 
 def peak_rss(steps: int) -> list[str]:
-    """Peak RSS per setup, each in its own process (the peak is a process-wide maximum)."""
+    """Peak RSS per setup, each in its own process (the peak is a process-wide maximum).
+    The baseline's process never imports breakpod's monitor: its imports count against it."""
     lines = [f"{'model':<12}" + "".join(f"{k:>18}" for k in RSS_SETUPS) + "   (peak RSS, MiB)"]
     for model_name in RSS_MODELS:
         peaks = {}
@@ -549,14 +585,26 @@ NO_KERNEL = {
 
 
 def launches(events: Any) -> list[Any]:
-    """Outermost torch ops (forward, and backward under autograd's nodes) that run a kernel."""
+    """Outermost torch ops (forward, and backward under autograd's nodes) that run a kernel:
+    not a ``to`` that had nothing to convert, nor breakpod's judgement on host copies."""
+    from breakpod._monitor.monitor import JUDGE_LABEL  # not at import: see peak_rss
+
     return [
         e
         for e in events
         if e.name.startswith("aten::")
         and e.name not in NO_KERNEL
         and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+        and not (e.name == "aten::to" and not e.cpu_children)
+        and not _under(e, JUDGE_LABEL)
     ]
+
+
+def _under(event: Any, label: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None and parent.name != label:
+        parent = parent.cpu_parent
+    return parent is not None
 
 
 def ops_per_step(sizes: tuple[int, ...] = (200, 800), steps: int = 3) -> list[str]:

@@ -144,6 +144,31 @@ def test_a_full_block_is_reduced_at_once_and_rows_are_reused(monkeypatch):
     assert norms.tolist() == pytest.approx([math.sqrt(6) * i for i in range(10)])
 
 
+def test_a_block_holds_the_rows_its_shape_needs_a_step_up_to_its_budget(monkeypatch):
+    """A shape met once a step keeps a small block, not a budget's worth of memory; one
+    met often grows, at a step's end, to what the step staged (up to the budget), so
+    later steps reduce it in one block."""
+    monkeypatch.setattr(staging, "MAX_ROWS", 30)
+    table = SlotTable(slots(41, total=True))
+    stager = staging.Stager(table)
+    rare, common = torch.ones(2, 3), torch.ones(4, 5)
+    flushes = []
+    for step in range(3):
+        before = stager.flushes
+        put(stager, table.slots[0], rare)
+        for slot in table.slots[1:]:
+            put(stager, slot, common * step)
+        stager.end_step()
+        flushes.append(stager.flushes - before)
+        blocks = {tuple(g.block.shape[1:]): len(g.rows) for g in stager._groups.values()}
+        assert blocks == {(2, 3): staging.FIRST_ROWS, (4, 5): 30}  # 40 staged, 30 at most
+    # first step: 5 full blocks of 8 and the rare one's; later: 30 rows, then the
+    # last 10 and the rare one's at the step's end
+    assert flushes == [6, 3, 3]
+    values = table.buffer(torch.device("cpu"))[[s.cell(NORM) for s in table.slots[1:]]]
+    assert values.tolist() == pytest.approx([math.sqrt(20) * 2] * 40)
+
+
 def test_large_tensors_and_too_many_shapes_take_the_direct_path(monkeypatch):
     table = SlotTable(slots(3, total=True))
     stager = staging.Stager(table)

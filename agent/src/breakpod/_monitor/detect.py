@@ -26,7 +26,7 @@ FLIGHT_COLUMNS = 3  # L2 norm, min, max
 TOTAL, MEAN_ABS, ZEROS, NORM, LOW, HIGH = range(6)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per watched tensor stream
 class Slot:
     """One watched tensor stream: a module's output (forward) or input gradient (backward)."""
 
@@ -72,7 +72,7 @@ class Slot:
         return self.total, self.mean_abs, self.zeros, self.pre_relu, self.flight
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)  # one per watched parameter
 class ParamInfo:
     name: str
     module: str

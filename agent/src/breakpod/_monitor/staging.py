@@ -27,6 +27,9 @@ BLOCK_BYTES = 1 << 20  # a block's memory: rows of one shape, reduced together
 # a quarter of it costs a few more reductions per step and no measurable time.
 CPU_BLOCK_BYTES = 1 << 18
 MAX_ROWS = 256
+# A new block's rows; at a step's end it grows to what the step staged (up to the
+# budget): a shape met once a step holds one row, not a budget's worth of memory.
+FIRST_ROWS = 8
 MAX_GROUPS = 32  # distinct (shape, dtype, device, mode): more take the direct path
 MAX_LAYOUTS = 256  # cached (slot order -> columns and device index) maps
 LEAN_SKIPS = (MEAN_ABS, ZEROS)  # the slow conditions' columns, measured on read steps only
@@ -39,11 +42,12 @@ class _Group:
     block: Any  # (rows, *shape)
     rows: list[Any]  # its row views, made once
     mode: str  # "" (no dead units), "pre_relu", "nonnegative" or "abs"
+    most: int  # the rows its budget allows
     slots: list[Slot] = dataclasses.field(default_factory=list)
     # its rows come from a step that skips LEAN_SKIPS (a block never spans two steps:
     # the step's end reduces every block)
     lean: bool = False
-    used: bool = True  # some tensor was staged here since the last step's end
+    staged: int = 0  # tensors staged here since the last step's end
 
 
 class Stager:
@@ -75,7 +79,8 @@ class Stager:
             group.lean = lean
         group.rows[len(group.slots)].copy_(x)
         group.slots.append(slot)
-        group.used = self._busy = True
+        group.staged += 1
+        self._busy = True
         if len(group.slots) == len(group.rows):
             self._reduce(group)
         return True
@@ -103,9 +108,12 @@ class Stager:
             self.table.add_into(device, slot, values)
         self._later.clear()
         if len(self._groups) > MAX_GROUPS // 2:
-            self._groups = {k: g for k, g in self._groups.items() if g.used}
+            self._groups = {k: g for k, g in self._groups.items() if g.staged}
         for group in self._groups.values():
-            group.used = False
+            wanted = min(group.staged, group.most)
+            if wanted > len(group.rows):
+                _grow(group, wanted)
+            group.staged = 0
 
     def drop(self) -> None:
         """Forget the staged rows (their pass was an evaluation, not the training step)."""
@@ -125,7 +133,9 @@ class Stager:
                 return
             computed = _statistics(block, group.mode, wanted)
             values = torch.stack([computed[c] for c in wanted], 1).flatten()
-            self.table.write(block.device, target, values.index_select(0, source))
+            if source is not None:  # some slot lacks a computed column
+                values = values.index_select(0, source)
+            self.table.write(block.device, target, values)
         finally:  # a failure loses this block's rows, never wedges the group
             slots.clear()
         self.flushes += 1
@@ -160,9 +170,18 @@ def _new_group(x: Any, mode: str) -> _Group:
     import torch
 
     budget = CPU_BLOCK_BYTES if x.device.type == "cpu" else BLOCK_BYTES
-    rows = max(1, min(MAX_ROWS, budget // max(1, x.numel() * x.element_size())))
-    block = lasting(torch.empty, (rows, *x.shape), dtype=x.dtype, device=x.device)
-    return _Group(block, list(block.unbind()), mode)
+    most = max(1, min(MAX_ROWS, budget // max(1, x.numel() * x.element_size())))
+    block = lasting(torch.empty, (min(most, FIRST_ROWS), *x.shape), dtype=x.dtype, device=x.device)
+    return _Group(block, list(block.unbind()), mode, most)
+
+
+def _grow(group: _Group, rows: int) -> None:
+    """A larger block for ``group`` (at a step's end: it holds no staged row)."""
+    import torch
+
+    old = group.block
+    group.block = lasting(torch.empty, (rows, *old.shape[1:]), dtype=old.dtype, device=old.device)
+    group.rows = list(group.block.unbind())
 
 
 def _columns(slots: list[Slot], skip: tuple[int, ...] = ()) -> tuple[int, ...]:
@@ -207,13 +226,17 @@ def _statistics(block: Any, mode: str, wanted: tuple[int, ...]) -> dict[int, Any
             low, high = flat.amin(1), flat.amax(1)
         else:
             low, high = torch.aminmax(flat, dim=1)
-        out[LOW], out[HIGH] = low.to(f32), high.to(f32)
+        if low.dtype != f32:  # bf16, fp16 blocks
+            low, high = low.to(f32), high.to(f32)
+        out[LOW], out[HIGH] = low, high
         out[TOTAL] = out[LOW] + out[HIGH]
     return out
 
 
 def _index(device: Any, slots: list[Slot], wanted: tuple[int, ...]) -> tuple[Any, Any]:
-    """``(source, target)``: positions in the block's values and in the table's buffer."""
+    """``(source, target)``: positions in the block's values and in the table's buffer;
+    ``source`` is None when it would take every value in order (the block's slots all
+    have every column it computes: no kernel to select them)."""
     import torch
 
     source, target = [], []
@@ -222,7 +245,8 @@ def _index(device: Any, slots: list[Slot], wanted: tuple[int, ...]) -> tuple[Any
             if (cell := slot.cell(column)) >= 0:
                 source.append(row * len(wanted) + position)
                 target.append(cell)
-    pair = torch.tensor(source), torch.tensor(target)
-    if getattr(device, "type", "cpu") == "cpu":
-        return pair
-    return tuple(t.pin_memory().to(device, non_blocking=True) for t in pair)  # type: ignore[return-value]
+    every = source == list(range(len(slots) * len(wanted)))
+    pair = [None if every else torch.tensor(source), torch.tensor(target)]
+    if getattr(device, "type", "cpu") != "cpu":
+        pair = [t if t is None else t.pin_memory().to(device, non_blocking=True) for t in pair]
+    return pair[0], pair[1]
