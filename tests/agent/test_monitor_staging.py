@@ -149,6 +149,7 @@ def test_a_block_holds_the_rows_its_shape_needs_a_step_up_to_its_budget(monkeypa
     met often grows, at a step's end, to what the step staged (up to the budget), so
     later steps reduce it in one block."""
     monkeypatch.setattr(staging, "MAX_ROWS", 30)
+    monkeypatch.setattr(staging, "FIRST_ROWS", 8)
     table = SlotTable(slots(41, total=True))
     stager = staging.Stager(table)
     rare, common = torch.ones(2, 3), torch.ones(4, 5)
@@ -161,12 +162,33 @@ def test_a_block_holds_the_rows_its_shape_needs_a_step_up_to_its_budget(monkeypa
         stager.end_step()
         flushes.append(stager.flushes - before)
         blocks = {tuple(g.block.shape[1:]): len(g.rows) for g in stager._groups.values()}
-        assert blocks == {(2, 3): staging.FIRST_ROWS, (4, 5): 30}  # 40 staged, 30 at most
+        assert blocks == {(2, 3): 8, (4, 5): 30}  # 40 staged, 30 at most
     # first step: 5 full blocks of 8 and the rare one's; later: 30 rows, then the
     # last 10 and the rare one's at the step's end
     assert flushes == [6, 3, 3]
     values = table.buffer(torch.device("cpu"))[[s.cell(NORM) for s in table.slots[1:]]]
     assert values.tolist() == pytest.approx([math.sqrt(20) * 2] * 40)
+
+
+def test_a_block_that_cannot_grow_keeps_serving(monkeypatch):
+    """Out of memory at a step's end, where a block would grow: it keeps its rows, and
+    the next steps are reduced in more blocks, not lost."""
+    table = SlotTable(slots(41, total=True))
+    stager = staging.Stager(table)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CPU out of memory (injected)")
+
+    for step in range(3):
+        for slot in table.slots:
+            put(stager, slot, torch.full((4, 5), float(step)))
+        if step == 0:  # the first block is made; growing it at this step's end fails
+            monkeypatch.setattr(staging, "lasting", out_of_memory)
+        stager.end_step()
+    (group,) = stager._groups.values()
+    assert len(group.rows) == staging.FIRST_ROWS
+    values = table.buffer(torch.device("cpu"))[[s.cell(NORM) for s in table.slots]]
+    assert values.tolist() == pytest.approx([math.sqrt(20) * 2] * 41)
 
 
 def test_large_tensors_and_too_many_shapes_take_the_direct_path(monkeypatch):

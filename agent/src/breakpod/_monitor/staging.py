@@ -28,8 +28,9 @@ BLOCK_BYTES = 1 << 20  # a block's memory: rows of one shape, reduced together
 CPU_BLOCK_BYTES = 1 << 18
 MAX_ROWS = 256
 # A new block's rows; at a step's end it grows to what the step staged (up to the
-# budget): a shape met once a step holds one row, not a budget's worth of memory.
-FIRST_ROWS = 8
+# budget): a shape met once a step holds a few rows, not a budget's worth of memory,
+# and a shape met only in one step (a new sequence length) seldom needs to grow.
+FIRST_ROWS = 32
 MAX_GROUPS = 32  # distinct (shape, dtype, device, mode): more take the direct path
 MAX_LAYOUTS = 256  # cached (slot order -> columns and device index) maps
 LEAN_SKIPS = (MEAN_ABS, ZEROS)  # the slow conditions' columns, measured on read steps only
@@ -180,8 +181,11 @@ def _grow(group: _Group, rows: int) -> None:
     import torch
 
     old = group.block
-    group.block = lasting(torch.empty, (rows, *old.shape[1:]), dtype=old.dtype, device=old.device)
-    group.rows = list(group.block.unbind())
+    try:
+        new = lasting(torch.empty, (rows, *old.shape[1:]), dtype=old.dtype, device=old.device)
+    except (RuntimeError, MemoryError):  # out of memory: the block it has still serves
+        return
+    group.block, group.rows = new, list(new.unbind())
 
 
 def _columns(slots: list[Slot], skip: tuple[int, ...] = ()) -> tuple[int, ...]:
