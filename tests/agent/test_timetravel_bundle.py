@@ -6,6 +6,7 @@ import collections
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -134,3 +135,45 @@ def test_a_namedtuple_batch_replays_as_a_namedtuple():
     found = monitor.replay()
     assert found.reproduced and found.first is not None and found.first.phase == "backward"
     monitor.close()
+
+
+class RunsCode:
+    """Unpickling it writes a file: what a crafted bundle could do instead."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (self.marker.write_text, ("ran",))
+
+
+def test_a_bundle_is_read_without_running_its_code_unless_trusted(tmp_path):
+    marker = tmp_path / "ran.txt"
+    crafted = tmp_path / "crafted.pt"
+    torch.save({"breakpod_replay": replay.BUNDLE_VERSION, "x": RunsCode(marker)}, crafted)
+    with pytest.raises(replay.ReplayError, match="add --trust"):
+        replay.replay_bundle(crafted, Net())
+    assert not marker.exists()
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_text("garbage\n")
+    with pytest.raises(replay.ReplayError, match="cannot read a replay bundle"):
+        replay.replay_bundle(garbage, Net())
+
+
+def test_a_namedtuple_batch_bundle_needs_trust_and_a_factory_must_make_a_module(tmp_path):
+    torch.manual_seed(0)
+    model = FromBatch()
+    monitor = breakpod.watch(model, replay=True)
+    model.net.poison.mode = "backward"
+    x, y = batch(0)
+    torch.nn.functional.cross_entropy(model(Batch(x, y)), y).backward()
+    path = replay.save_bundle(tmp_path / "step.pt", model, monitor.capture)
+    monitor.close()
+    with pytest.raises(replay.ReplayError, match="add --trust"):
+        replay.replay_bundle(path, FromBatch())
+    with pytest.raises(replay.ReplayError, match=r"not a torch\.nn\.Module"):
+        replay.replay_bundle(path, 5, trusted=True)
+    rebuilt = FromBatch()
+    rebuilt.net.poison.mode = "backward"
+    found = replay.replay_bundle(path, rebuilt, trusted=True)
+    assert found.reproduced and found.first is not None and found.first.phase == "backward"

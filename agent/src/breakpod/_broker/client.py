@@ -26,17 +26,25 @@ from breakpod._core.errors import BrokerError
 ENV_URL = BROKER_URL_ENV
 ENV_TOKEN = BROKER_TOKEN_ENV  # the CLI's; a job's agent reads AGENT_TOKEN_ENV
 ENV_CA = "BREAKPOD_BROKER_CA"
+MAX_REPLY = 64 << 20  # bytes: the broker's largest page is far smaller; a stream is not it
 
 
 class BrokerClient:
     def __init__(self, url: str, token: str | None, *, timeout: float = 10.0) -> None:
-        parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+        bad = BrokerError(f"broker URL {url!r} is not http(s)://HOST[:PORT]")
+        try:
+            parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+            port = parts.port  # raises on a port that is no number or out of range
+            if parts.hostname:
+                parts.hostname.encode("idna")  # raises on an empty or too long label
+        except (ValueError, UnicodeError):
+            raise bad from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise BrokerError(f"broker URL {url!r} is not http(s)://HOST[:PORT]")
+            raise bad
         self.url = f"{parts.scheme}://{parts.netloc}"
         self.base = parts.path.rstrip("/")
         self._https = parts.scheme == "https"
-        self._host, self._port = parts.hostname, parts.port
+        self._host, self._port = parts.hostname, port
         self.token = _clean_token(token)
         self.timeout = timeout
         self._conn: http.client.HTTPConnection | None = None
@@ -45,10 +53,10 @@ class BrokerClient:
 
     def register(self, session_id: str, info: dict[str, Any]) -> Any:
         """Create or refresh the session (idempotent: also after the broker lost it)."""
-        return self.request("PUT", protocol.session_path(session_id), info)
+        return self.request("PUT", protocol.session_path(_quoted(session_id)), info)
 
     def heartbeat(self, session_id: str) -> Any:
-        return self.request("POST", protocol.heartbeat_path(session_id), {})
+        return self.request("POST", protocol.heartbeat_path(_quoted(session_id)), {})
 
     def post_events(self, body: bytes | dict[str, Any]) -> Any:
         """``{"events": [...]}``, or the same already encoded."""
@@ -56,25 +64,27 @@ class BrokerClient:
 
     def poll(self, session_id: str, wait: float) -> list[dict[str, Any]]:
         """Commands for the session; the broker holds the call up to ``wait`` seconds."""
-        reply = self.request("GET", f"{protocol.commands_path(session_id)}?wait={wait:g}")
-        return list(reply["commands"])
+        reply = self.request("GET", f"{protocol.commands_path(_quoted(session_id))}?wait={wait:g}")
+        return list(self._field(reply, "commands"))
 
     def ack(self, session_id: str, command_id: str, ok: bool, detail: str) -> Any:
         body = {"ok": ok, "detail": detail}
-        return self.request("POST", protocol.ack_path(session_id, command_id), body)
+        path = protocol.ack_path(_quoted(session_id), _quoted(command_id))
+        return self.request("POST", path, body)
 
     def send_command(self, session_id: str, command: dict[str, Any]) -> str:
         """Queue a command for a session; its id."""
-        return str(self.request("POST", protocol.commands_path(session_id), command)["id"])
+        reply = self.request("POST", protocol.commands_path(_quoted(session_id)), command)
+        return str(self._field(reply, "id"))
 
     def send_job_command(self, job: str, namespace: str | None, command: dict[str, Any]) -> str:
         """Queue one command for every session of a job in ``namespace``; its id."""
         body = {**command, "namespace": namespace}
-        path = protocol.job_commands_path(urllib.parse.quote(job, safe=""))
-        return str(self.request("POST", path, body)["id"])
+        path = protocol.job_commands_path(_quoted(job))
+        return str(self._field(self.request("POST", path, body), "id"))
 
     def session(self, session_id: str) -> dict[str, Any]:
-        return dict(self.request("GET", protocol.session_path(session_id)))
+        return dict(self._field(self.request("GET", protocol.session_path(_quoted(session_id)))))
 
     def sessions(self, *, limit: int = 1000, **filters: Any) -> list[dict[str, Any]]:
         """Every session the filters select (the broker applies them; ``None`` and empty
@@ -83,14 +93,16 @@ class BrokerClient:
         found: list[dict[str, Any]] = []
         while True:
             page = self.request("GET", _with_query(protocol.SESSIONS, **params))
-            found += page["sessions"]
+            found += self._field(page, "sessions")
             if not page.get("next"):  # an older broker sends one page without `next`
                 return found
             params["cursor"] = page["next"]
 
     def events(self, **params: Any) -> list[dict[str, Any]]:
         """Recent events; ``params``: session, kind (a list repeats it), limit, since."""
-        return list(self.request("GET", _with_query(protocol.EVENTS, **params))["events"])
+        return list(
+            self._field(self.request("GET", _with_query(protocol.EVENTS, **params)), "events")
+        )
 
     def event_stream(self, **params: Any) -> Iterator[tuple[str, dict[str, Any]]]:
         """New events as they come (see :meth:`stream`), filtered as :meth:`events`."""
@@ -98,8 +110,8 @@ class BrokerClient:
 
     def attach_info(self, session_id: str, local_port: int) -> dict[str, Any]:
         """How to reach the session's listener from here, forwarding to ``local_port``."""
-        path = _with_query(protocol.attach_path(session_id), local_port=local_port)
-        return dict(self.request("GET", path))
+        path = _with_query(protocol.attach_path(_quoted(session_id)), local_port=local_port)
+        return dict(self._field(self.request("GET", path)))
 
     def whoami(self) -> dict[str, Any]:
         """Who the token is (any valid token may ask)."""
@@ -121,13 +133,28 @@ class BrokerClient:
         for attempt in (0, 1):
             try:
                 response = self._send(method, path, data, timeout)
-                payload = response.read()
+                payload = response.read(MAX_REPLY + 1)
                 break
-            except (OSError, http.client.HTTPException) as e:
+            except (OSError, http.client.HTTPException, UnicodeError) as e:
                 self.close()
                 if attempt or not isinstance(e, http.client.RemoteDisconnected | BrokenPipeError):
                     raise self._unreachable(e) from e
+        if len(payload) > MAX_REPLY:
+            self.close()
+            raise BrokerError(
+                f"{self.url} sent a reply of more than {MAX_REPLY >> 20} MiB to {method} {path}: "
+                f"is it the breakpod broker? Check --broker or ${ENV_URL}"
+            )
         return self._decode(method, path, response.status, payload)
+
+    def _field(self, reply: Any, key: str | None = None) -> Any:
+        """``reply[key]`` (or the reply, a mapping), or an error naming who answered."""
+        if isinstance(reply, dict) and (key is None or key in reply):
+            return reply if key is None else reply[key]
+        raise BrokerError(
+            f"{self.url} answered with something other than the breakpod broker's reply "
+            f"({str(reply)[:80]!r}): check --broker or ${ENV_URL}"
+        )
 
     def stream(self, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
         """Server-Sent Events from ``path`` as (event kind, data), for good: when the
@@ -208,9 +235,17 @@ class BrokerClient:
             body = json.loads(payload) if payload else None
         except ValueError:
             body = payload.decode(errors="replace")[:200]
-        if status < 400:
+        if status < 300:
             return body
         raise BrokerError(_explain(method, path, status, body, self.url), status)
+
+
+def _quoted(name: str) -> str:
+    """A session id or job name as one path segment (``#``, ``?``, ``/`` and non-ASCII
+    escaped); an empty one is refused here, not routed to some other path."""
+    if not name:
+        raise BrokerError("an empty session id or job name: give one (see `breakpod sessions`)")
+    return urllib.parse.quote(name, safe="")
 
 
 def _with_query(path: str, **params: Any) -> str:
@@ -273,6 +308,8 @@ def _clean_token(token: str | None) -> str | None:
     if token is None:
         return None
     token = token.strip()
-    if not token.isprintable() or " " in token:
-        raise BrokerError("the broker token contains spaces or control characters: check it")
+    if not token.isprintable() or " " in token or not token.isascii():
+        raise BrokerError(
+            "the broker token contains spaces, control characters or non-ASCII ones: check it"
+        )
     return token or None

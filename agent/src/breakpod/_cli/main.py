@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from collections.abc import Sequence
 
@@ -239,7 +240,9 @@ def add_asks(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     for name, func, help_, description in asks:
         p = commands.add_parser(name, help=help_, description=description)
         p.add_argument("target", metavar="SESSION_ID|JOB")
-        p.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for each rank")
+        p.add_argument(
+            "--timeout", type=_seconds, default=30.0, help="seconds to wait for each rank"
+        )
         broker_cli.add_broker_flags(p)
         p.set_defaults(func=func)
 
@@ -253,6 +256,12 @@ def add_replay(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("bundle", help="the file written by 'replay save PATH' at a park")
     p.add_argument("--model", required=True, metavar="MODULE:FACTORY")
+    p.add_argument(
+        "--trust",
+        action="store_true",
+        help="load a bundle whose inputs hold objects other than tensors and containers "
+        "(unpickling them runs code the file chooses: only for files you trust)",
+    )
     p.set_defaults(func=run_replay)
 
 
@@ -267,11 +276,23 @@ def run_replay(args: argparse.Namespace) -> int:
     sys.path.insert(0, "")  # the current folder, as `python -m` would
     try:
         factory = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise replay.ReplayError(f"--model {args.model}: {e}") from e
-    report = replay.replay_bundle(args.bundle, factory())
+        model = factory()
+    except Exception as e:  # the user's module: anything may go wrong in it
+        raise replay.ReplayError(f"--model {args.model}: {type(e).__name__}: {e}") from e
+    report = replay.replay_bundle(args.bundle, model, trusted=args.trust)
     print("\n".join(report.lines()))
     return 0 if report.reproduced is not False else 1
+
+
+def _seconds(raw: str) -> float:
+    """A positive, finite number of seconds (argparse says what was wrong otherwise)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a positive number of seconds")
+    return value
 
 
 if __name__ == "__main__":

@@ -147,6 +147,7 @@ FEATURE_ENV: dict[str, tuple[str, str, str]] = {
 }
 # Who may connect to the listener: a mistake in one of these must not open it up.
 SECURITY = frozenset({"host", "token", "require_token", "allow_insecure"})
+MAX_SECONDS = 1e9  # 31 years: any longer limit is no limit (a deadline must stay a time)
 MIN_TOKEN_LENGTH = 8  # the broker's minimum too (breakpod_broker.auth.MIN_TOKEN_LENGTH)
 HOST_CHARS = re.compile(r"[A-Za-z0-9.:%_-]+")  # names, IPv4, IPv6 (with a zone)
 
@@ -193,6 +194,27 @@ def parse_bool(name: str, raw: str) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a boolean: use 1/0, true/false, yes/no or on/off")
 
 
+def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+    """A yes/no variable a job reads as it runs: a value that is neither is said, once
+    per variable and value, and the default holds (a typo must not stop the job)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None:
+        return default
+    try:
+        return parse_bool(name, raw)
+    except ConfigError as e:
+        if (name, raw) not in _flags_said:
+            _flags_said.add((name, raw))
+            from breakpod._core.announce import announce
+
+            announce(f"{e}; keeping the default ({'on' if default else 'off'})")
+        return default
+
+
+_flags_said: set[tuple[str, str]] = set()
+
+
 def parse_seconds(name: str, raw: str) -> float:
     """Seconds as a number; ``inf``/``forever``/a negative number mean no limit."""
     value = raw.strip().lower()
@@ -201,10 +223,13 @@ def parse_seconds(name: str, raw: str) -> float:
     try:
         seconds = float(value)
     except ValueError:
+        seconds = math.nan
+    if math.isnan(seconds):
         raise ConfigError(
             f"{name}={raw!r} is not a number of seconds: use e.g. 300, 0, or 'forever'"
-        ) from None
-    return math.inf if seconds < 0 else seconds
+        )
+    # negative, or past what a clock can add (1e308 s): no limit
+    return math.inf if seconds < 0 or seconds > MAX_SECONDS else seconds
 
 
 def format_seconds(seconds: float) -> str:

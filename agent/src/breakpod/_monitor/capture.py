@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from breakpod._core.announce import announce
-from breakpod._core.config import ENV, parse_bool
+from breakpod._core.config import ENV, env_flag
 from breakpod._monitor.checks import first_tensor
 
 REPLAY_ENV = "BREAKPOD_REPLAY"
@@ -49,13 +48,9 @@ def capture_wanted(
     explicit: bool | None, parks: bool, environ: Mapping[str, str] | None = None
 ) -> bool:
     """``replay=`` argument > ``BREAKPOD_REPLAY`` > on when a rule parks or in debug mode."""
-    env = os.environ if environ is None else environ
     if explicit is not None:
         return bool(explicit)
-    if REPLAY_ENV in env:
-        return parse_bool(REPLAY_ENV, env[REPLAY_ENV])
-    debug = DEBUG_ENV in env and parse_bool(DEBUG_ENV, env[DEBUG_ENV])
-    return parks or debug
+    return env_flag(REPLAY_ENV, parks or env_flag(DEBUG_ENV, False, environ), environ)
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ import sys
 import warnings
 from typing import Any
 
-from breakpod._core.config import DISABLE_COMPILE_ENV, parse_bool
+from breakpod._core.config import DISABLE_COMPILE_ENV, env_flag
 
 ENV = DISABLE_COMPILE_ENV
 
@@ -27,11 +27,7 @@ ENV = DISABLE_COMPILE_ENV
 def apply_compile_policy(environ: dict[str, str] | None = None) -> bool:
     """Disable ``torch.compile`` when ``BREAKPOD_DISABLE_COMPILE`` is true; True if it did."""
     env = os.environ if environ is None else environ
-    try:
-        wanted = parse_bool(ENV, env.get(ENV, "0"))
-    except ValueError:
-        return False
-    if not wanted:
+    if not env_flag(ENV, False, env):
         return False
     env["TORCH_COMPILE_DISABLE"] = "1"
     config = sys.modules.get("torch._dynamo.config")

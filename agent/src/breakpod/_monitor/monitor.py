@@ -42,7 +42,7 @@ from typing import Any
 
 from breakpod._core import events, wiring
 from breakpod._core.announce import announce
-from breakpod._core.config import parse_bool
+from breakpod._core.config import env_flag
 from breakpod._core.errors import AnomalyError, ConfigError, RuleError
 from breakpod._debug import shim
 from breakpod._job import watchdog
@@ -94,10 +94,7 @@ def monitor_of(model: Any) -> Monitor | None:
 
 def monitor_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """False when ``BREAKPOD_MONITOR`` or ``AI_DEBUG_MODE`` is set to a false value."""
-    env = os.environ if environ is None else environ
-    return all(
-        parse_bool(var, env[var]) for var in ("BREAKPOD_MONITOR", "AI_DEBUG_MODE") if var in env
-    )
+    return all(env_flag(var, True, environ) for var in ("BREAKPOD_MONITOR", "AI_DEBUG_MODE"))
 
 
 def watch(

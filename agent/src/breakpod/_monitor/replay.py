@@ -211,22 +211,43 @@ def save_bundle(path: str | Path, model: Any, capture: Capture | None) -> Path:
     return target
 
 
-def replay_bundle(path: str | Path, model: Any) -> ReplayReport:
-    """Replay a saved bundle on ``model`` (built by the user's factory, same architecture)."""
+def replay_bundle(path: str | Path, model: Any, *, trusted: bool = False) -> ReplayReport:
+    """Replay a saved bundle on ``model`` (built by the user's factory, same architecture).
+
+    The bundle is read with ``weights_only`` (tensors, numbers, strings and containers
+    only): unpickling anything else runs code the file chooses. A step whose inputs
+    hold other objects (a namedtuple batch) is read only when ``trusted``."""
+    bundle = _load_bundle(Path(path), trusted)
+    if not hasattr(model, "load_state_dict") or not hasattr(model, "named_parameters"):
+        raise ReplayError(f"the factory made a {type(model).__name__}, not a torch.nn.Module")
+    try:
+        model.load_state_dict(bundle["state_dict"])
+        model.train(bundle["training"])
+        named = dict(model.named_parameters())
+        for name, grad in bundle["grads"].items():
+            named[name].grad = grad
+        inputs = StepInputs(**bundle["inputs"])
+    except (RuntimeError, KeyError, TypeError, AttributeError) as e:
+        raise ReplayError(f"{path}: the model does not match the bundle ({e!r})") from e
+    return run_step(model, inputs, compare=True)
+
+
+def _load_bundle(path: Path, trusted: bool) -> dict[str, Any]:
+    import pickle
+
     import torch
 
     try:
-        bundle = torch.load(Path(path), map_location="cpu", weights_only=False)
-    except (OSError, RuntimeError, EOFError) as e:
-        raise ReplayError(f"{path}: cannot read a replay bundle ({e})") from e
+        bundle = torch.load(path, map_location="cpu", weights_only=not trusted)
+    except pickle.UnpicklingError as e:
+        if trusted or "Unsupported global" not in str(e):  # not an object refused: garbage
+            raise ReplayError(f"{path}: cannot read a replay bundle (not a torch file)") from e
+        raise ReplayError(
+            f"{path}: holds objects other than tensors and containers, which loading would "
+            "let the file run code; if you trust who wrote it, add --trust"
+        ) from e
+    except Exception as e:  # garbage gives torch's unpickler any error
+        raise ReplayError(f"{path}: cannot read a replay bundle ({type(e).__name__}: {e})") from e
     if not isinstance(bundle, dict) or bundle.get("breakpod_replay") != BUNDLE_VERSION:
         raise ReplayError(f"{path}: not a breakpod replay bundle (write one with 'replay save')")
-    try:
-        model.load_state_dict(bundle["state_dict"])
-    except RuntimeError as e:
-        raise ReplayError(f"{path}: the model does not match the bundle: {e}") from e
-    model.train(bundle["training"])
-    named = dict(model.named_parameters())
-    for name, grad in bundle["grads"].items():
-        named[name].grad = grad
-    return run_step(model, StepInputs(**bundle["inputs"]), compare=True)
+    return bundle

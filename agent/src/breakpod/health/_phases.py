@@ -11,12 +11,11 @@ Memory per phase (peak allocated/reserved on CUDA, RSS on CPU) is opt-in:
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 import time
 from typing import Any
 
-from breakpod._core.config import parse_bool
+from breakpod._core.config import env_flag
 from breakpod.health._memory import peak_bytes, reset_peak
 
 MAX_PENDING = 256  # CUDA event pairs waiting to complete; beyond this a phase goes untimed
@@ -89,8 +88,7 @@ timers = PhaseTimers()
 
 
 def health_enabled() -> bool:
-    value = os.environ.get("BREAKPOD_HEALTH")
-    return True if value is None else parse_bool("BREAKPOD_HEALTH", value)
+    return env_flag("BREAKPOD_HEALTH", True)
 
 
 _ENABLED = health_enabled()
