@@ -57,3 +57,18 @@ def test_debug_mode_gives_the_group_room_for_a_park_and_watches_the_users_timeou
     assert found["wrapped"] is True
     assert found["timeout"] == 60 + 1800  # the hold time + an attached session's margin
     assert found["threads"] == ["breakpod-watchdog"]
+
+
+def test_a_hold_with_no_limit_gives_the_group_a_year():
+    """``forever`` (or a negative hold) made init_process_group raise OverflowError."""
+    for hold in ("forever", "-1"):
+        found = probe(ENABLE_REMOTE_DEBUG="1", BREAKPOD_HOLD_SECONDS=hold)
+        assert found["wrapped"] is True and found["timeout"] == 365 * 24 * 3600, found
+
+
+def test_a_debug_flag_that_is_no_yes_or_no_is_off_everywhere():
+    """``ENABLE_REMOTE_DEBUG=2`` was on for the watchdog and off for the .pth: peers waited
+    for a park while their process group kept the user's short timeout."""
+    found = probe(ENABLE_REMOTE_DEBUG="2")
+    assert (found["wrapped"], found["timeout"], found["threads"]) == (False, 15.0, [])
+    assert "ENABLE_REMOTE_DEBUG='2' is not a boolean" in str(found["stderr"])

@@ -38,6 +38,7 @@ BAD_SECURITY = [
 BAD_ORDINARY = [
     ("BREAKPOD_ON_DETACH", "later", "on_detach", "continue"),
     ("BREAKPOD_HOLD_SECONDS", "5m", "hold_seconds", 300.0),
+    ("BREAKPOD_HOLD_SECONDS", "nan", "hold_seconds", 300.0),  # was: a park with no end
     ("BREAKPOD_QUIT", "maybe", "quit_mode", "detach"),
     ("BREAKPOD_ATTACH_IDLE", "soon", "attach_idle", 900.0),
     ("BREAKPOD_WAIT_TIMEOUT", "later", "wait_timeout", 300.0),
@@ -142,3 +143,27 @@ def test_a_bad_local_rank_is_one_line_not_a_traceback(spawn, rank):
     assert "listening True" in child.stdout()
     assert "Traceback" not in child.stderr
     assert f"LOCAL_RANK={rank!r} is not a local rank" in child.stderr
+
+
+def test_seconds_past_what_a_clock_can_add_mean_no_limit():
+    settings, lines = Settings.load({**TOKENED, "BREAKPOD_HOLD_SECONDS": "1e308"})
+    assert settings.hold_seconds == float("inf") and not lines
+
+
+@pytest.mark.parametrize(
+    "var", ["BREAKPOD_MONITOR", "AI_DEBUG_MODE", "BREAKPOD_REPLAY", "ENABLE_REMOTE_DEBUG"]
+)
+def test_a_bad_yes_no_value_keeps_the_default_and_watch_works(monkeypatch, capfd, var):
+    """It raised out of ``watch()``: a typo in a variable killed the training job."""
+    import torch
+
+    monkeypatch.setenv(var, "maybe")
+    model = torch.nn.Linear(2, 2)
+    for _ in range(2):  # said once
+        monitor = breakpod.watch(model)
+        model(torch.ones(1, 2)).sum().backward()
+        monitor.step()
+        assert monitor.enabled and monitor.errors == 0
+        monitor.close()
+    said = [line for line in capfd.readouterr().err.splitlines() if "not a boolean" in line]
+    assert len(said) == 1 and var in said[0] and "keeping the default" in said[0], said

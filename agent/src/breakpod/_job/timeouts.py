@@ -23,22 +23,22 @@ import functools
 import importlib.abc
 import importlib.machinery
 import inspect
-import os
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-from breakpod._core.config import ENV, FALSE, Settings
+from breakpod._core.config import ENV, Settings, env_flag
 
 ATTACHED_MARGIN = 1800.0  # an attached session may last this long past the hold time
 DEFAULT_HOLD = 300.0
+LONGEST_TIMEOUT = 365 * 24 * 3600.0  # seconds: "forever", for a process group
 user_timeout: float | None = None  # seconds: the process group's own, while wrapped
 
 
 def debug_mode(env: Any = None) -> bool:
-    env = os.environ if env is None else env
-    return str(env.get(ENV["enabled"], "")).strip().lower() not in FALSE
+    """``ENABLE_REMOTE_DEBUG`` as every part of breakpod reads it (the ``.pth`` too)."""
+    return env_flag(ENV["enabled"], False, env)
 
 
 OnInit = Callable[[], None]
@@ -73,8 +73,9 @@ def _set_on_init(on_init: OnInit | None) -> None:
 
 
 def parked_timeout(user: float) -> float:
-    """The timeout the process group gets in debug mode: room for a whole park."""
-    return max(user, _hold_seconds() + ATTACHED_MARGIN)
+    """The timeout the process group gets in debug mode: room for a whole park (a hold
+    with no limit gets a year: the process group's timeout must be a number)."""
+    return min(max(user, _hold_seconds() + ATTACHED_MARGIN), LONGEST_TIMEOUT)
 
 
 def wrapped(module: ModuleType) -> bool:

@@ -39,7 +39,7 @@ from typing import Any
 from breakpod import protocol
 from breakpod._core import events, holding, wiring
 from breakpod._core.announce import announce
-from breakpod._core.config import ENV, FALSE
+from breakpod._core.config import ENV
 from breakpod._core.errors import ConfigError
 from breakpod._debug import shim
 from breakpod._debug.remote_pdb import inspect_remote
@@ -579,7 +579,7 @@ def stall_timeout_from_env(env: Mapping[str, str]) -> tuple[float, bool] | None:
                 f"{STALL_AFTER_ENV}={raw!r} is not a positive number of seconds: use e.g. 300"
             )
         return seconds, False
-    if env.get(ENV["enabled"], "").strip().lower() not in FALSE:
+    if job_timeouts.debug_mode(env):
         return DEBUG_FLOOR, True
     return None
 
