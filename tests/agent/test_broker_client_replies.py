@@ -16,7 +16,7 @@ class Replies(http.server.BaseHTTPRequestHandler):
     """``/endless``: a 200 whose body never ends; ``/html``: a web page; any other path is
     echoed back as JSON (the path as the server received it)."""
 
-    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+    def do_GET(self) -> None:
         if self.path.startswith("/endless"):
             self.send_response(200)
             self.end_headers()
@@ -27,8 +27,10 @@ class Replies(http.server.BaseHTTPRequestHandler):
             except OSError:
                 pass  # the client hung up, as it should
             return
-        body = b"<html>hi</html>" if self.path.startswith("/html") else b'{"path": "%s"}' % (
-            self.path.encode()
+        body = (
+            b"<html>hi</html>"
+            if self.path.startswith("/html")
+            else b'{"path": "%s"}' % (self.path.encode())
         )
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
