@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.agent.test_breakpoint import SCRIPT, TOKEN_ENV
 
 BREAKPOD = shutil.which("breakpod", path=str(Path(sys.executable).parent)) or "breakpod"
@@ -119,4 +121,30 @@ def test_a_reset_connection_is_a_clear_error():
     result = run_cli("attach", f"127.0.0.1:{_serve_once(script)}")
     assert result.returncode == 2
     assert "the connection to the debugger broke" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("greeting", "said"),
+    [
+        (b"", "closed the connection without a word"),  # was: exit 0, "session closed"
+        (b"SSH-2.0-OpenSSH_9.6\r\n", "said b'SSH-2.0"),  # was: attached, waited for ever
+        (b"\x00\x01\x02garbage\xff", "said b'\\x00"),  # was: raw bytes to the terminal
+    ],
+)
+def test_a_peer_that_is_no_debugger_is_named_not_attached(greeting, said):
+    def script(conn: socket.socket) -> None:
+        conn.sendall(greeting)
+        if greeting.startswith(b"SSH"):
+            time.sleep(5)  # holds the connection open, as sshd does
+        conn.close()
+
+    result = run_cli("attach", f"127.0.0.1:{_serve_once(script)}", timeout=20)
+    assert result.returncode == 2, result
+    assert said in result.stderr and "not a debugger listener" in result.stderr, result.stderr
+
+
+def test_a_host_name_with_an_empty_label_is_a_clear_error():
+    result = run_cli("attach", "a..b:1")
+    assert result.returncode == 2 and "'a..b' is not a host name" in result.stderr, result
     assert "Traceback" not in result.stderr

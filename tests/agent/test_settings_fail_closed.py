@@ -31,6 +31,7 @@ BAD_SECURITY = [
     ({"BREAKPOD_LISTENER_TOKEN": "tok abcdefgh"}, "BREAKPOD_LISTENER_TOKEN"),
     ({**TOKENED, "BREAKPOD_REQUIRE_TOKEN": "maybe"}, "BREAKPOD_REQUIRE_TOKEN"),
     ({**TOKENED, "BREAKPOD_HOST": "127.0.0.1; rm -rf"}, "BREAKPOD_HOST"),
+    ({**TOKENED, "BREAKPOD_HOST": "a..b"}, "BREAKPOD_HOST"),  # the name lookup raised
     ({**TOKENED, "BREAKPOD_ALLOW_INSECURE": "perhaps"}, "BREAKPOD_ALLOW_INSECURE"),
 ]
 

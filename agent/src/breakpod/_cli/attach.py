@@ -28,6 +28,7 @@ CONNECT_TIMEOUT = 5.0
 # debugpy listener, at once, with a DAP message. Silence this long: not ours.
 FIRST_WORDS_TIMEOUT = 10.0
 DAP_HEADER = b"Content-Length:"
+FOREIGN = (b"SSH-", b"HTTP/", b"220 ", b"+OK", b"-ERR")  # other servers' greetings
 # The last event of a debugpy adapter's greeting. Its accept loop dies when a client
 # hangs up before the greeting is written (debugpy 1.8), and the next client, the
 # engineer's VS Code, would wait for ever: the probe hears it out, up to a second.
@@ -78,7 +79,19 @@ def _first_words(sock: socket.socket, host: str, port: int) -> bytes:
         ) from None
     except OSError as e:
         raise AttachError(f"the connection to {host}:{port} broke: {e.strerror or e}") from e
+    if not data or data.startswith(FOREIGN) or not _text(data):
+        said = f"said {data[:40]!r}" if data else "closed the connection without a word"
+        raise AttachError(
+            f"{host}:{port} {said}: it is not a debugger listener (a parked process "
+            "greets with 'breakpod: ...'); check the address"
+        )
     return data
+
+
+def _text(data: bytes) -> bool:
+    """What a pdb says: UTF-8 text (perhaps cut mid-character) without control codes."""
+    text = data.decode("utf-8", errors="ignore")
+    return bool(text) and all(c.isprintable() or c in "\r\n\t" for c in text)
 
 
 def _hear_out(sock: socket.socket, data: bytes) -> None:
@@ -98,6 +111,8 @@ def _hear_out(sock: socket.socket, data: bytes) -> None:
 def connect(host: str, port: int) -> socket.socket:
     try:
         return socket.create_connection((host, port), timeout=CONNECT_TIMEOUT)
+    except UnicodeError:  # the name lookup's IDNA encoding: an empty or too long label
+        raise AttachError(f"{host!r} is not a host name: check the address") from None
     except OSError as e:
         raise AttachError(
             f"nothing accepts connections on {host}:{port} ({e.strerror or e}). "

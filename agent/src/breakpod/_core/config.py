@@ -283,11 +283,21 @@ def parse_token(name: str, raw: str) -> str | None:
 
 def parse_host(name: str, raw: str) -> str:
     host = raw.strip().strip("[]") or "127.0.0.1"
-    if not HOST_CHARS.fullmatch(host):
+    if not HOST_CHARS.fullmatch(host) or not _labels_fit(host):
         raise ConfigError(
             f"{name}={raw!r} is not a host name or IP address: use e.g. 127.0.0.1 (the default)"
         )
     return host
+
+
+def _labels_fit(host: str) -> bool:
+    """No empty or over-long label (``a..b``), which the name lookup refuses with an error
+    of its own."""
+    try:
+        host.encode("idna")
+    except UnicodeError:
+        return False
+    return True
 
 
 def parse_choice(*choices: str) -> Callable[[str, str], str]:
