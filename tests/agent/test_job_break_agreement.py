@@ -71,3 +71,36 @@ def test_a_boundary_that_races_the_tick_is_never_skipped():
     one.parks_at(1)  # rank 1 passed step 1 while its tick was on its way
     one.tick(board1, False, 0, speed=None)  # its step number read before that boundary
     assert one.break_at == 2 and board1.get(job_pause.BREAK_KEY)["step"] == 2
+
+
+def test_a_peer_killed_while_parked_is_not_waited_for_forever(monkeypatch):
+    """The peer's record stops changing (its watchdog died with it): after PEER_SILENT the
+    waiting rank stops waiting, says why, and does not pause for it again. Before, it
+    waited in ``wait_at_step`` for ever (a job not launched by one torchrun)."""
+    import time
+
+    monkeypatch.setattr(job_pause, "PEER_SILENT", 0.3)
+    monkeypatch.setattr(job_pause, "LOOK_EVERY", 0.05)
+    (zero, board0), (one, board1) = ranks()
+    one.park_note = {"where": "train.py:3", "why": "breakpoint"}
+    one.tick(board1, True, 3, speed=None)  # parks: the counter and its note
+    board1.publish({"rank": 1, "state": "parked", "time": 1.0})  # its last record
+    zero.tick(board0, False, 3, speed=None)
+    assert zero.paused and zero.peers == [1]
+    deadline = time.monotonic() + 5
+    while zero.paused and time.monotonic() < deadline:
+        time.sleep(0.05)
+        zero.tick(board0, False, 3, speed=None)
+    assert not zero.paused and zero.gone == {1} and not zero.peer_parked
+    for _ in range(3):  # the counter still holds rank 1's park: no pause for it again
+        zero.tick(board0, False, 4, speed=None)
+    assert not zero.paused
+
+
+def test_a_peer_that_resumes_takes_its_note_with_it():
+    (zero, board0), (one, board1) = ranks()
+    one.park_note = {"where": "train.py:3", "why": "breakpoint"}
+    one.tick(board1, True, 3, speed=None)
+    assert board0.get("park/1")
+    one.tick(board1, False, 3, speed=None)
+    assert not board0.get("park/1")

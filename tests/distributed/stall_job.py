@@ -34,6 +34,12 @@ PARK_AT = int(os.environ.get("PARK_AT", "3"))
 PG_TIMEOUT = float(os.environ.get("PG_TIMEOUT", "0")) or None
 STOP_FILE = os.environ.get("STOP_FILE")
 LATE_RANK = int(os.environ.get("LATE_RANK", "-1"))
+# more parks: "RANK:STEP,RANK:STEP"
+PARKS = set(filter(None, os.environ.get("PARKS", "").split(",")))
+BREAK_AT = int(os.environ.get("BREAK_AT", "-1"))  # rank 0 asks for a job-wide break here
+# this rank numbers its steps STEP_MULT times faster (ranks at different step counts)
+FAST_RANK = int(os.environ.get("FAST_RANK", "-1"))
+STEP_MULT = int(os.environ.get("STEP_MULT", "2"))
 LATE_SECONDS = 60.0  # at most
 
 
@@ -90,8 +96,12 @@ def main():
     if os.environ.get("WATCH"):
         breakpod.watch(model, optimizer=opt)
     for step in range(STEPS):
-        if RANK == PARK_RANK and step == PARK_AT:
+        if (RANK == PARK_RANK and step == PARK_AT) or f"{RANK}:{step}" in PARKS:
             breakpoint()
+        if RANK == 0 and step == BREAK_AT:
+            from breakpod._job import watchdog
+
+            print(f"rank 0 asks: {watchdog.request_break()}", file=sys.stderr, flush=True)
         batch = fetch_batch(step)
         loss = model(batch).sum()
         opt.zero_grad()
@@ -99,7 +109,7 @@ def main():
         if COLLECTIVE == "all_reduce":
             dist.all_reduce(loss.detach())
         opt.step()
-        breakpod.step()
+        breakpod.step(step * STEP_MULT if RANK == FAST_RANK else None)
         time.sleep(STEP_SLEEP)
         if STOP_FILE and told_to_stop():
             break

@@ -106,3 +106,60 @@ def test_a_real_hang_still_fails_within_the_process_group_timeout_with_a_stall_r
     assert match and match[1].startswith("rank 1 ("), job.stderr
     assert "fetch_batch" in match[1]
     assert "past the process group's timeout (15s), and no rank is parked" in job.stderr
+
+
+@pytest.mark.slow  # about 50 s
+@pytest.mark.timeout(240)
+def test_a_rank_a_job_break_has_not_reached_waits_out_the_park(tmp_path: Path):
+    """Rank 1 numbers its steps twice as fast, so the break lands at its step 2n while
+    rank 0 waits in a collective at step n: it was not paused, its own 10 s timeout ran,
+    and it ended the job mid-park; once the park ends, its wait counts from then."""
+    base = free_ports(2)
+    env = debug_env(
+        base, BREAK_AT="5", FAST_RANK="1", STEPS="40", STEP_SLEEP="0.1", PG_TIMEOUT="10"
+    )
+    env["BREAKPOD_HOLD_SECONDS"] = "25"
+    job = Job(tmp_path, 2, 29490, **env)
+    try:
+        job.wait_for(r"\[rank 1\] job-wide break at step \d+: waiting up to 25s", timeout=90)
+        assert job.wait(timeout=120) == 0, job.stderr
+    finally:
+        job.kill()
+    assert "no rank is parked" not in job.stderr and "stall:" not in job.stderr, job.stderr
+    found = parameters(job.stderr)
+    assert set(found) == {"0", "1"} and found["0"] == found["1"], job.stderr
+
+
+@pytest.mark.slow  # about 30 s
+@pytest.mark.timeout(180)
+def test_a_rank_that_resumed_is_not_named_parked_at_the_next_pause(tmp_path: Path):
+    base = free_ports(3)
+    env = debug_env(base, PARKS="1:2,2:6", STEPS="9", STEP_SLEEP="0.1")
+    env["BREAKPOD_HOLD_SECONDS"] = "3"
+    job = Job(tmp_path, 3, 29492, **env)
+    try:
+        assert job.wait(timeout=120) == 0, job.stderr
+    finally:
+        job.kill()
+    waits = re.findall(r"^breakpod: \[rank 0\] (.*); this rank waits at step (\d+)$",
+                       job.stderr, re.MULTILINE)  # fmt: skip
+    assert [step for _, step in waits] == ["2", "6"], job.stderr
+    assert waits[1][0].startswith("rank 2 parked at") and "rank 1" not in waits[1][0], waits
+
+
+@pytest.mark.slow  # about 20 s
+@pytest.mark.timeout(180)
+def test_a_hang_before_the_first_step_fails_within_the_process_group_timeout(tmp_path: Path):
+    """Debug mode took it for the time before the first step, when a job may load for a
+    long time, and the rank waited in DDP's first collective for hold + 30 minutes."""
+    base = free_ports(2)
+    env = debug_env(base, STALL_RANK="1", STALL_AT="0", STEPS="5", PG_TIMEOUT="10")
+    job = Job(tmp_path, 2, 29494, **env)
+    try:
+        _, hung = job.wait_for(r"rank 1 stalls now", timeout=90)
+        rc = job.wait(timeout=60)
+        failed = time.monotonic() - hung
+    finally:
+        job.kill()
+    assert rc != 0 and failed < 10 + 25, (failed, job.stderr)
+    assert "past the process group's timeout (10s), and no rank is parked" in job.stderr

@@ -34,6 +34,10 @@ from breakpod._job import board as job
 BREAK_AHEAD_SECONDS = 2.0  # the agreed break step lies this far ahead of the fastest rank
 MAX_BREAK_AHEAD = 1000  # steps
 BREAK_KEY = "break"  # not protocol: the board key of a job-wide break
+# A parked peer's watchdog publishes its record every tick, debugger or not; one whose
+# record has not changed for this long is gone (killed), and nobody waits for it.
+PEER_SILENT = 30.0  # seconds, of this rank's clock
+LOOK_EVERY = 5.0  # seconds between looks at the parked peers' records
 
 
 class JobPause:
@@ -55,6 +59,11 @@ class JobPause:
         self.break_done: int | None = None  # the job break this rank resumed from
         self.passed = -1  # the last step boundary the training thread passed
         self.lock = threading.Lock()  # break_at and passed change together
+        # a peer is parked (a collective may wait on it, paused or not: see watchdog)
+        self.peer_parked = False
+        self.gone: set[int] = set()  # parked peers that stopped publishing: not waited for
+        self._heard: dict[int, tuple[Any, float]] = {}  # rank -> (record time, seen at)
+        self._looked = 0.0
 
     @property
     def paused(self) -> bool:
@@ -82,21 +91,58 @@ class JobPause:
     def _publish(self, board: job.Board, parked: bool, step: int) -> None:
         if parked == self.published:
             return
-        if parked:
-            for_break = self.parked_for if self.break_at is None else None
-            note = {**self.park_note, "step": step, "break": for_break}
-            board.put(f"park/{self.place.rank}", note)
+        for_break = self.parked_for if self.break_at is None else None
+        # resumed: the note goes, or peers would name this rank as parked at later pauses
+        note = {**self.park_note, "step": step, "break": for_break} if parked else {}
+        board.put(f"park/{self.place.rank}", note)
         board.count_parked(1 if parked else -1)
         self.published = parked
 
     def _notice_peers(self, board: job.Board, parked: bool, step: int) -> None:
-        others = board.count_parked() - (1 if self.published else 0)
+        others = board.count_parked() - (1 if self.published else 0) - len(self.gone)
+        gone = others > 0 and self._peers_gone(board)
+        if gone:
+            others = 0
+        if self.peer_parked and others <= 0:  # a collective's wait counts from now
+            self.over_at = time.monotonic()
+        self.peer_parked = others > 0
         if others > 0 and not self.paused and not parked and self.break_at is None:
             self._pause(board, step)
         elif others <= 0 and self.paused:
-            announce(f"rank {_names(self.peers)} resumed; this rank continues")
-            events.emit(protocol.RESUMED, step=step, why="the parked rank resumed")
+            if not gone:  # said by _peers_gone
+                announce(f"rank {_names(self.peers)} resumed; this rank continues")
+            why = "the parked rank stopped reporting" if gone else "the parked rank resumed"
+            events.emit(protocol.RESUMED, step=step, why=why)
             self._release()
+
+    def _peers_gone(self, board: job.Board) -> bool:
+        """Every parked peer stopped publishing (killed while parked): stop waiting for it.
+        Judged on this rank's clock (records' times only need to change), every
+        LOOK_EVERY seconds."""
+        now = time.monotonic()
+        if now - self._looked < LOOK_EVERY:
+            return False
+        self._looked = now
+        records = board.read()
+        parked = []
+        for rank, record in records.items():
+            if rank == self.place.rank or record.get("state") != protocol.PARKED:
+                continue
+            heard, seen_at = self._heard.get(rank, (None, now))
+            if record.get("time") != heard:
+                heard, seen_at = record.get("time"), now
+            self._heard[rank] = (heard, seen_at)
+            if rank not in self.gone:
+                parked.append((rank, now - seen_at))
+        silent = [rank for rank, quiet in parked if quiet > PEER_SILENT]
+        if not parked or len(silent) < len(parked):
+            return False
+        self.gone.update(silent)
+        announce(
+            f"rank {_names(silent)} stopped reporting while parked (over {PEER_SILENT:g}s): "
+            "this rank stops waiting for it"
+        )
+        return True
 
     def _pause(self, board: job.Board, step: int) -> None:
         notes = {r: board.get(f"park/{r}") for r in range(self.place.world_size)}
@@ -104,7 +150,10 @@ class JobPause:
         self.peers = [
             r
             for r, n in notes.items()
-            if n and r != self.place.rank and (over is None or n.get(BREAK_KEY) != over)
+            if n
+            and r != self.place.rank
+            and r not in self.gone
+            and (over is None or n.get(BREAK_KEY) != over)
         ]
         if not self.peers:  # only ranks of a finished job break, about to continue
             return

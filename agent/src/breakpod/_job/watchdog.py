@@ -175,9 +175,13 @@ class Watchdog:
 
     def _held(self) -> bool:
         """Parked, waiting for a parked peer, or before the first step when asked."""
-        if holding.is_held() or (self.pause is not None and self.pause.paused):
-            return True
-        return self.after_first_step and self.step is None
+        return self._parked() or (self.after_first_step and self.step is None)
+
+    def _parked(self) -> bool:
+        """This rank or a peer is parked: a collective may wait on it for the whole park
+        (a rank that a job-wide break has not reached yet is not paused, and waits)."""
+        pause = self.pause
+        return holding.is_held() or (pause is not None and (pause.paused or pause.peer_parked))
 
     def _tick_pause(self, pause: job_pause.JobPause) -> None:
         if self.board is None and not self._connect():
@@ -216,7 +220,8 @@ class Watchdog:
         with no rank parked (debug mode owns that timeout, see job_timeouts)."""
         limit, pause = job_timeouts.user_timeout, self.pause
         progress = collectives.progress
-        if limit is None or pause is None or not progress.waiting or self._held():
+        # not _held(): before the first step a collective (DDP's first broadcast) can hang too
+        if limit is None or pause is None or not progress.waiting or self._parked():
             return None
         waited = time.monotonic() - max(progress.changed_at, pause.over_at)
         return waited if waited > limit else None
