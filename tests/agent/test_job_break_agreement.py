@@ -98,7 +98,7 @@ def test_a_peer_killed_while_parked_is_not_waited_for_forever(monkeypatch):
 
 
 def test_a_peer_that_resumes_takes_its_note_with_it():
-    (zero, board0), (one, board1) = ranks()
+    (_, board0), (one, board1) = ranks()
     one.park_note = {"where": "train.py:3", "why": "breakpoint"}
     one.tick(board1, True, 3, speed=None)
     assert board0.get("park/1")
