@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -65,3 +67,18 @@ def test_the_readme_shape_example_has_no_false_positive_on_a_transformer_encoder
     monitor.step()
     assert [a for a in monitor.anomalies if a.check == "shape"] == []
     monitor.close()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        ({"model": None}, "expected a torch.nn.Module, got NoneType"),
+        ({"expect": "B,4"}, "expected a mapping of module names to shapes"),
+        ({"optimizer": 5}, "expected a torch.optim.Optimizer, got int"),
+        ({"rules": "a\0b"}, "a path cannot hold a NUL character"),
+        ({"rules": "/dev/zero"}, "larger than 1 MiB"),  # was: read until memory ran out
+    ],
+)
+def test_what_watch_is_given_is_checked_with_a_plain_message(arguments, said):
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        breakpod.watch(**{"model": torch.nn.Linear(2, 2), **arguments})

@@ -269,3 +269,10 @@ def test_wrong_tokens_delay_a_remote_guesser_longer_than_everyone_else():
     throttle.failed("127.0.0.1", 100.0)  # loopback (port-forward) peers share the overall one
     assert throttle.wait("127.0.0.1", 100.0) == OVERALL_CAP
     assert throttle.wait("203.0.113.5", 101.0 + FORGET_AFTER) == 0  # quiet for a minute
+
+
+def test_the_nc_hint_takes_an_ipv6_address_apart():
+    from breakpod._debug.shim import _nc_args
+
+    assert _nc_args("[::1]:5678") == "::1 5678"  # was: "[  1] 5678"
+    assert _nc_args("127.0.0.1:5678") == "127.0.0.1 5678"

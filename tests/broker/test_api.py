@@ -9,6 +9,7 @@ import httpx
 import pytest
 import redis
 
+from breakpod import protocol
 from breakpod_broker import keys
 from breakpod_broker.auth import PUBLIC_PATHS
 from tests.brokerkit import ADMIN, AGENT, AGENT2, VIEWER, post_events, register
@@ -348,3 +349,12 @@ def test_the_broker_accepts_every_event_kind_the_agent_sends():
     accepted = typing.get_args(models.EventIn.model_fields["kind"].annotation)
     assert emitter.KINDS.issubset(accepted)
     assert emitter.STATE_OF_KIND.items() <= protocol.STATE_OF_KIND.items()
+
+
+def test_events_of_a_session_whose_id_is_as_long_as_allowed_are_kept(broker):
+    """An event's id is its session's id, a dot and a number: 422 for a 128-character
+    session id, so its anomaly and finished events were lost."""
+    longest = "s" * protocol.SESSION_ID_MAX
+    register(broker, longest)
+    sent = post_events(broker, event(f"{longest}.12345", session=longest))
+    assert sent.status_code == 200 and sent.json()["accepted"] == 1, sent.text

@@ -117,7 +117,7 @@ DAP_LISTENER: Final = "debugpy"  # editors (VS Code) attach to this one
 SESSION_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SESSION_ID_MAX: Final = 128
 ADDRESS_PATTERN: Final = r"^\[?[A-Za-z0-9._:-]{1,200}\]?:\d{1,5}$"
-EVENT_ID_PATTERN: Final = r"^[A-Za-z0-9._-]{1,128}$"
+EVENT_ID_PATTERN: Final = r"^[A-Za-z0-9._-]{1,160}$"  # a session id, ".", a number
 # Kubernetes object names (they reach the engineer's kubectl argv): DNS-1123.
 DNS_LABEL_MAX: Final = 63
 DNS_SUBDOMAIN_MAX: Final = 253

@@ -196,7 +196,7 @@ def open_session(
     target = net.local_address(listener.host, listener.port)
     announce(
         f"{reason}: waiting up to {format_seconds(hold_seconds)} for a debugger on {address}; "
-        f"attach with: breakpod attach {target}  (or: nc {target.replace(':', ' ')})"
+        f"attach with: breakpod attach {target}  (or: nc {_nc_args(target)})"
         + ("; a token is required: set BREAKPOD_LISTENER_TOKEN" if listener.requires_token else "")
     )
     events.emit(protocol.PARKED, backend=protocol.DEFAULT_LISTENER, address=address, reason=reason)
@@ -336,3 +336,9 @@ def env_settings() -> Settings:
     for line in problems:
         announce(line)
     return settings
+
+
+def _nc_args(target: str) -> str:
+    """``HOST PORT`` for nc, from ``HOST:PORT`` or ``[V6]:PORT``."""
+    host, _, port = target.rpartition(":")
+    return f"{host.strip('[]')} {port}"

@@ -115,6 +115,7 @@ def watch(
     ``check_every``, ``expect`` and ``snapshot_dir``; explicit arguments win.
     With ``BREAKPOD_MONITOR=0`` (or ``AI_DEBUG_MODE=0``) nothing is installed.
     """
+    _check_arguments(model, optimizer, expect)
     settings = _config(config)
     every = check_every if check_every is not None else settings.get("check_every", 1)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -132,6 +133,20 @@ def watch(
     )
     monitor.start_capture(replay)  # timetravel
     return monitor
+
+
+def _check_arguments(model: Any, optimizer: Any, expect: Any) -> None:
+    """What ``watch()`` is given, said plainly rather than failing deep inside torch."""
+    if not callable(getattr(model, "named_modules", None)):
+        raise ConfigError(f"watch(model): expected a torch.nn.Module, got {type(model).__name__}")
+    if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
+        got = type(optimizer).__name__
+        raise ConfigError(f"watch(optimizer=...): expected a torch.optim.Optimizer, got {got}")
+    if expect is not None and not isinstance(expect, Mapping):
+        raise ConfigError(
+            f"watch(expect={expect!r}): expected a mapping of module names to shapes, "
+            "e.g. {'fc1': 'B,128'}"
+        )
 
 
 def _config(config: Any) -> dict[str, Any]:

@@ -187,6 +187,9 @@ def _as_list(value: Any) -> list[Any]:
     return list(value)
 
 
+MAX_RULES_BYTES = 1 << 20
+
+
 def read_yaml(path: Path) -> Any:
     """A YAML file's content; a clear :class:`RuleError` when it cannot be read or parsed."""
     try:
@@ -195,9 +198,14 @@ def read_yaml(path: Path) -> Any:
         raise RuleError(
             f"rules file {path}: reading YAML needs PyYAML (pip install pyyaml)"
         ) from None
+    if "\0" in str(path):
+        raise RuleError(f"rules file {str(path)!r}: a path cannot hold a NUL character")
     try:
-        text = path.read_text(encoding="utf-8")
-        return yaml.safe_load(text)
+        with path.open("rb") as f:  # not read_text: /dev/zero or a huge file has no end
+            raw = f.read(MAX_RULES_BYTES + 1)
+        if len(raw) > MAX_RULES_BYTES:
+            raise RuleError(f"rules file {path}: larger than {MAX_RULES_BYTES >> 20} MiB")
+        return yaml.safe_load(raw.decode("utf-8"))
     except OSError as e:
         raise RuleError(f"rules file {path}: cannot read it ({e.strerror})") from None
     except UnicodeDecodeError as e:
