@@ -74,3 +74,30 @@ def test_the_broker_gets_one_job_stall_event_naming_the_culprit(broker, tmp_path
 
 def _all_stalled(listing: str) -> str | None:
     return listing if listing.count(" stalled") >= 3 else None
+
+
+@pytest.mark.slow  # about 40 s
+@pytest.mark.timeout(180)
+def test_a_rank_that_breakpod_ends_at_the_timeout_reads_finished_not_stalled(broker, tmp_path):
+    """Debug mode ends a rank whose collective passed the process group's timeout with
+    ``os._exit(1)``, which skips the exit handler that reports ``finished``: the rank read
+    ``stalled``, then ``lost``."""
+    env = {"BREAKPOD_BROKER_URL": broker.url, "BREAKPOD_AGENT_TOKEN": AGENT}
+    env.update(ENABLE_REMOTE_DEBUG="1", PG_TIMEOUT="10", STALL_RANK="1", STALL_AT="3")
+    job = Job(tmp_path, 2, PORT + 2, STEPS="8", STEP_SLEEP="0.1", **env)
+    try:
+        job.wait_for(r"rank 1 stalls now", timeout=60)
+        assert job.wait(timeout=90) != 0
+        assert "exiting with status 1, as the process group's timeout would have" in job.stderr
+        listing = wait_until(lambda: _finished(broker, f"job-{PORT + 2}"), timeout=20)
+    finally:
+        job.kill()
+    assert "rank 0 finished" in listing, listing
+    with broker.client(VIEWER) as c:
+        ended = c.get("/v1/events", params={"kind": "finished", "limit": 100}).json()["events"]
+    assert any(e["fields"].get("exit") == 1 for e in ended), ended
+
+
+def _finished(broker, job: str) -> str | None:
+    listing = cli(broker, VIEWER, "sessions", "--job", job)
+    return listing if "rank 0 finished" in listing else None

@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     class Link(Protocol):
         def flush(self, timeout: float = ...) -> bool: ...
 
+        def finish(self, how: dict[str, int] | None = ...) -> None: ...
+
 
 _connector: Callable[[], Link | None] | None = None
 
@@ -43,5 +45,16 @@ def flush(seconds: float) -> None:
     try:
         if link is not None:
             link.flush(seconds)
+    except Exception:
+        return
+
+
+def finish(how: dict[str, int]) -> None:
+    """Report this process finished, as ``how`` (``{"exit": 1}``), before an ``os._exit``
+    that skips the exit handlers that would; never raises."""
+    link = connect()
+    try:
+        if link is not None:
+            link.finish(how)
     except Exception:
         return

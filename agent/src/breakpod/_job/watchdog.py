@@ -619,5 +619,6 @@ def _exit_like_torch() -> None:
     announce("exiting with status 1, as the process group's timeout would have")
     try:
         wiring.flush(2.0)  # the stall event reaches the broker first
+        wiring.finish({"exit": 1})  # os._exit skips the exit handler that would say so
     finally:
         os._exit(1)
