@@ -85,3 +85,17 @@ def test_a_malformed_url_is_refused_with_what_is_expected(url):
 def test_a_token_the_http_header_cannot_carry_is_refused():
     with pytest.raises(BrokerError, match="non-ASCII"):
         BrokerClient("http://127.0.0.1:9", "tökén€€€€€€")
+
+
+@pytest.mark.timeout(30)
+def test_an_event_stream_from_a_server_that_never_answers_times_out(monkeypatch):
+    """``breakpod events -f`` against a port that accepts and says nothing hung for ever."""
+    import socket
+
+    from breakpod._broker import client as broker_client
+
+    monkeypatch.setattr(broker_client, "STREAM_SILENCE", 1.0)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        client = BrokerClient(f"http://127.0.0.1:{silent.getsockname()[1]}", None, timeout=1.0)
+        with pytest.raises(BrokerError, match="timed out"):
+            next(client.event_stream())

@@ -26,6 +26,7 @@ from breakpod._core.errors import BrokerError
 ENV_URL = BROKER_URL_ENV
 ENV_TOKEN = BROKER_TOKEN_ENV  # the CLI's; a job's agent reads AGENT_TOKEN_ENV
 ENV_CA = "BREAKPOD_BROKER_CA"
+STREAM_SILENCE = 30.0  # seconds without a byte, not even a keepalive, on an event stream
 MAX_REPLY = 64 << 20  # bytes: the broker's largest page is far smaller; a stream is not it
 
 
@@ -172,7 +173,8 @@ class BrokerClient:
     def _stream_once(
         self, path: str, last_id: str | None
     ) -> Iterator[tuple[str, dict[str, Any], str | None]]:
-        conn = self._connect(None)
+        # the broker sends a keepalive every 2 s: silence this long means it is not there
+        conn = self._connect(max(self.timeout, STREAM_SILENCE))
         headers = self._headers(None, sse=True)
         if last_id:
             headers["Last-Event-ID"] = last_id

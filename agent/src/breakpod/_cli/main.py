@@ -177,7 +177,11 @@ def add_sessions(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     from breakpod._cli import broker as broker_cli
 
     p = commands.add_parser("sessions", help="list the sessions the broker knows")
-    p.add_argument("--state", help="only sessions in this state (parked, lost, ...)")
+    p.add_argument(
+        "--state",
+        choices=(*protocol.STATES, protocol.LOST),
+        help="only sessions in this state",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--job", help="only the ranks of this job")
     broker_cli.add_broker_flags(p)
