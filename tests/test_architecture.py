@@ -152,7 +152,6 @@ AGENT_LAYERS = (
             "breakpod._core.events",
             "breakpod._core.holding",
             "breakpod._core.wiring",
-            "breakpod._core.announce",
         ),
         *(
             "breakpod._core.notice",
@@ -163,8 +162,12 @@ AGENT_LAYERS = (
         "breakpod._core.throttle",
         independent=False,
     ),
+    # settings, the wire protocol, errors, and the one line a user must see (config says a
+    # bad yes/no value through it)
     grimp.Layer(
-        "breakpod.protocol", "breakpod._core.config", "breakpod._core.errors", independent=False
+        *("breakpod.protocol", "breakpod._core.config", "breakpod._core.errors"),
+        "breakpod._core.announce",
+        independent=False,
     ),
 )
 

@@ -99,3 +99,13 @@ def test_an_event_stream_from_a_server_that_never_answers_times_out(monkeypatch)
         client = BrokerClient(f"http://127.0.0.1:{silent.getsockname()[1]}", None, timeout=1.0)
         with pytest.raises(BrokerError, match="timed out"):
             next(client.event_stream())
+
+
+def test_a_job_whose_ranks_all_ended_is_named_so_not_unknown():
+    from breakpod._cli.broker import job_sessions
+
+    ended = [{"id": "a", "job": "j1", "state": "finished", "rank": 0}]
+    with pytest.raises(BrokerError, match="job 'j1' has no running rank"):
+        job_sessions(ended, "j1")  # was: "no session or running job 'j1'; jobs ... : j1"
+    with pytest.raises(BrokerError, match="jobs the broker knows: j1"):
+        job_sessions(ended, "j2")

@@ -104,3 +104,28 @@ def test_a_peer_that_resumes_takes_its_note_with_it():
     assert board0.get("park/1")
     one.tick(board1, False, 3, speed=None)
     assert not board0.get("park/1")
+
+
+def test_a_peer_taken_for_gone_that_reports_again_is_waited_for_again(monkeypatch):
+    """Its record changes again (its watchdog was only slow): it counts again, and a
+    second park of it pauses this rank; a silent one among two parked does not release
+    the rank from the other."""
+    import time
+
+    monkeypatch.setattr(job_pause, "PEER_SILENT", 0.2)
+    monkeypatch.setattr(job_pause, "LOOK_EVERY", 0.0)
+    (zero, board0), (one, board1), (two, board2) = ranks(3)
+    for peer, board in ((one, board1), (two, board2)):
+        peer.park_note = {"where": "train.py:3", "why": "breakpoint"}
+        peer.tick(board, True, 3, speed=None)
+    board1.publish({"rank": 1, "state": "parked", "time": 1.0})
+    board2.publish({"rank": 2, "state": "parked", "time": 1.0})
+    zero.tick(board0, False, 3, speed=None)
+    assert zero.paused and zero.peers == [1, 2]
+    time.sleep(0.3)
+    board2.publish({"rank": 2, "state": "parked", "time": 2.0})  # rank 2 is alive
+    zero.tick(board0, False, 3, speed=None)
+    assert zero.gone == {1} and zero.paused  # still waits for rank 2
+    board1.publish({"rank": 1, "state": "parked", "time": 3.0})  # rank 1 reports again
+    zero.tick(board0, False, 3, speed=None)
+    assert zero.gone == set() and zero.paused and zero.peer_parked

@@ -123,6 +123,11 @@ def job_sessions(sessions: list[dict[str, Any]], target: str) -> list[dict[str, 
     ]
     if not live:
         jobs = sorted({s["job"] for s in sessions if s.get("job")})
+        if target in jobs:  # known, but none of its ranks runs
+            raise BrokerError(
+                f"job {target!r} has no running rank (its sessions are finished or lost): "
+                f"see breakpod sessions --job {target}"
+            )
         raise BrokerError(
             f"no session or running job {target!r}; jobs the broker knows: {', '.join(jobs) or '-'}"
         )

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from breakpod import protocol
+from breakpod._core.announce import announce
 from breakpod._core.errors import ConfigError
 
 DEFAULT_PORT = 5678
@@ -206,8 +207,6 @@ def env_flag(name: str, default: bool, environ: Mapping[str, str] | None = None)
     except ConfigError as e:
         if (name, raw) not in _flags_said:
             _flags_said.add((name, raw))
-            from breakpod._core.announce import announce
-
             announce(f"{e}; keeping the default ({'on' if default else 'off'})")
         return default
 

@@ -99,50 +99,49 @@ class JobPause:
         self.published = parked
 
     def _notice_peers(self, board: job.Board, parked: bool, step: int) -> None:
-        others = board.count_parked() - (1 if self.published else 0) - len(self.gone)
-        gone = others > 0 and self._peers_gone(board)
-        if gone:
-            others = 0
+        others = board.count_parked() - (1 if self.published else 0)
+        gone = self._look(board) if others > 0 or self.gone else []
+        others -= len(self.gone)  # their 1s stay in the counter: nobody takes them back
         if self.peer_parked and others <= 0:  # a collective's wait counts from now
             self.over_at = time.monotonic()
         self.peer_parked = others > 0
         if others > 0 and not self.paused and not parked and self.break_at is None:
             self._pause(board, step)
         elif others <= 0 and self.paused:
-            if not gone:  # said by _peers_gone
+            if not gone:  # said by _look
                 announce(f"rank {_names(self.peers)} resumed; this rank continues")
             why = "the parked rank stopped reporting" if gone else "the parked rank resumed"
             events.emit(protocol.RESUMED, step=step, why=why)
             self._release()
 
-    def _peers_gone(self, board: job.Board) -> bool:
-        """Every parked peer stopped publishing (killed while parked): stop waiting for it.
-        Judged on this rank's clock (records' times only need to change), every
-        LOOK_EVERY seconds."""
+    def _look(self, board: job.Board) -> list[int]:
+        """Parked peers that stopped publishing (killed while parked): from now on nobody
+        waits for them; one that publishes again, or no longer reads parked, counts
+        again. Judged on this rank's clock (records' times only need to change), every
+        LOOK_EVERY seconds; the ranks found gone at this look."""
         now = time.monotonic()
         if now - self._looked < LOOK_EVERY:
-            return False
+            return []
         self._looked = now
-        records = board.read()
-        parked = []
-        for rank, record in records.items():
-            if rank == self.place.rank or record.get("state") != protocol.PARKED:
+        silent = []
+        for rank, record in board.read().items():
+            if rank == self.place.rank:
                 continue
             heard, seen_at = self._heard.get(rank, (None, now))
             if record.get("time") != heard:
                 heard, seen_at = record.get("time"), now
             self._heard[rank] = (heard, seen_at)
-            if rank not in self.gone:
-                parked.append((rank, now - seen_at))
-        silent = [rank for rank, quiet in parked if quiet > PEER_SILENT]
-        if not parked or len(silent) < len(parked):
-            return False
-        self.gone.update(silent)
-        announce(
-            f"rank {_names(silent)} stopped reporting while parked (over {PEER_SILENT:g}s): "
-            "this rank stops waiting for it"
-        )
-        return True
+            if record.get("state") != protocol.PARKED or now - seen_at <= PEER_SILENT:
+                self.gone.discard(rank)
+            elif rank not in self.gone:
+                silent.append(rank)
+        if silent:
+            self.gone.update(silent)
+            announce(
+                f"rank {_names(silent)} stopped reporting while parked (over "
+                f"{PEER_SILENT:g}s): this rank stops waiting for it"
+            )
+        return silent
 
     def _pause(self, board: job.Board, step: int) -> None:
         notes = {r: board.get(f"park/{r}") for r in range(self.place.world_size)}
