@@ -176,3 +176,11 @@ def test_tty_with_enable_remote_debug_still_parks():
     assert stdin.status == "ok" and "ENABLE_REMOTE_DEBUG=1: breakpoint() will park" in stdin.found
     [local] = list(doctor.check_tty(doctor.Context({}, tty=True)))
     assert "opens pdb on this terminal" in local.found
+
+
+def test_a_bad_yes_no_value_the_job_reads_is_a_warning_naming_it():
+    result = run_doctor(env={"BREAKPOD_MONITOR": "maybe", "BREAKPOD_REPLAY": "sure"})
+    lines = [line for line in result.stdout.splitlines() if line.startswith("warn  settings")]
+    assert len(lines) == 2, result.stdout
+    assert "BREAKPOD_MONITOR='maybe' is not a boolean" in lines[0] and "ignores it" in lines[0]
+    assert "BREAKPOD_REPLAY='sure'" in lines[1]

@@ -87,3 +87,5 @@ def test_a_job_wide_break_parks_every_rank_at_one_step_and_one_continue_resumes_
         job.kill()
     found = parameters(job.stderr)
     assert len(found) == 4 and len(set(found.values())) == 1, job.stderr
+    # a rank parked at a break that moved on says so (it read "resume command": none was sent)
+    assert "resume command" not in job.stderr, job.stderr

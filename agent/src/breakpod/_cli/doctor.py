@@ -90,6 +90,21 @@ def exit_status(checks: list[Check]) -> int:
 def check_settings(ctx: Context) -> Iterator[Check]:
     if ctx.settings_error:
         yield Check("settings", FAIL, ctx.settings_error, "fix the variable named above")
+    for name in JOB_FLAGS:  # read as the job runs: a bad value is said there, and ignored
+        raw = ctx.env.get(name)
+        if raw is None:
+            continue
+        try:
+            parse_bool(name, raw)
+        except BreakpodError as e:
+            yield Check("settings", WARN, f"{e}; the job ignores it", f"fix or unset {name}")
+
+
+# yes/no variables a job reads as it runs (config.env_flag), beside the Settings
+JOB_FLAGS = (
+    "BREAKPOD_MONITOR", "AI_DEBUG_MODE", "BREAKPOD_REPLAY", "BREAKPOD_HEALTH",
+    "BREAKPOD_DISABLE_COMPILE",
+)  # fmt: skip
 
 
 def check_tty(ctx: Context) -> Iterator[Check]:

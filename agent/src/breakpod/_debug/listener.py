@@ -171,7 +171,8 @@ class Listener:
         self._lock = threading.Lock()
         self._closed = False
         self._waiting = False
-        self.interrupted = False  # the last wait ended by interrupt()
+        self.interrupted = ""  # why interrupt() ended the last wait ("": it did not)
+        self._interrupt_why = ""
         threading.Thread(target=self._serve, name="breakpod-listener", daemon=True).start()
 
     @property
@@ -185,7 +186,7 @@ class Listener:
 
     def wait_for_client(self, timeout: float | None) -> socket.socket | None:
         """The next live client; ``None`` after ``timeout`` seconds or :meth:`interrupt`."""
-        self._waiting, self.interrupted = True, False
+        self._waiting, self.interrupted = True, ""
         self._handoff.drop_interrupt()
         try:
             while True:
@@ -193,7 +194,7 @@ class Listener:
                 if not handed:
                     return None
                 if sock is None:  # interrupt()
-                    self.interrupted = True
+                    self.interrupted = self._interrupt_why
                     return None
                 if _alive(sock):
                     return sock
@@ -201,10 +202,12 @@ class Listener:
         finally:
             self._waiting = False
 
-    def interrupt(self) -> bool:
-        """End a :meth:`wait_for_client` now (a broker ``resume``); False when none waits."""
+    def interrupt(self, why: str = "resume command") -> bool:
+        """End a :meth:`wait_for_client` now (a broker ``resume``, or a job-wide break that
+        ended or moved on), saying ``why``; False when none waits."""
         if not self._waiting:
             return False
+        self._interrupt_why = why
         return self._handoff.offer_interrupt()
 
     def disconnect(self) -> bool:

@@ -202,11 +202,7 @@ def open_session(
     events.emit(protocol.PARKED, backend=protocol.DEFAULT_LISTENER, address=address, reason=reason)
     if session.wait():
         return session
-    why = (
-        "resume command"
-        if listener.interrupted
-        else f"nobody attached within {format_seconds(hold_seconds)}"
-    )
+    why = listener.interrupted or f"nobody attached within {format_seconds(hold_seconds)}"
     announce(f"{why}; {then}")
     events.emit(protocol.RESUMED, address=address, why=why)
     return None

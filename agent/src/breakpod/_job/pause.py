@@ -193,7 +193,8 @@ class JobPause:
         self.break_seen = current
         if current.get("over"):
             if self.parked_for == current["id"] and self.break_at is None:
-                _stop_waiting_for_debugger()  # parked for it: stop waiting for a client
+                # parked for it: stop waiting for a client
+                _stop_waiting_for_debugger("the job-wide break is over")
             self.break_at = self.parked_for = None
             return
         parked = self.parked_for == current["id"] and self.break_at is None
@@ -204,7 +205,7 @@ class JobPause:
         if late:
             self._move_break(board, current, target)
         elif parked:  # the break moved on while this rank waited for a client: follow it
-            _stop_waiting_for_debugger()
+            _stop_waiting_for_debugger(f"the job-wide break moved to step {target}")
 
     def _move_break(self, board: job.Board, current: dict[str, Any], target: int) -> None:
         """This rank passed the agreed step before it heard of the break (a slow tick, or
@@ -247,9 +248,9 @@ def _names(ranks: list[int]) -> str:
     return ",".join(str(r) for r in ranks) or "?"
 
 
-def _stop_waiting_for_debugger() -> None:
+def _stop_waiting_for_debugger(why: str) -> None:
     """The job break is over: a rank still waiting for a client continues (an attached
     client is left alone: its engineer continues it)."""
     listener = debugger.active_pdb_listener()
     if listener is not None:
-        listener.interrupt()
+        listener.interrupt(why)
