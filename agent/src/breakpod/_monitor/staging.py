@@ -168,24 +168,26 @@ def unit_mode(slot: Slot, nonnegative: bool) -> str:
 
 
 def _new_group(x: Any, mode: str) -> _Group:
-    import torch
-
     budget = CPU_BLOCK_BYTES if x.device.type == "cpu" else BLOCK_BYTES
     most = max(1, min(MAX_ROWS, budget // max(1, x.numel() * x.element_size())))
-    block = lasting(torch.empty, (min(most, FIRST_ROWS), *x.shape), dtype=x.dtype, device=x.device)
+    block = _block(x, min(most, FIRST_ROWS))
     return _Group(block, list(block.unbind()), mode, most)
 
 
 def _grow(group: _Group, rows: int) -> None:
     """A larger block for ``group`` (at a step's end: it holds no staged row)."""
-    import torch
-
-    old = group.block
     try:
-        new = lasting(torch.empty, (rows, *old.shape[1:]), dtype=old.dtype, device=old.device)
+        block = _block(group.rows[0], rows)
     except (RuntimeError, MemoryError):  # out of memory: the block it has still serves
         return
-    group.block, group.rows = new, list(new.unbind())
+    group.block, group.rows = block, list(block.unbind())
+
+
+def _block(like: Any, rows: int) -> Any:
+    """``rows`` rows of ``like``'s shape, dtype and device."""
+    import torch
+
+    return lasting(torch.empty, (rows, *like.shape), dtype=like.dtype, device=like.device)
 
 
 def _columns(slots: list[Slot], skip: tuple[int, ...] = ()) -> tuple[int, ...]:
@@ -230,9 +232,7 @@ def _statistics(block: Any, mode: str, wanted: tuple[int, ...]) -> dict[int, Any
             low, high = flat.amin(1), flat.amax(1)
         else:
             low, high = torch.aminmax(flat, dim=1)
-        if low.dtype != f32:  # bf16, fp16 blocks
-            low, high = low.to(f32), high.to(f32)
-        out[LOW], out[HIGH] = low, high
+        out[LOW], out[HIGH] = low.to(f32), high.to(f32)
         out[TOTAL] = out[LOW] + out[HIGH]
     return out
 
