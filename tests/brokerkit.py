@@ -6,6 +6,8 @@ server is session-scoped and flushed before each test (as arq and rq do).
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import subprocess
@@ -181,3 +183,16 @@ class Follower(threading.Thread):
                         self.events.append(json.loads(line[5:]))
         except httpx.HTTPError:
             pass  # the broker stopped at teardown
+
+
+@contextlib.contextmanager
+def http_server(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` served on 127.0.0.1 in a thread (a server that is not the broker): its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()

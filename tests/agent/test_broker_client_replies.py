@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import http.server
-import threading
 from collections.abc import Iterator
 
 import pytest
 
 from breakpod._broker.client import MAX_REPLY, BrokerClient
 from breakpod._core.errors import BrokerError
+from tests.brokerkit import http_server
 
 
 class Replies(http.server.BaseHTTPRequestHandler):
@@ -43,12 +43,8 @@ class Replies(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def server() -> Iterator[str]:
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Replies)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{httpd.server_port}"
-    httpd.shutdown()
-    httpd.server_close()
+    with http_server(Replies) as url:
+        yield url
 
 
 @pytest.mark.timeout(60)

@@ -8,12 +8,12 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 
 import pytest
 
 from breakpod._cli import doctor
+from tests.brokerkit import http_server
 
 QUIET = {"BREAKPOD_BROKER_URL": "", "KUBERNETES_SERVICE_HOST": "", "CI": "", "GITHUB_ACTIONS": ""}
 
@@ -139,12 +139,8 @@ class Broker(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def broker_url() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Broker)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with http_server(Broker) as url:
+        yield url
 
 
 def test_broker_reachable_and_token_accepted(broker_url):

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import breakpod
+from bench.monitors import launches  # the bench's count of kernel launches
 from breakpod._monitor import checks, flight, stats
-from breakpod._monitor.monitor import JUDGE_LABEL
 from tests.agent.nets import Net, batch, train
 
 
@@ -26,35 +24,6 @@ def mlp(modules: int) -> nn.Sequential:
     for _ in range(modules // 2):
         layers += [nn.Linear(16, 16), nn.ReLU()]
     return nn.Sequential(*layers)
-
-
-# Ops that only make a view or metadata: no kernel on a GPU.
-NO_KERNEL = {
-    "aten::detach", "aten::alias", "aten::view", "aten::select", "aten::slice", "aten::unbind",
-    "aten::as_strided", "aten::expand", "aten::t", "aten::reshape", "aten::lift_fresh",
-    "aten::resolve_conj", "aten::resolve_neg", "aten::empty", "aten::detach_", "aten::flatten",
-}  # fmt: skip
-
-
-def launches(events: list) -> list[Any]:
-    """Outermost torch ops (forward, and backward under autograd's nodes) that run a kernel:
-    not a ``to`` that had nothing to convert, nor breakpod's judgement on host copies."""
-    return [
-        e
-        for e in events
-        if e.name.startswith("aten::")
-        and e.name not in NO_KERNEL
-        and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
-        and not (e.name == "aten::to" and not e.cpu_children)
-        and not _under(e, JUDGE_LABEL)
-    ]
-
-
-def _under(event: Any, label: str) -> bool:
-    parent = event.cpu_parent
-    while parent is not None and parent.name != label:
-        parent = parent.cpu_parent
-    return parent is not None
 
 
 def ops_per_step(model: nn.Module, monitor: object = None, steps: int = 2) -> float:

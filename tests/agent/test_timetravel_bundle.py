@@ -123,15 +123,21 @@ class FromBatch(torch.nn.Module):
         return self.net(batch.x)
 
 
-def test_a_namedtuple_batch_replays_as_a_namedtuple():
-    """The captured batch was rebuilt as a plain tuple: the replayed forward's ``batch.x``
-    raised AttributeError."""
+def batch_step() -> tuple[FromBatch, breakpod.Monitor]:
+    """A step on a namedtuple batch whose backward goes NaN, captured for replay."""
     torch.manual_seed(0)
     model = FromBatch()
     monitor = breakpod.watch(model, replay=True)
     model.net.poison.mode = "backward"
     x, y = batch(0)
     torch.nn.functional.cross_entropy(model(Batch(x, y)), y).backward()
+    return model, monitor
+
+
+def test_a_namedtuple_batch_replays_as_a_namedtuple():
+    """The captured batch was rebuilt as a plain tuple: the replayed forward's ``batch.x``
+    raised AttributeError."""
+    _, monitor = batch_step()
     found = monitor.replay()
     assert found.reproduced and found.first is not None and found.first.phase == "backward"
     monitor.close()
@@ -161,12 +167,7 @@ def test_a_bundle_is_read_without_running_its_code_unless_trusted(tmp_path):
 
 
 def test_a_namedtuple_batch_bundle_needs_trust_and_a_factory_must_make_a_module(tmp_path):
-    torch.manual_seed(0)
-    model = FromBatch()
-    monitor = breakpod.watch(model, replay=True)
-    model.net.poison.mode = "backward"
-    x, y = batch(0)
-    torch.nn.functional.cross_entropy(model(Batch(x, y)), y).backward()
+    model, monitor = batch_step()
     path = replay.save_bundle(tmp_path / "step.pt", model, monitor.capture)
     monitor.close()
     with pytest.raises(replay.ReplayError, match="add --trust"):
