@@ -148,6 +148,8 @@ def test_a_callable_action_and_a_failing_one_never_stop_training():
     model.poison.mode = "forward"
     train(model, monitor, 2)
     assert calls == ["poison"] and monitor.step_count == 2
+    assert monitor.errors == 1  # the failing action counts, as a failing hook would
+    assert "1 errors" in monitor.summary_line()
 
 
 def test_a_broker_break_parks_in_the_training_loop_not_in_torch(spawn, pdb_client):

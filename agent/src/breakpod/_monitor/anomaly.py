@@ -84,6 +84,7 @@ class ActionContext:
     sink: Callable[[Anomaly], Any] | None = None
     monitor: Any = None
     failed: set[str] = dataclasses.field(default_factory=set)
+    errors: int = 0  # actions that failed (each kind said once)
     # The user's frame at the step boundary (where a break parks), while actions run.
     frame: FrameType | None = None
     # the step whose update to drop: asked by the skip action, the pdb ``skip`` command or
@@ -136,6 +137,7 @@ def dispatch(anomaly: Anomaly, actions: tuple[Any, ...], ctx: ActionContext) -> 
 
 
 def _report_once(ctx: ActionContext, action: str, error: Exception) -> None:
+    ctx.errors += 1
     if action not in ctx.failed:
         ctx.failed.add(action)
         announce(

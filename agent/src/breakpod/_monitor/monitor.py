@@ -213,7 +213,7 @@ class Monitor:
         self.anomalies: list[Anomaly] = []
         self.step_count = 0
         self.reads = 0
-        self.errors = 0
+        self._errors = 0
         self.shapes: dict[str, Shapes] = {}
         self._ctx = ctx or ActionContext(model=model, snapshot_dir=Path("breakpod-snapshots"))
         self._ctx.monitor = self
@@ -971,8 +971,14 @@ class Monitor:
         except Exception as e:
             self._fail(where, e)
 
+    @property
+    def errors(self) -> int:
+        """Failures inside the monitor (its hooks, step ends, reads) and its rules'
+        actions: each kind is said once, and the job continues."""
+        return self._errors + self._ctx.errors
+
     def _fail(self, where: str, error: Exception) -> None:
-        self.errors += 1
+        self._errors += 1
         if where not in self._failed:
             self._failed.add(where)
             announce(f"monitor {where} failed ({type(error).__name__}: {error}); the job continues")
