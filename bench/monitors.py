@@ -360,38 +360,41 @@ def _count_nodes(fn: Any) -> int:
 
 
 def setups(build: Callable[[], Any]) -> Iterator[Setup]:
-    def fresh() -> nn.Module:
-        torch.manual_seed(0)
-        model: nn.Module = build()[0]
-        return model
-
-    yield Setup(fresh())
-    yield Breakpod(fresh(), 1, enabled=False)
-    yield Breakpod(fresh(), 1)
-    yield Breakpod(fresh(), 10)
-    yield Without(fresh(), "no flight")
-    yield Without(fresh(), "no input grads")
-    yield BreakRule(fresh())
-    yield DeviceFlags(fresh())
-    yield CoverageFloor(fresh())
-    yield ItemChecks(fresh())
-    yield DetectAnomaly(fresh())
+    model = _fresh(build)
+    yield Setup(model())
+    yield Breakpod(model(), 1, enabled=False)
+    yield Breakpod(model(), 1)
+    yield Breakpod(model(), 10)
+    yield Without(model(), "no flight")
+    yield Without(model(), "no input grads")
+    yield BreakRule(model())
+    yield DeviceFlags(model())
+    yield CoverageFloor(model())
+    yield ItemChecks(model())
+    yield DetectAnomaly(model())
 
 
 def mlp_setups(build: Callable[[], Any]) -> Iterator[Setup]:
-    def fresh() -> nn.Module:
-        torch.manual_seed(0)
-        model: nn.Module = build()[0]
-        return model
+    model = _fresh(build)
+    yield Setup(model())
+    yield Breakpod(model(), 1)
+    yield Breakpod(model(), 10)
+    yield Without(model(), "no flight")
+    yield Without(model(), "no input grads")
+    yield DeviceFlags(model())
+    yield CoverageFloor(model())
+    yield HookFloor(model())
 
-    yield Setup(fresh())
-    yield Breakpod(fresh(), 1)
-    yield Breakpod(fresh(), 10)
-    yield Without(fresh(), "no flight")
-    yield Without(fresh(), "no input grads")
-    yield DeviceFlags(fresh())
-    yield CoverageFloor(fresh())
-    yield HookFloor(fresh())
+
+def _fresh(build: Callable[[], Any]) -> Callable[[], nn.Module]:
+    """A maker of the same model (same seed) for each setup."""
+
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        made: nn.Module = build()[0]
+        return made
+
+    return model
 
 
 Result = tuple[Setup, float, float]
