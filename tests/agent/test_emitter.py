@@ -297,3 +297,17 @@ def test_a_job_that_ends_while_the_broker_is_down_says_so_and_exits_promptly(
     ]
     broker.start()  # back, it never heard of the exit: the session is not finished
     assert registered(broker, "in-outage")["state"] != "finished"
+
+
+def test_half_of_a_utf16_pair_travels_as_a_replacement_character():
+    """Python reads bytes that are not UTF-8 (a file name, an environment value) as
+    surrogates with no partner; the broker refuses them, so the event would be lost."""
+    name = b"ckpt-\xff.pt".decode("utf-8", "surrogateescape")
+    fields = {"path": name, name: "nan", "emoji": "\U0001f600"}
+    encoded = _encode({"id": "s.1", "session": "s", "kind": "log", "time": 1.0, "fields": fields})
+    encoded.decode("utf-8")  # text through and through
+    assert json.loads(encoded)["fields"] == {
+        "path": "ckpt-\ufffd.pt",
+        "ckpt-\ufffd.pt": "nan",
+        "emoji": "\U0001f600",
+    }

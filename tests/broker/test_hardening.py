@@ -35,6 +35,8 @@ def event(eid, session="s1", kind="anomaly", **fields):
         {"pod": "train-0", "namespace": "ML"},
         {"node": "n1 --as=admin"},
         {"container": "c;id"},
+        {"address": "0.0.0.0:99999"},  # no such port: kubectl would be told to forward it
+        {"address": "h:0"},
     ],
 )
 def test_names_that_reach_kubectl_must_be_kubernetes_names(broker, fields):

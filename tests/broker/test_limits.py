@@ -5,6 +5,7 @@ older broker or a hand might have)."""
 from __future__ import annotations
 
 import json
+import time
 
 import redis
 
@@ -106,3 +107,64 @@ def _lines(response, prefix, n):
             if len(found) == n:
                 return found
     return found
+
+
+HALF_PAIRS = ('"\\ud800"', '"x\\udfffy"', '"\\uDBFF"')
+
+
+def with_half(doc: dict, half: str) -> str:
+    """``doc`` as JSON, each string "HALF" replaced by the JSON text ``half``."""
+    return json.dumps(doc).replace('"HALF"', half)
+
+
+def test_half_of_a_utf16_pair_gets_422_on_every_route_and_a_pair_is_text(broker):
+    """JSON can escape a surrogate with no partner; it is no text, and storing or
+    answering it failed with a 500 that then broke every read of the events."""
+    register(broker, "s1")
+    bodies = [
+        ("PUT", "/v1/sessions/s2", {"job": "HALF"}),
+        ("POST", "/v1/sessions/s1/heartbeat", {"reason": "HALF"}),
+        ("POST", "/v1/events", {"events": [event("e", x="HALF", n=12345678901234567890)]}),
+        ("POST", "/v1/events", {"events": [{**event("e"), "fields": {"HALF": 1}}]}),
+    ]
+    for half in HALF_PAIRS:
+        for method, path, doc in bodies:
+            response = raw_post(broker, path, with_half(doc, half), method=method)
+            assert response.status_code == 422, (path, half, response.text)
+            assert "UTF-16" in response.json()["detail"], response.text
+    text = "\U0001f600 \\ud800"  # an emoji (escaped as a pair) and a backslash's text
+    pair = raw_post(broker, "/v1/events", json.dumps({"events": [event("pair", text=text)]}))
+    assert pair.status_code == 200, pair.text
+    with broker.client(VIEWER) as c:
+        page = c.get("/v1/events", params={"session": "s1"})
+        assert page.status_code == 200, page.text
+        assert [e["fields"]["text"] for e in page.json()["events"]] == [text]
+        assert c.get("/v1/sessions/s2").status_code == 404
+
+
+def test_a_stored_half_pair_reads_as_a_replacement_character(broker, redis_url):
+    register(broker, "s1")
+    now = time.time()
+    stored = {**event("old", reason="a\ud800b"), "time": now, "received": now}
+    with redis.Redis.from_url(redis_url) as r:
+        r.xadd(keys.EVENTS, {"event": json.dumps(stored)})
+    post_events(broker, event("new"))
+    with broker.client(VIEWER) as c:
+        for params in ({}, {"since": "0"}):
+            page = c.get("/v1/events", params=params)
+            assert page.status_code == 200, page.text
+            events = page.json()["events"]
+            assert [e["id"] for e in events] == ["old", "new"], (params, events)
+            assert events[0]["fields"]["reason"] == "a\ufffdb"
+
+
+def test_the_fields_limit_counts_utf8_bytes_whichever_encoder_runs(broker):
+    register(broker, "s1")
+    emoji = "\U0001f600" * (MAX_FIELDS_BYTES // 4 + 10)  # under the limit in characters
+    accents = "\u00e9" * (MAX_FIELDS_BYTES // 2 - 100)  # under it in UTF-8, not in escapes
+    big = 12345678901234567890  # past 63 bits: the strict encoder's path
+    for extra in ({}, {"n": big}):
+        refused = post_events(broker, event(f"emoji{len(extra)}", blob=emoji, **extra))
+        assert refused.status_code == 422, refused.text
+        taken = post_events(broker, event(f"accents{len(extra)}", blob=accents, **extra))
+        assert taken.status_code == 200, taken.text

@@ -116,7 +116,9 @@ DAP_LISTENER: Final = "debugpy"  # editors (VS Code) attach to this one
 
 SESSION_ID_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 SESSION_ID_MAX: Final = 128
-ADDRESS_PATTERN: Final = r"^\[?[A-Za-z0-9._:-]{1,200}\]?:\d{1,5}$"
+# a TCP port, 1 to 65535
+PORT_PATTERN: Final = r"(?:[1-9]\d{0,3}|[1-5]\d{4}|6[0-4]\d{3}|65[0-4]\d{2}|655[0-2]\d|6553[0-5])"
+ADDRESS_PATTERN: Final = r"^\[?[A-Za-z0-9._:-]{1,200}\]?:" + PORT_PATTERN + "$"
 EVENT_ID_PATTERN: Final = r"^[A-Za-z0-9._-]{1,160}$"  # a session id, ".", a number
 # Kubernetes object names (they reach the engineer's kubectl argv): DNS-1123.
 DNS_LABEL_MAX: Final = 63
@@ -234,8 +236,19 @@ def finite(value: Any) -> Any:
 
 
 def dumps(doc: Any) -> str:
-    """Strict JSON, as the broker accepts it: non-finite floats become strings."""
+    """Strict JSON, as the broker accepts it: non-finite floats become strings, and half
+    of a UTF-16 pair (a file name or environment value of bytes that are not UTF-8, as
+    Python reads them) becomes U+FFFD: the broker refuses a string that is not text."""
     try:
-        return json.dumps(doc, default=str, allow_nan=False)
+        text = json.dumps(doc, default=str, allow_nan=False)
     except ValueError:  # the rare document with a NaN: pay for the copy only then
-        return json.dumps(finite(doc), default=str, allow_nan=False)
+        text = json.dumps(finite(doc), default=str, allow_nan=False)
+    if "\\ud" not in text:  # no surrogate escaped, paired (an emoji) or not
+        return text
+    loose = json.dumps(json.loads(text), ensure_ascii=False)  # a pair is one character here
+    if not _HALF_PAIR.search(loose):
+        return text
+    return json.dumps(json.loads(_HALF_PAIR.sub("\ufffd", loose)))
+
+
+_HALF_PAIR = re.compile("[\ud800-\udfff]")

@@ -14,7 +14,6 @@ import contextlib
 import functools
 import gc
 import inspect
-import json
 import logging
 import reprlib
 import time
@@ -22,7 +21,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.exceptions
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -38,6 +37,7 @@ from breakpod_broker import (
     events,
     joblog,
     listing,
+    logins,
     redis_clients,
     sessions,
 )
@@ -48,9 +48,12 @@ from breakpod_broker.fastpath import (
     EventsFastPath,
     HeartbeatFastPath,
     PollFastPath,
+    bearer,
     read_body,
+    refuse,
     replay_body,
 )
+from breakpod_broker.limits import unpaired_in_body
 from breakpod_broker.liveness import Liveness
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
@@ -252,8 +255,15 @@ def _short(value: Any) -> Any:
     return value
 
 
+OPEN_BODY_BYTES = 64 * 1024  # a body anyone may send (a login); more needs credentials
+
+
 class BodyLimit:
-    """413 for request bodies over ``max_body_bytes``, declared or streamed."""
+    """Request bodies, read before any route: 413 over ``max_body_bytes`` (declared or
+    streamed); 401 over :data:`OPEN_BODY_BYTES` without a token or login the broker
+    knows (nobody unknown makes a replica hold a megabyte per connection); 408 when
+    not all received within ``body_seconds``; 422 for one holding half of a UTF-16
+    pair (:func:`.limits.unpaired_in_body`), which no route could store or answer."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -262,22 +272,55 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        limit: int = scope["app"].state.broker.settings.max_body_bytes
+        settings = scope["app"].state.broker.settings
+        limit: int = settings.max_body_bytes
         declared = dict(scope["headers"]).get(b"content-length", b"0")
-        if declared.isdigit() and int(declared) > limit:
-            await _too_large(limit, send)
+        try:
+            if declared.isdigit() and int(declared) > limit:
+                raise _too_large(limit)
+            async with asyncio.timeout(settings.body_seconds):
+                body = await _read(scope, receive, limit)
+        except TimeoutError:
+            seconds = settings.body_seconds
+            await refuse(send, HTTPException(408, f"the body did not arrive within {seconds:g}s"))
             return
-        body, _ = await read_body(receive, limit)
-        if len(body) > limit:
-            await _too_large(limit, send)
+        except HTTPException as refused:
+            await refuse(send, refused)
             return
         await self.app(scope, replay_body(body, True, receive), send)
 
 
-async def _too_large(limit: int, send: Send) -> None:
-    body = json.dumps(
-        {"detail": f"request body larger than {limit} bytes: send smaller batches"}
-    ).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 413, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+async def _read(scope: Scope, receive: Receive, limit: int) -> bytes:
+    body, complete = await read_body(receive, OPEN_BODY_BYTES)
+    if len(body) > OPEN_BODY_BYTES and not await _credentialed(scope):
+        message = f"a request body over {OPEN_BODY_BYTES} bytes needs the broker's token"
+        raise HTTPException(401, message, headers={"WWW-Authenticate": "Bearer"})
+    if not complete and len(body) <= limit:
+        rest, _ = await read_body(receive, limit - len(body))
+        body += rest
+    if len(body) > limit:
+        raise _too_large(limit)
+    if (path := unpaired_in_body(body)) is not None:
+        where = ".".join(["body", *map(str, path)])
+        raise HTTPException(
+            422,
+            f"{where}: a string holds half of a UTF-16 surrogate pair (an escape such as "
+            '"\\ud800" with no partner), which is not text: send valid Unicode',
+        )
+    return body
+
+
+async def _credentialed(scope: Scope) -> bool:
+    """Does the request carry a token or a dashboard login the broker knows?"""
+    broker = scope["app"].state.broker
+    try:
+        if (token := bearer(scope)) is not None:
+            return await broker.tokens.lookup(token) is not None
+        cookie = Request(scope).cookies.get(logins.COOKIE)
+        return cookie is not None and await logins.lookup(broker, cookie) is not None
+    except redis.exceptions.RedisError:
+        return True  # the route answers (503)
+
+
+def _too_large(limit: int) -> HTTPException:
+    return HTTPException(413, f"request body larger than {limit} bytes: send smaller batches")

@@ -27,7 +27,15 @@ from breakpod.protocol import EventKind
 from breakpod_broker import fanout, keys, scripts, sharded
 from breakpod_broker.auth import Agent, Credentials, Viewer, recheck
 from breakpod_broker.context import Broker, BrokerDep
-from breakpod_broker.limits import MAX_DEPTH, MAX_FIELDS_BYTES, dotted, nonfinite, too_deep
+from breakpod_broker.limits import (
+    MAX_DEPTH,
+    MAX_FIELDS_BYTES,
+    as_text,
+    dotted,
+    lone_surrogate,
+    nonfinite,
+    too_deep,
+)
 from breakpod_broker.models import (
     EventBatch,
     EventIn,
@@ -239,7 +247,9 @@ def _dumps(doc: dict[str, Any], index: int) -> str:
             f"events.{index}.fields.{path}: NaN and infinities are not JSON: "
             'send them as the strings "nan", "inf", "-inf"',
         ) from None
-    if len(text) > MAX_FIELDS_BYTES and len(_fields_json(doc)) > MAX_FIELDS_BYTES:
+    # text escapes each non-ASCII character and spaces its separators: never shorter
+    # than the fields as compact UTF-8, the size the limit counts whatever the encoder
+    if len(text) > MAX_FIELDS_BYTES and _fields_bytes(doc) > MAX_FIELDS_BYTES:
         raise HTTPException(
             422,
             f"events.{index}.fields: more than {MAX_FIELDS_BYTES} bytes of JSON: "
@@ -251,14 +261,16 @@ def _dumps(doc: dict[str, Any], index: int) -> str:
 def _fast_dumps(doc: dict[str, Any], index: int) -> str:
     """orjson (~5x json.dumps) for a request without NaN or infinities; same size limit."""
     assert orjson is not None
-    text: str = orjson.dumps(doc, default=str).decode()
-    if len(text) > MAX_FIELDS_BYTES:
+    encoded = orjson.dumps(doc, default=str)  # compact UTF-8
+    if len(encoded) > MAX_FIELDS_BYTES:
         return _dumps(doc, index)  # the exact check and its message
-    return text
+    return encoded.decode()
 
 
-def _fields_json(doc: dict[str, Any]) -> str:
-    return json.dumps(doc["fields"], default=str, allow_nan=False)
+def _fields_bytes(doc: dict[str, Any]) -> int:
+    """The size of the event's fields as compact UTF-8 JSON."""
+    compact = json.dumps(doc["fields"], default=str, ensure_ascii=False, separators=(",", ":"))
+    return len(compact.encode())
 
 
 def _listener(event: EventIn) -> tuple[str, str]:
@@ -400,6 +412,8 @@ def _decode(cursor: str, fields: dict[str, str]) -> dict[str, Any] | None:
         return None
     if "NaN" in raw or "Infinity" in raw:  # stored before ingest normalised them
         doc = protocol.finite(doc)
+    if ("\\ud" in raw or "\\uD" in raw) and lone_surrogate(doc) is not None:
+        doc = as_text(doc)  # stored before requests were checked for them
     doc["cursor"] = cursor
     return dict(doc)
 
@@ -449,9 +463,7 @@ async def stream_events(
     if resume and not is_cursor(resume):  # seconds: include that millisecond
         start = _before(start)
     body = _follow(broker, Watch(who, recheck(request, credentials, broker), filters), start)
-    return StreamingResponse(
-        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+    return fanout.SSEResponse(body, broker.settings.stream_stall_seconds)
 
 
 async def _last_cursor(broker: Broker, stream: str) -> str:

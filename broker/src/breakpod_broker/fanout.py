@@ -10,6 +10,11 @@ A follower that falls ``queue`` events behind is dropped: its stream ends and
 the client reconnects with Last-Event-ID, catching up from Redis. The loop
 never waits for a follower, so followers never slow ingest.
 
+A client that stops reading (its socket's buffers full) would block its
+stream's next write forever, and hold its follower's place: each write must
+finish within ``stream_stall_seconds`` (:class:`SSEResponse`), or the stream
+ends and the connection closes.
+
 A stream first catches up from Redis (XRANGE from its start) and only then
 takes events from its queue, skipping those it already sent: it subscribes
 before it reads Redis, so no event falls between the two.
@@ -25,6 +30,9 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
+
+from fastapi.responses import StreamingResponse
+from starlette.types import Message, Send
 
 from breakpod_broker import keys
 from breakpod_broker.wakeups import settle, wait_settled
@@ -214,3 +222,24 @@ async def stream(
                 parts.append(text)
         if parts:
             yield "".join(parts)
+
+
+class SSEResponse(StreamingResponse):
+    """A ``text/event-stream`` whose every write finishes within ``stall_seconds``."""
+
+    def __init__(self, body: AsyncIterator[str], stall_seconds: float) -> None:
+        super().__init__(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self.stall_seconds = stall_seconds
+
+    async def stream_response(self, send: Send) -> None:
+        async def send_in_time(message: Message) -> None:
+            await asyncio.wait_for(send(message), self.stall_seconds)
+
+        try:
+            await super().stream_response(send_in_time)
+        except TimeoutError:  # the server closes the connection of an unfinished response
+            log.info("an SSE client took nothing for %gs: its stream ends", self.stall_seconds)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]

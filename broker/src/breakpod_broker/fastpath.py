@@ -142,7 +142,7 @@ async def _answered(send: Send, answer: Awaitable[bytes]) -> bool:
     try:
         body = await answer
     except HTTPException as e:
-        await _refuse(send, e)
+        await refuse(send, e)
         return True
     except RedisError:
         return False
@@ -175,7 +175,7 @@ def _batch(body: bytes) -> EventBatch | None:
         return None
 
 
-async def _refuse(send: Send, e: HTTPException) -> None:
+async def refuse(send: Send, e: HTTPException) -> None:
     """An HTTPException as FastAPI's handler answers it."""
     detail = json.dumps({"detail": e.detail}, ensure_ascii=False, separators=(",", ":")).encode()
     extra = [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()]
@@ -201,7 +201,7 @@ async def _respond(
 
 async def _principal(scope: Scope) -> Principal | None:
     """The bearer token's principal when it may take a fast path; None otherwise."""
-    token = _bearer(scope)
+    token = bearer(scope)
     try:
         who: Principal | None = (
             await scope["app"].state.broker.tokens.lookup(token) if token else None
@@ -229,7 +229,7 @@ async def _serve(scope: Scope, session_id: str, body: bytes) -> bytes | None:
     return None if session is None else session.model_dump_json().encode()
 
 
-def _bearer(scope: Scope) -> str | None:
+def bearer(scope: Scope) -> str | None:
     for name, value in scope["headers"]:
         if name == b"authorization":
             scheme, _, token = value.decode("latin-1").partition(" ")

@@ -3,18 +3,24 @@
 An event's ``fields`` are free-form JSON from the agent. They are bounded in
 depth (a deeply nested document would make every later read that covers it
 fail) and in size, and hold no NaN or infinity (JSON has no such numbers: agents
-send them as the strings protocol.finite makes). Every walker here is iterative:
-no input can exhaust the stack.
+send them as the strings protocol.finite makes). No string in any request holds
+half of a UTF-16 pair: JSON can escape one (``"\\ud800"``), but it is no Unicode
+text, and neither Redis nor a reply could carry it. Every walker here is
+iterative: no input can exhaust the stack.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import Any
 
 MAX_DEPTH = 32  # containers nested inside an event's fields
 MAX_FIELDS_BYTES = 64 * 1024  # an event's fields as JSON; the agent caps whole events so
 
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # in JSON text: may be half a pair
+_SURROGATE = re.compile("[\ud800-\udfff]")  # in a parsed string: a half with no other
 _CONTAINERS = (dict, list)  # a tuple: ``dict | list`` makes a union at every call
 
 
@@ -66,3 +72,39 @@ def nonfinite(value: Any) -> list[Any] | None:
         elif isinstance(item, list):
             stack.extend((child, [*path, i]) for i, child in enumerate(item))
     return None
+
+
+def lone_surrogate(value: Any) -> list[Any] | None:
+    """The path of the first string (value or key) holding half of a UTF-16 pair,
+    else None."""
+    stack: list[tuple[Any, list[Any]]] = [(value, [])]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str) and _SURROGATE.search(item):
+            return path
+        if isinstance(item, dict):
+            for key, child in item.items():
+                if _SURROGATE.search(key):
+                    return [*path, key.encode("utf-8", "backslashreplace").decode()]
+                stack.append((child, [*path, key]))
+        elif isinstance(item, list):
+            stack.extend((child, [*path, i]) for i, child in enumerate(item))
+    return None
+
+
+def unpaired_in_body(body: bytes) -> list[Any] | None:
+    """Where a JSON request body holds half of a UTF-16 pair (parsed only when its text
+    escapes a surrogate: a pair, as ``ensure_ascii`` writes an emoji, is text), else
+    None; a body that is not JSON is the route's to refuse."""
+    if not SURROGATE_ESCAPE.search(body):
+        return None
+    try:
+        return lone_surrogate(json.loads(body))
+    except (ValueError, RecursionError):
+        return None
+
+
+def as_text(value: Any) -> Any:
+    """``value`` with each half of a UTF-16 pair as U+FFFD (a record stored before
+    requests were checked for them: a read never fails on one)."""
+    return json.loads(_SURROGATE.sub("\ufffd", json.dumps(value, ensure_ascii=False)))

@@ -70,6 +70,10 @@ class BrokerSettings(BaseSettings):
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     max_stream_seconds: float = Field(default=3600.0, gt=0)  # SSE clients then resume
+    # an SSE client that takes nothing this long (its socket's buffers full) is dropped
+    stream_stall_seconds: float = Field(default=30.0, gt=0)
+    # a request body not all received this long after its headers gets 408
+    body_seconds: float = Field(default=30.0, gt=0)
     login_seconds: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)  # a dashboard login
     # SSE streams one replica serves (each costs memory: a queue of follower_queue events)
     max_followers: int = Field(default=10_000, ge=1, le=1_000_000)
@@ -107,5 +111,8 @@ HELP: dict[str, str] = {
     "tls_cert_file": "serve the API over HTTPS with this PEM certificate (chain)",
     "tls_key_file": "the certificate's PEM key",
     "max_stream_seconds": "an SSE stream then ends; clients resume with `Last-Event-ID`",
+    "stream_stall_seconds": "an SSE client that takes no data this long (it stopped reading) "
+    "is dropped, and its stream's place freed",
+    "body_seconds": "a request body not all received this long after its headers gets 408",
     "login_seconds": "a dashboard login (its HttpOnly cookie) lasts this long",
 }

@@ -264,7 +264,7 @@ def _values(value: Any) -> list[Any]:
 
 
 def _encode(body: Any) -> bytes:
-    return json.dumps(body, default=str).encode()
+    return protocol.dumps(body).encode()
 
 
 def _explain(method: str, path: str, status: int, body: Any, url: str) -> str:
