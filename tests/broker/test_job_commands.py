@@ -87,6 +87,21 @@ def test_a_session_registered_after_the_command_does_not_get_it(broker):
 
 
 @pytest.mark.timeout(60)
+def test_a_session_moved_to_another_job_gets_none_of_that_jobs_earlier_commands(broker):
+    register(broker, "mover", job="job-a")
+    register(broker, "other", job="job-b")
+    send(broker, job="job-a")
+    old = send(broker, job="job-b").json()
+    register(broker, "mover", job="job-b")  # the same session, re-registered elsewhere
+    assert poll(broker, "mover") == []  # job-b's break was for the ranks there then
+    assert poll(broker, "mover") == []
+    new = send(broker, job="job-b", command="resume").json()
+    assert [c["id"] for c in poll(broker, "mover")] == [new["id"]] != [old["id"]]
+    register(broker, "mover", job="job-b", rank=1)  # a re-registration in place keeps it
+    assert [c["id"] for c in poll(broker, "mover")] == [new["id"]]
+
+
+@pytest.mark.timeout(60)
 def test_namespaces_and_roles_are_checked_as_for_session_commands(broker):
     register(broker, "a0", job=JOB, namespace="team-a")
     register(broker, "b0", AGENT2, job=JOB, namespace="team-b")

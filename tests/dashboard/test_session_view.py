@@ -121,6 +121,25 @@ def test_the_plots_mark_nan_and_inf_points_and_drop_none(broker, page):
     assert grads.locator(".point.nonfinite[data-step='22'][data-value=nan]").count() == 1
 
 
+def test_metrics_named_like_object_members_are_plotted_not_a_blank_view(broker, page):
+    """An agent names its metrics: "constructor" or "__proto__" are names like any other,
+    and a history that is not a list of points is left out, not a broken view."""
+    register(broker, "proto-1", job="train-proto", rank=0, world_size=1)
+    history = {"constructor": [[1, 2.0], [2, 3.0]], "__proto__": [[1, 1.0]], "toString": 5}
+    odd = event("proto-1", 1, "log", history=history)
+    anomaly = event("proto-1", 2, "anomaly", check="constructor", step=3, value=1.0, summary="s")
+    assert post_events(broker, odd, anomaly).status_code == 200
+
+    open_session(page, broker, "proto-1")
+    page.locator("#detail section.anomaly").wait_for()
+    plots = page.locator("#detail svg.plot")
+    assert sorted(plots.evaluate_all("ps => ps.map(p => p.dataset.series)")) == [
+        "__proto__",
+        "constructor",
+    ]
+    assert page.locator("#detail svg.plot[data-series=constructor] .point").count() == 2
+
+
 def test_a_job_stall_names_the_culprit_and_folds_the_stacks(broker, page):
     register(broker, "stall-0", job="train-stall", rank=0, world_size=3)
     ranks = [

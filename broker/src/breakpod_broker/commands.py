@@ -177,7 +177,8 @@ async def _job_cursor(broker: Broker, session: SessionOut, cursor: str | None) -
     if stream is None:
         return None
     if cursor is None:
-        cursor = await joblog.start_cursor(broker, session.id, await joblog.last_id(broker, stream))
+        newest = await joblog.last_id(broker, stream)
+        cursor = await joblog.start_cursor(broker, session.id, stream, newest)
     return stream, cursor
 
 

@@ -11,7 +11,8 @@ acknowledged, exactly as its own commands are.
 
 Who gets a command: the sessions registered when it was sent. A session's
 cursor starts at the stream's last entry when the session is first registered
-(re-registrations keep it), so a rank started or restarted under a new session
+(re-registrations keep it; one under another job starts afresh in that job's
+stream), so a rank started or restarted under a new session
 id after a ``break`` does not park for that old ``break``, and an old ``resume``
 does not reach it either: both were meant for the ranks that were there.
 
@@ -80,11 +81,18 @@ async def last_id(broker: Broker, stream: str) -> str:
     return str(newest[0][0]) if newest else START
 
 
-async def start_cursor(broker: Broker, session_id: str, cursor: str) -> str:
-    """Set the session's cursor unless it has one; the cursor it has now."""
-    if await broker.redis.hsetnx(keys.session(session_id), keys.JOB_CURSOR_FIELD, cursor):
-        return cursor
-    return str(await broker.redis.hget(keys.session(session_id), keys.JOB_CURSOR_FIELD) or cursor)
+async def start_cursor(broker: Broker, session_id: str, stream: str, cursor: str) -> str:
+    """The session's cursor in ``stream``: the one it has there (re-registrations keep
+    it), else ``cursor``, set now. (A cursor kept before the stream was noted with it is
+    taken to be in ``stream``.)"""
+    key = keys.session(session_id)
+    kept, kept_in = await broker.redis.hmget(key, [keys.JOB_CURSOR_FIELD, keys.JOB_STREAM_FIELD])
+    if kept is not None and kept_in in (stream, None):
+        return str(kept)
+    await broker.redis.hset(
+        key, mapping={keys.JOB_CURSOR_FIELD: cursor, keys.JOB_STREAM_FIELD: stream}
+    )
+    return cursor
 
 
 async def append(broker: Broker, job: str, body: JobCommandIn, by: str) -> JobCommand:

@@ -48,6 +48,9 @@ JOB_COMMANDS_MAXLEN = 1000  # a job's commands kept (MAXLEN ~); sessions read on
 # it acknowledged (or the stream's last id when it registered: older commands are
 # not for it). Never listed (SessionOut ignores it).
 JOB_CURSOR_FIELD = "job_cursor"
+# The job command stream that cursor is in: a session re-registered under another job
+# starts afresh in that job's stream (an id in one stream means nothing in another).
+JOB_STREAM_FIELD = "job_cursor_stream"
 
 
 def namespace_sessions(namespace: str) -> str:

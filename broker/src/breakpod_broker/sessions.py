@@ -56,8 +56,8 @@ async def register(
     _refuse_registration(session_id, refused)
     if broker.cluster:  # the indexes live in other slots: added after the script
         await sharded.add_to_indexes(broker.redis, session_id, float(refused[1:]), indexes)
-    if job_cursor is not None:  # a new session: none of its job's earlier commands
-        await joblog.start_cursor(broker, session_id, job_cursor)
+    if job_stream is not None and job_cursor is not None:  # none of the job's earlier commands
+        await joblog.start_cursor(broker, session_id, job_stream, job_cursor)
     session = await load(broker, session_id)
     return LiveSession(**session.model_dump(), heartbeat_seconds=broker.heartbeat_seconds())
 

@@ -36,11 +36,13 @@ function stepOf(fields) {
 // SERIES next to a "step", a "history" field ({name: [[step, value], ...]}), and
 // each anomaly's own value (a loss spike's loss, a gradient norm rule's norm).
 function metricSeries(events) {
-  const found = {};
+  // Maps, not objects: a metric an agent names "constructor" or "__proto__" is a name
+  const found = new Map();
   const add = (name, step, raw, anomaly = false) => {
     const value = metricValue(raw);
     if (step === null || value === null) return;
-    const points = (found[name] ||= new Map());
+    if (!found.has(name)) found.set(name, new Map());
+    const points = found.get(name);
     const before = points.get(step);
     points.set(step, { step, value, anomaly: anomaly || Boolean(before && before.anomaly) });
   };
@@ -49,12 +51,13 @@ function metricSeries(events) {
     const step = stepOf(fields);
     for (const [name, keys] of Object.entries(SERIES)) for (const key of keys) add(name, step, fields[key]);
     for (const [name, points] of Object.entries(historyOf(fields))) {
+      if (!Array.isArray(points)) continue;
       for (const point of points) if (Array.isArray(point)) add(name, metricValue(point[0]), point[1]);
     }
     if (event.kind === "anomaly") addAnomaly(add, fields, step);
   }
-  const series = {};
-  for (const [name, points] of Object.entries(found)) series[name] = [...points.values()].sort((a, b) => a.step - b.step);
+  const series = Object.create(null);
+  for (const [name, points] of found) series[name] = [...points.values()].sort((a, b) => a.step - b.step);
   return series;
 }
 
@@ -64,7 +67,7 @@ function historyOf(fields) {
 }
 
 function addAnomaly(add, fields, step) {
-  const name = fields.phase === "loss" ? "loss" : ANOMALY_SERIES[fields.check];
+  const name = fields.phase === "loss" ? "loss" : Object.hasOwn(ANOMALY_SERIES, fields.check) && ANOMALY_SERIES[fields.check];
   if (name) add(name, step, fields.value, true);
 }
 
