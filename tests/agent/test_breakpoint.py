@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pty
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -166,6 +167,41 @@ def test_nobody_attaching_continues_after_the_hold_time(spawn):
     assert child.wait() == 0
     assert "nobody attached within 0.5s" in child.stderr
     assert "finished 42" in child.stdout()
+
+
+PREEMPTED = """
+    import signal, sys
+    from breakpod._core import events, holding
+    seen = []
+    events.add_sink(lambda event: seen.append((event.kind, event.fields.get("why"))))
+
+    class Preempted(Exception):
+        pass
+
+    def on_term(signum, frame):  # the usual "save a checkpoint and stop"
+        raise Preempted("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        breakpoint()
+        print("trained on", flush=True)
+    except Preempted:
+        print("stopped; held:", holding.is_held(), seen[-1], flush=True)
+        sys.exit(143)
+"""
+
+
+def test_an_exception_a_signal_handler_raises_in_a_park_reaches_the_job(spawn):
+    """The job's own exception is not breakpod's failure: it leaves the breakpoint()
+    as it would any line, and the process is no longer held (the stall watchdog
+    judges it again)."""
+    child = spawn(PREEMPTED, env={"BREAKPOD_HOLD_SECONDS": "30"})
+    child.park_port()
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.wait() == 143
+    assert "stopped; held: False ('resumed', 'interrupted by Preempted')" in child.stdout()
+    assert "interrupted by Preempted while waiting for a debugger" in child.stderr
+    assert "could not start a debugger" not in child.stderr
 
 
 FORK = """

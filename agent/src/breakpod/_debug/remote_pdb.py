@@ -54,7 +54,11 @@ class RemoteSession:
         """Wait up to the hold time for a client; True when one attached."""
         self._hold(True)  # a parked or attached process is not a stalled one
         timeout = None if self.hold_seconds == float("inf") else self.hold_seconds
-        sock = self.listener.wait_for_client(timeout)
+        try:
+            sock = self.listener.wait_for_client(timeout)
+        except BaseException:  # a signal handler's exception: the process runs on, unheld
+            self._hold(False)
+            raise
         if sock is None:
             self._hold(False)
             return False

@@ -8,13 +8,16 @@ Routing of :func:`set_trace` (``PYTHONBREAKPOINT=breakpod.set_trace``):
 3. otherwise (container, CI)    -> park on the remote pdb socket and wait.
 
 Nothing here may raise into the training code: a failure is announced and
-the program continues.
+the program continues. What the training code itself raises while a park waits
+(a signal handler's "preempted: stop") goes on up, as it would from any line.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
+import sysconfig
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
@@ -72,6 +75,8 @@ def set_trace(
     try:
         start = _prepare(frame, header)
     except Exception as e:  # the training job outlives any breakpod failure
+        if raised_elsewhere(e):
+            raise
         announce(f"breakpoint() could not start a debugger ({type(e).__name__}: {e}); continuing")
         return
     if start is not None:
@@ -126,8 +131,26 @@ def hold(frame: FrameType, header: str) -> bool:
         with focus(frame):
             return _hold_pdb(settings, header)
     except Exception as e:  # the training job outlives any breakpod failure
+        if raised_elsewhere(e):
+            raise
         announce(f"{header}: could not start a debugger ({type(e).__name__}: {e}); continuing")
         return False
+
+
+_PATHS = sysconfig.get_paths()
+_OURS = (os.path.dirname(os.path.dirname(__file__)), _PATHS["stdlib"], _PATHS["platstdlib"])
+
+
+def raised_elsewhere(error: BaseException) -> bool:
+    """Did code other than breakpod's and the standard library's raise ``error``: a
+    signal handler that ran while a park waited? Then it is the job's to handle."""
+    tb = error.__traceback__
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (name.startswith(_OURS) or name.startswith("<")):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _hold_pdb(settings: Settings, reason: str) -> bool:
@@ -173,6 +196,9 @@ def _wait_for_dap_client(reason: str, hold: float) -> bool:
     holding.hold()
     try:
         attached = debugger.wait_for_debugpy_client(hold)
+    except BaseException as e:
+        _interrupted(endpoint.address, e)
+        raise
     finally:
         holding.release()
     if not attached:
@@ -200,12 +226,24 @@ def open_session(
         + ("; a token is required: set BREAKPOD_LISTENER_TOKEN" if listener.requires_token else "")
     )
     events.emit(protocol.PARKED, backend=protocol.DEFAULT_LISTENER, address=address, reason=reason)
-    if session.wait():
+    try:
+        attached = session.wait()
+    except BaseException as e:
+        _interrupted(address, e)
+        raise
+    if attached:
         return session
     why = listener.interrupted or f"nobody attached within {format_seconds(hold_seconds)}"
     announce(f"{why}; {then}")
     events.emit(protocol.RESUMED, address=address, why=why)
     return None
+
+
+def _interrupted(address: str, error: BaseException) -> None:
+    """A park's wait ended by an exception (a signal handler's, Ctrl-C): say so."""
+    why = f"interrupted by {type(error).__name__}"
+    announce(f"{why} while waiting for a debugger; the park ends")
+    events.emit(protocol.RESUMED, address=address, why=why)
 
 
 def post_mortem(
