@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from breakpod._debug.listener import MAX_HANDSHAKES
 from tests.conftest import PARK_LINE
 
 SCRIPT = """
@@ -150,6 +151,24 @@ def test_a_silent_client_does_not_hold_up_the_next_one(tokened_child, pdb_client
     good.read_until("\n")
     good.send("s3cret-token")
     assert "attached" in good.read_until()  # within the client's 10 s timeout
+    good.send("c")
+    assert child.wait() == 0
+
+
+def test_clients_holding_handshakes_a_byte_at_a_time_do_not_keep_the_engineer_out(
+    tokened_child, pdb_client
+):
+    child, host, port = tokened_child
+    squatters = []
+    for _ in range(MAX_HANDSHAKES + 4):  # each sends a byte, never a line
+        squatter = pdb_client(port, host)
+        squatter.read_until("\n")
+        squatter.sock.sendall(b"x")
+        squatters.append(squatter)
+    good = pdb_client(port, host)
+    good.read_until("\n")
+    good.send("s3cret-token")
+    assert "attached" in good.read_until()
     good.send("c")
     assert child.wait() == 0
 

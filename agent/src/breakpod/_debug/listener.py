@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 REFUSED = "breakpod: refused: "  # the client tells a refusal from a session's end by it
 TOKEN_PROMPT = "breakpod: token required: send BREAKPOD_TOKEN as the first line\n"
 HANDSHAKE_SECONDS = 10.0  # to send the token line, however slowly
-MAX_HANDSHAKES = 16  # pending at once; a new client evicts the oldest silent one
+MAX_HANDSHAKES = 16  # pending at once; a new client ends the oldest
 MAX_TOKEN_LINE = 1024
 MAX_LINE = 1 << 20  # a longer pdb line is dropped (with a note), never buffered
 RECV_BYTES = 65536
@@ -269,9 +269,8 @@ class Listener:
             conn.setblocking(True)
             self._admit(conn)
             return
-        if len(self._pending) >= MAX_HANDSHAKES and not self._evict_a_silent_one():
-            _refuse(conn, "too many clients are authenticating; try again later")
-            return
+        if len(self._pending) >= MAX_HANDSHAKES:
+            self._make_room()
         handshake = _Handshake(conn, str(addr[0]), time.monotonic() + HANDSHAKE_SECONDS)
         try:
             conn.setblocking(False)
@@ -282,14 +281,15 @@ class Listener:
             return
         self._pending[conn] = handshake
 
-    def _evict_a_silent_one(self) -> bool:
-        """Make room by closing the oldest handshake that has sent nothing."""
-        silent = [h for h in self._pending.values() if not h.data and h.line is None]
-        if not silent:
-            return False
-        oldest = min(silent, key=lambda h: h.deadline)
-        self._end_handshake(oldest, "too slow to send the token; try again")
-        return True
+    def _make_room(self) -> None:
+        """Close the oldest handshake. A client sends its token line as it connects
+        (``breakpod attach`` does), so it is never the oldest for long: nobody reaching
+        the port can keep it out by holding handshakes open, silent or a byte at a time.
+        A wrong token line closed so still counts against its peer."""
+        oldest = min(self._pending.values(), key=lambda h: h.deadline)
+        if oldest.line is not None:
+            self._throttle.failed(oldest.peer, time.monotonic())
+        self._end_handshake(oldest, "too many clients are authenticating; try again later")
 
     def _read_token(self, h: _Handshake) -> None:
         try:
