@@ -61,6 +61,18 @@ def test_pdb_on_non_loopback_needs_a_token():
         breakpod.init_remote_debugger(host="0.0.0.0", backend="pdb", enable=True)
 
 
+@pytest.mark.parametrize("backend", ["pdb", "debugpy"])
+def test_a_non_loopback_bind_asked_by_the_environment_is_announced_not_raised(
+    backend, monkeypatch, capfd
+):
+    monkeypatch.setenv("BREAKPOD_HOST", "0.0.0.0")
+    monkeypatch.setenv("BREAKPOD_BACKEND", backend)
+    assert breakpod.init_remote_debugger(enable=True) is None  # the job goes on
+    said = capfd.readouterr().err
+    assert "no debugger listener in this process" in said
+    assert "BREAKPOD_LISTENER_TOKEN" in said or "BREAKPOD_ALLOW_INSECURE=1" in said
+
+
 @pytest.mark.parametrize(
     ("var", "value", "message"),
     [

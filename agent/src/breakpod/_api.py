@@ -13,6 +13,7 @@ from types import FrameType
 from breakpod import protocol
 from breakpod._core.announce import announce
 from breakpod._core.config import Settings, format_seconds
+from breakpod._core.errors import InsecureBindError
 from breakpod._debug import debugger, shim
 from breakpod._debug.debugger import Endpoint
 
@@ -34,9 +35,19 @@ def init_remote_debugger(
     ``LOCAL_RANK``. ``wait=True`` blocks until a client attaches, at most
     ``BREAKPOD_WAIT_TIMEOUT`` seconds. Returns where the listener is, or
     ``None`` when disabled or when the listener could not start (logged).
+    Raises :class:`InsecureBindError` for a ``host`` beyond loopback without the
+    token (pdb) or the opt-in (debugpy) such a bind needs; the same bind asked
+    by ``BREAKPOD_HOST`` is announced instead, and no listener starts.
     """
     settings, fallbacks = Settings.load(port=port, host=host, backend=backend, enabled=enable)
-    endpoint = debugger.start_listener(settings, fallbacks, shim.set_trace)
+    try:
+        endpoint = debugger.start_listener(settings, fallbacks, shim.set_trace)
+    except InsecureBindError as e:
+        if host is not None:  # asked for in code: the caller hears it there
+            raise
+        # from BREAKPOD_HOST: as any bad security setting, said once, and no listener
+        announce(f"{e}; no debugger listener in this process")
+        return None
     if endpoint is not None and wait:
         _wait_for_client(endpoint, settings, sys._getframe(1))
     return endpoint
