@@ -65,3 +65,30 @@ def test_a_hold_shorter_than_the_wait_s_start_still_ends(spawn):
     )
     assert child.wait(timeout=60) == 0
     assert "all 30 ended" in child.stdout()
+
+
+FORKED = """
+    import os, breakpod
+    breakpod.init_remote_debugger(port=0, backend="debugpy", enable=True)
+    pid = os.fork()
+    if pid == 0:  # a DataLoader-style worker; no IDE was attached to the parent
+        worker = "child"
+        breakpoint()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("worker exited", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+def test_a_forked_worker_with_no_ide_attached_parks_on_a_pdb_listener_of_its_own(spawn, pdb_client):
+    """The debugpy listener serves the parent: the worker waiting there could be
+    reached by nobody."""
+    child = spawn(FORKED)
+    dap = child.wait_for(r"debugpy listening on 127\.0\.0\.1:(\d+)").group(1)
+    port = child.park_port()
+    assert str(port) != dap
+    client = pdb_client(port)
+    assert "-> os._exit(0)" in client.read_until()
+    assert client.command("p worker").strip() == "'child'"
+    client.send("c")
+    assert child.wait() == 0 and "worker exited 0" in child.stdout()

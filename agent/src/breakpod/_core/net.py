@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import errno
 import ipaddress
-import logging
 import socket
 
 from breakpod import protocol
+from breakpod._core.announce import announce
 from breakpod._core.errors import ConfigError, InsecureBindError, ListenerError
-
-log = logging.getLogger(__name__)
 
 
 def is_loopback(host: str) -> bool:
@@ -84,7 +82,7 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         if e.errno != errno.EADDRINUSE or port == 0:
             raise ListenerError(f"cannot listen on {host}:{port}: {e.strerror}") from e
-        log.warning("port %s is in use; listening on a free port instead", port)
+        announce(f"port {port} is in use; listening on a free port instead")
         return _listen(host, 0)
 
 

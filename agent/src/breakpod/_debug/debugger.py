@@ -51,16 +51,29 @@ class _State:
     debugpy: Endpoint | None = None
     debugpy_wait_ended: threading.Event | None = None  # present while wait_for_client() runs
 
+    ide_follows_fork = False  # a DAP client was attached when the process forked
+
+    @classmethod
+    def note_fork(cls) -> None:
+        if cls.debugpy is not None:
+            cls.ide_follows_fork = bool(sys.modules[DEBUGPY_MODULE].is_client_connected())
+
     @classmethod
     def forget_parent_listener(cls) -> None:
-        """In a forked child (a DataLoader worker) the acceptor thread is gone."""
+        """In a forked child (a DataLoader worker) the acceptor thread is gone. The
+        debugpy listener serves the parent: an attached IDE is offered the child (as
+        a subprocess to attach to), but without one nobody could reach the child
+        there, so it parks on a pdb listener of its own."""
         if cls.pdb is not None:
             cls.pdb.close()
         cls.pdb = None
+        if not cls.ide_follows_fork:
+            cls.debugpy = None
+        cls.debugpy_wait_ended = None
         cls.lock = threading.RLock()
 
 
-os.register_at_fork(after_in_child=_State.forget_parent_listener)
+os.register_at_fork(before=_State.note_fork, after_in_child=_State.forget_parent_listener)
 
 
 def pdb_listener(settings: Settings) -> Listener:
