@@ -188,6 +188,56 @@ def test_nobody_attaching_continues_after_the_hold_time(spawn):
     assert "finished 42" in child.stdout()
 
 
+LOOP = """
+    import signal
+    signal.signal(signal.SIGUSR1, lambda *_: breakpoint())  # a park nested in a park
+    for i in range(2):
+        breakpoint()
+        y = i
+    print("finished", flush=True)
+"""
+
+
+def test_after_continue_with_breakpoints_set_the_next_breakpoint_stops_for_the_same_client(
+    spawn, pdb_client
+):
+    """The client stays attached for its breakpoints: the next breakpoint() is its,
+    not a new park that waits for a client the listener would refuse."""
+    child = spawn(LOOP, env={"BREAKPOD_HOLD_SECONDS": "30"})
+    client = pdb_client(child.park_port())
+    client.read_until()
+    assert client.command("p i").strip() == "0"
+    client.command("b 7")  # print("finished")
+    stopped = client.command("c")  # on to the next breakpoint(): the same client's
+    assert "breakpoint() at" in stopped and "-> y = i" in stopped
+    assert client.command("p i").strip() == "1"
+    assert 'print("finished"' in client.command("c")  # and then its breakpoint
+    client.command("clear 1")
+    client.send("c")
+    assert child.wait() == 0 and "finished" in child.stdout()
+
+
+def test_a_park_nested_in_a_signal_handler_gets_the_client(spawn, pdb_client):
+    """The outer park waits in the same thread, under the handler: the inner one, the
+    code that runs, must take the client."""
+    child = spawn(LOOP, env={"BREAKPOD_HOLD_SECONDS": "30"})
+    port = child.park_port()
+    child.proc.send_signal(signal.SIGUSR1)
+    child.wait_for("(?s)waiting up to 30s for a debugger.*waiting up to 30s for a debugger")
+    client = pdb_client(port)
+    assert "signal.signal" in client.read_until()  # the handler's frame: line 3
+    client.send("c")  # the handler returns; the outer park waits again
+    assert "detached" in client.read_all()
+    outer = pdb_client(port)
+    outer.read_until()
+    outer.send("c")
+    outer.read_all()
+    second = pdb_client(port)  # the loop's second breakpoint()
+    second.read_until()
+    second.send("c")
+    assert child.wait() == 0 and "finished" in child.stdout()
+
+
 PREEMPTED = """
     import signal, sys
     from breakpod._core import events, holding

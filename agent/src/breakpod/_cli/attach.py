@@ -150,28 +150,41 @@ def _session(
                 sock.sendall((line + "\n").encode())
                 pending = ""
             data = sock.recv(65536)
-    except OSError as e:
+    except AttachError:
+        raise
+    except OSError as e:  # a reset right after a refusal is the refusal
+        _refused(tail)
         raise AttachError(f"the connection to the debugger broke: {e.strerror or e}") from e
 
 
 def _closed(pending: str, tail: str, out: TextIO) -> None:
     """The remote side hung up: a refusal (wrong token, busy) is an error (exit 1)."""
-    refusal = next((line for line in tail.splitlines() if line.startswith(REFUSED)), None)
-    if refusal is not None:
-        raise AttachError(f"the listener refused this client: {refusal[len(REFUSED) :]}")
+    _refused(tail)
     out.write(pending + "\nbreakpod: the remote side closed the session\n")
 
 
+def _refused(tail: str) -> None:
+    refusal = next((line for line in tail.splitlines() if line.startswith(REFUSED)), None)
+    if refusal is not None:
+        raise AttachError(f"the listener refused this client: {refusal[len(REFUSED) :]}")
+
+
 def _show(text: str, out: TextIO) -> str:
-    """Print what arrived; keep back a prompt (or the start of one) to handle it."""
+    """Print what arrived, less a refusal (the error says it); keep back a prompt (or
+    the start of one) to handle it."""
     if text.endswith(TOKEN_PROMPT):
-        out.write(text[: -len(TOKEN_PROMPT)])
+        _write(text[: -len(TOKEN_PROMPT)], out)
         return TOKEN_PROMPT
     prompt = next((p for p in PROMPTS if text.endswith(p)), None)
     keep = len(prompt) if prompt else _partial_prompt_length(text)
-    out.write(text[: len(text) - keep])
-    out.flush()
+    _write(text[: len(text) - keep], out)
     return text[len(text) - keep :]
+
+
+def _write(text: str, out: TextIO) -> None:
+    lines = text.splitlines(keepends=True)
+    out.write("".join(line for line in lines if not line.startswith(REFUSED)))
+    out.flush()
 
 
 def _read(prompt: str, read_line: Callable[[str], str], out: TextIO) -> str | None:

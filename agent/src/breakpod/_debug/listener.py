@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 REFUSED = "breakpod: refused: "  # the client tells a refusal from a session's end by it
 TOKEN_PROMPT = "breakpod: token required: send BREAKPOD_TOKEN as the first line\n"
+NOT_PARKED = "breakpod: pid {pid} is not parked yet; the session starts at its next park\n"
 HANDSHAKE_SECONDS = 10.0  # to send the token line, however slowly
 MAX_HANDSHAKES = 16  # pending at once; a new client ends the oldest
 MAX_TOKEN_LINE = 1024
@@ -170,7 +171,7 @@ class Listener:
         self._owner: socket.socket | None = None
         self._lock = threading.Lock()
         self._closed = False
-        self._waiting = False
+        self._waiting = 0  # waits under way (one nests in another in a signal handler)
         self.interrupted = ""  # why interrupt() ended the last wait ("": it did not)
         self._interrupt_why = ""
         threading.Thread(target=self._serve, name="breakpod-listener", daemon=True).start()
@@ -186,7 +187,8 @@ class Listener:
 
     def wait_for_client(self, timeout: float | None) -> socket.socket | None:
         """The next live client; ``None`` after ``timeout`` seconds or :meth:`interrupt`."""
-        self._waiting, self.interrupted = True, ""
+        self._waiting += 1
+        self.interrupted = ""
         self._handoff.drop_interrupt()
         try:
             while True:
@@ -196,11 +198,11 @@ class Listener:
                 if sock is None:  # interrupt()
                     self.interrupted = self._interrupt_why
                     return None
-                if _alive(sock):
+                if alive(sock):
                     return sock
                 self.release(sock)
         finally:
-            self._waiting = False
+            self._waiting -= 1
 
     def interrupt(self, why: str = "resume command") -> bool:
         """End a :meth:`wait_for_client` now (a broker ``resume``, or a job-wide break that
@@ -353,11 +355,13 @@ class Listener:
         try:
             with self._lock:
                 owner = self._owner
-                if owner is not None and _alive(owner):
+                if owner is not None and alive(owner):
                     _refuse(conn, "another debugger client is already attached; try again later")
                     return
                 self._owner = conn
             self._handoff.offer_client(conn)
+            if not self._waiting:  # said at once: a listener that says nothing looks wrong
+                conn.send(NOT_PARKED.format(pid=os.getpid()).encode(), socket.MSG_DONTWAIT)
         except OSError:
             conn.close()
 
@@ -369,7 +373,7 @@ def _refuse(conn: socket.socket, why: str) -> None:
     conn.close()
 
 
-def _alive(sock: socket.socket) -> bool:
+def alive(sock: socket.socket) -> bool:
     """False once the peer has closed; never blocks and never consumes data."""
     if sock.fileno() < 0:
         return False
@@ -399,7 +403,9 @@ class _Handoff:
                 if old is not None:
                     old.close()
             self._slot[:] = [sock]
-            self._ready.notify()
+            # all: a park nested in a signal handler waits in the same thread as the
+            # park it interrupted, which cannot run; the running one takes the slot
+            self._ready.notify_all()
 
     def offer_interrupt(self) -> bool:
         """False when the slot is taken (a client is being handed over)."""
@@ -407,7 +413,7 @@ class _Handoff:
             if self._slot:
                 return False
             self._slot.append(None)
-            self._ready.notify()
+            self._ready.notify_all()
             return True
 
     def drop_interrupt(self) -> None:

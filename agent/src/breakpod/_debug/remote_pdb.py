@@ -15,13 +15,14 @@ import code
 import os
 import socket
 import sys
+import threading
 from types import FrameType, TracebackType
 
 from breakpod import protocol
 from breakpod._core import events, holding
 from breakpod._core.announce import announce
 from breakpod._core.config import format_seconds
-from breakpod._debug.listener import ClientIO, Listener
+from breakpod._debug.listener import ClientIO, Listener, alive
 from breakpod._debug.pdb_commands import CommandsMixin, load_builtin_commands
 
 # Stepping never stops inside breakpod or torch (like "just my code"): `s` on
@@ -68,6 +69,10 @@ class RemoteSession:
         events.emit(protocol.ATTACHED, address=self.listener.address, reason=self.reason)
         return True
 
+    @property
+    def client(self) -> socket.socket | None:
+        return self._client
+
     def end(self, why: str) -> None:
         self._hold(False)
         if self._client is None:
@@ -102,8 +107,11 @@ class RemotePdb(CommandsMixin):
     def do_continue(self, arg: str) -> bool:
         stop = bool(super().do_continue(arg))
         if not self.breaks:
+            _continued.pop(threading.get_ident(), None)
             self.session.end("continuing; the debugger detached")
             events.emit(protocol.RESUMED, address=self.session.listener.address)
+        else:  # the client stays, for the breakpoints and the thread's next park
+            _continued[threading.get_ident()] = self
         return stop
 
     do_c = do_cont = do_continue
@@ -166,6 +174,22 @@ class ClientConsole(code.InteractiveConsole):
         if not line:
             raise EOFError
         return line.rstrip("\n")
+
+
+# thread -> its debugger that continued with breakpoints set (its client stays)
+_continued: dict[int, RemotePdb] = {}
+
+
+def still_attached() -> RemotePdb | None:
+    """This thread's debugger that continued with breakpoints set, while its client is
+    still there: the thread's next park goes to that client (the listener would refuse
+    any other while it is attached)."""
+    debugger = _continued.get(threading.get_ident())
+    client = debugger.session.client if debugger is not None else None
+    if client is not None and alive(client):
+        return debugger
+    _continued.pop(threading.get_ident(), None)
+    return None
 
 
 def set_trace_remote(session: RemoteSession, frame: FrameType, *, quit_mode: str) -> None:

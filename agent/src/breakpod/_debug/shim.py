@@ -34,6 +34,7 @@ from breakpod._debug.remote_pdb import (
     inspect_remote,
     post_mortem_remote,
     set_trace_remote,
+    still_attached,
 )
 
 log = logging.getLogger(__name__)
@@ -90,10 +91,20 @@ def _prepare(frame: FrameType, header: str | None) -> Start | None:
     settings = env_settings()
     if use_local_pdb(settings):
         return lambda: LocalPdb().set_trace(frame)
+    attached = still_attached()
+    if attached is not None:  # the engineer continued with breakpoints set: theirs
+        attached.message(f"breakpod: {reason}")
+        return lambda: _trace_again(attached, frame)
     session = open_session(settings, reason, settings.hold_seconds)
     if session is None:
         return None
     return lambda: set_trace_remote(session, frame, quit_mode=settings.quit_mode)
+
+
+def _trace_again(debugger: CommandsMixin, frame: FrameType) -> None:
+    """Stop ``debugger``, which traces this thread already, in ``frame``'s next line."""
+    sys.settrace(None)  # else it would stop in its own set_trace, which it would trace
+    debugger.set_trace(frame)
 
 
 BREAK_HEADER = "break requested through the broker"  # the banner of a `break`'s park
