@@ -10,6 +10,7 @@ import os
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -104,3 +105,72 @@ def test_a_debug_port_in_use_moves_with_a_warning() -> None:
     assert env == [[{"name": "BREAKPOD_PORT", "value": "5680"}]]
     assert any("port 5678 is in use" in w for w in response["warnings"])
     assert any("runtimeClassName 'kata' is kept" in w for w in response["warnings"])
+
+
+def test_a_half_updated_pair_leaves_the_old_certificate_serving(reloading_webhook) -> None:
+    """A new certificate beside the old key (a Secret volume mid-update): the check that
+    refuses it must not have installed it already, or no handshake succeeds."""
+    url, served, root = reloading_webhook
+    old_ca = root / "first" / "ca.crt"
+    (served / "tls.crt").write_bytes((root / "second" / "tls.crt").read_bytes())
+    time.sleep(1)  # the reloader (every 0.2 s) tries the pair a few times
+    assert _mutates(url, old_ca)
+
+
+def pod_review(spec: dict, overlay: dict | None = None) -> dict:
+    pod = {"metadata": {"labels": {"breakpod.dev/inject": "true"}}, "spec": spec}
+    body = {**review_request(spec), "request": {**review_request(spec)["request"], "object": pod}}
+    return admission.review(body, overlay or PORT_OVERLAY)["response"]
+
+
+PORT_OVERLAY = {
+    "pod": {},
+    "container": {
+        "ports": [{"name": "breakpod-dbg", "containerPort": 5678}],
+        "env": [{"name": "BREAKPOD_PORT", "value": "5678"}],
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"containers": [{"name": "t", "ports": [{"containerPort": 65535}]}]},  # no port above
+        {"containers": [{"name": "t", "env": {"A": "1"}}]},  # env as a mapping
+        {"containers": [{"name": "t", "env": ["A=1"]}]},  # env as strings
+    ],
+)
+def test_a_pod_no_rule_foresaw_is_allowed_unchanged_with_a_warning(spec) -> None:
+    """The webhook must never answer 500: the API server would then create the pod
+    without the overlay, saying nothing (failurePolicy Ignore), or not at all."""
+    overlay = {**PORT_OVERLAY, "container": {**PORT_OVERLAY["container"], "ports": []}}
+    if "ports" in spec["containers"][0]:
+        overlay = {"pod": {}, "container": {"ports": [{"name": "d", "containerPort": 65535}]}}
+    response = pod_review(spec, overlay)
+    assert response["allowed"] is True
+    if "patch" not in response:
+        assert any("left unchanged" in w for w in response["warnings"])
+    else:  # the port moved below: 65535 had nowhere to go above
+        patch = json.loads(base64.b64decode(response["patch"]))
+        assert patch == [
+            {
+                "op": "add",
+                "path": "/spec/containers/0/ports/1",
+                "value": {"name": "d", "containerPort": 1024},
+            }
+        ]
+
+
+def test_a_native_sidecars_port_is_in_use_too() -> None:
+    sidecar = {"name": "proxy", "restartPolicy": "Always", "ports": [{"containerPort": 5678}]}
+    response = pod_review({"initContainers": [sidecar], "containers": [{"name": "t"}]})
+    assert any("port 5678 is in use" in w for w in response["warnings"])
+
+
+def test_a_host_network_pod_without_a_listener_token_is_warned_of() -> None:
+    response = pod_review({"hostNetwork": True, "containers": [{"name": "t"}]})
+    assert any("node's loopback" in w for w in response["warnings"])
+    tokened = {**PORT_OVERLAY["container"]}
+    tokened["env"] = [*tokened["env"], {"name": "BREAKPOD_LISTENER_TOKEN", "value": "x" * 8}]
+    quiet = pod_review({"hostNetwork": True, "containers": [{"name": "t"}]}, {"container": tokened})
+    assert not any("node's loopback" in w for w in quiet.get("warnings", []))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from breakpod_broker import admission
 from breakpod_broker.redis_server import free_port
 from tests.deploy.conftest import ROOT
 from tests.deploy.test_admission import PODS, review_request
@@ -101,3 +102,20 @@ def test_the_webhook_speaks_only_tls(webhook: tuple[str, Path]) -> None:
     url, _ = webhook
     with pytest.raises(httpx.TransportError):  # a plain-HTTP server would answer 200 here
         httpx.get(url.replace("https://", "http://", 1) + "/healthz", timeout=5)
+
+
+def test_a_body_past_any_review_is_refused_unread_and_garbage_is_400(webhook) -> None:
+    url, ca = webhook
+    verify = ssl.create_default_context(cafile=str(ca))
+    with httpx.Client(verify=verify, timeout=30) as client:
+        huge = b'{"x": "' + b"a" * (admission.MAX_REVIEW_BYTES + 1) + b'"}'
+        assert client.post(f"{url}/admission/mutate", content=huge).status_code == 413
+
+        def chunks():  # no Content-Length: counted as it streams
+            for _ in range(admission.MAX_REVIEW_BYTES // (1 << 20) + 1):
+                yield b" " * (1 << 20)
+
+        assert client.post(f"{url}/admission/mutate", content=chunks()).status_code == 413
+        deep = b"[" * 100_000 + b"]" * 100_000
+        assert client.post(f"{url}/admission/mutate", content=deep).status_code == 400
+        assert client.get(f"{url}/healthz").status_code == 200

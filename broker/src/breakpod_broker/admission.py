@@ -61,8 +61,12 @@ def review(body: Mapping[str, Any], rendered: Mapping[str, Any] | None) -> Json:
     except overlay.OverlayError as e:
         response["warnings"] = [f"breakpod: {e}; the pod is left unchanged"]
         patch = []
-    except TypeError as e:  # e.g. a container name that is a list: a malformed pod
-        response["warnings"] = [f"breakpod: malformed pod ({e}); the pod is left unchanged"]
+    except Exception as e:  # a pod no rule foresaw: never an error that blocks its creation
+        log.warning("pod %s left unchanged: %s: %s", request["uid"], type(e).__name__, e)
+        response["warnings"] = [
+            f"breakpod: could not inject into this pod ({type(e).__name__}: {e}); "
+            "the pod is left unchanged"
+        ]
         patch = []
     if warnings:
         response["warnings"] = warnings
@@ -132,12 +136,27 @@ def _load(path: Path, stamp: int) -> Json | None:
         return None
 
 
+# The API server sends objects of at most ~3 MiB, twice for an update (object and
+# oldObject): a larger body is nobody's AdmissionReview, and read whole it could take the
+# webhook (and the broker pod it runs in) past its memory limit.
+MAX_REVIEW_BYTES = 8 << 20
+_TOO_LARGE = f"an AdmissionReview is at most {MAX_REVIEW_BYTES >> 20} MiB"
+
+
 @router.post("/admission/mutate")
 async def mutate(request: Request) -> Json:
     """Mutate a pod: AdmissionReview v1 in, AdmissionReview with a JSONPatch out."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REVIEW_BYTES:
+        raise HTTPException(413, _TOO_LARGE)
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > MAX_REVIEW_BYTES:
+            raise HTTPException(413, _TOO_LARGE)
     try:
-        body = await request.json()
-    except ValueError:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
         raise HTTPException(400, "the body is not JSON: send an AdmissionReview v1") from None
     if not isinstance(body, dict):
         raise HTTPException(400, "the body is not a JSON object: send an AdmissionReview v1")
@@ -178,6 +197,9 @@ class CertificateReloader:
             stamp = self._stamp()
             if stamp == self.stamp:
                 return False
+            # a trial context first: a failed load leaves a context half-changed (the new
+            # certificate without its key), and the live one must keep serving the old pair
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(self.certfile, self.keyfile)
             self.context.load_cert_chain(self.certfile, self.keyfile)
         except (OSError, ssl.SSLError) as e:
             log.warning("webhook certificate not reloaded (yet): %s", e)

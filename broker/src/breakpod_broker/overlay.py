@@ -33,6 +33,7 @@ INJECT_LABEL = "breakpod.dev/inject"
 # Pod fields the overlay sets only where the pod has none (never replaced).
 KEEP_EXISTING = frozenset({"runtimeClassName"})
 PORT_ENV = "BREAKPOD_PORT"
+TOKEN_ENV = "BREAKPOD_LISTENER_TOKEN"
 
 Json = dict[str, Any]
 
@@ -106,16 +107,26 @@ def apply_reporting(
 ) -> tuple[Json, list[str]]:
     """``apply``, and notes on what it changed from the overlay to fit the pod: a
     pod's own runtimeClassName is kept; a debug port another container of the
-    pod already uses moves to the next free one."""
+    pod already uses moves to the next free one; a hostNetwork pod without a
+    listener token is warned of."""
     index = target_index(spec, container)
     pod = {k: v for k, v in (overlay.get("pod") or {}).items() if not _kept(spec, k)}
     notes = [f"the pod's runtimeClassName {spec[k]!r} is kept" for k in KEEP_EXISTING & set(spec)]
     patch, moved = _free_port(spec, overlay.get("container") or {})
+    if spec.get("hostNetwork") is True and not _sets(patch, TOKEN_ENV):
+        notes.append(
+            "a hostNetwork pod's 127.0.0.1 is the node's loopback: every process on the "
+            f"node can reach its debugger; give the overlay a token ({TOKEN_ENV})"
+        )
     out = merge(spec, pod)
     containers = list(out["containers"])
     containers[index] = merge(containers[index], patch)
     out["containers"] = containers
     return out, notes + moved
+
+
+def _sets(container: Mapping[str, Any], name: str) -> bool:
+    return any(isinstance(e, dict) and e.get("name") == name for e in container.get("env") or [])
 
 
 def _kept(spec: Mapping[str, Any], key: str) -> bool:
@@ -125,9 +136,11 @@ def _kept(spec: Mapping[str, Any], key: str) -> bool:
 def _free_port(spec: Mapping[str, Any], patch: Json) -> tuple[Json, list[str]]:
     """``patch`` with its debug port (and BREAKPOD_PORT) moved off ports in use."""
     ours = {p.get("name") for p in patch.get("ports") or [] if isinstance(p, dict)}
-    used = {
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    used = {  # init containers' too: a native sidecar (restartPolicy Always) runs beside
         p.get("containerPort")
-        for c in spec.get("containers") or []
+        for c in containers
+        if isinstance(c, dict)
         for p in (c.get("ports") or [])
         if isinstance(p, dict) and p.get("name") not in ours
     }
@@ -136,7 +149,10 @@ def _free_port(spec: Mapping[str, Any], patch: Json) -> tuple[Json, list[str]]:
     for port in ports:
         wanted = port.get("containerPort")
         if isinstance(wanted, int) and wanted in used:
-            free = next(n for n in range(int(wanted) + 1, 65536) if n not in used)
+            above = range(int(wanted) + 1, 65536)
+            free = next((n for n in [*above, *range(1024, int(wanted))] if n not in used), None)
+            if free is None:
+                raise OverlayError(f"port {wanted} is in use and no other port is free")
             port["containerPort"] = free
             for e in env:
                 if e.get("name") == PORT_ENV and e.get("value") == str(wanted):
@@ -144,7 +160,7 @@ def _free_port(spec: Mapping[str, Any], patch: Json) -> tuple[Json, list[str]]:
             notes.append(f"port {wanted} is in use in this pod: the debug listener uses {free}")
     if not notes:
         return patch, []
-    return {**patch, "ports": ports, "env": env}, notes
+    return {**patch, "ports": ports, **({"env": env} if env else {})}, notes
 
 
 def json_patch(before: Any, after: Any) -> list[Json]:
