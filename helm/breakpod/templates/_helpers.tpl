@@ -58,7 +58,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
 {{- define "breakpod.redisPasswordRef" -}}
-name: {{ .Values.redis.existingSecret | default (printf "%s-redis" (include "breakpod.fullname" .)) }}
+name: {{ .Values.redis.existingSecret | default (include "breakpod.redisName" .) }}
 key: {{ ternary .Values.redis.existingSecretKey "password" (not (empty .Values.redis.existingSecret)) }}
 {{- end }}
 
@@ -90,7 +90,7 @@ first entry of that role from it. */}}
 
 {{- define "breakpod.redisUrl" -}}
 {{- if .Values.redis.enabled }}
-{{- printf "redis://:$(REDIS_PASSWORD)@%s-redis:6379/0" (include "breakpod.fullname" .) }}
+{{- printf "redis://:$(REDIS_PASSWORD)@%s:6379/0" (include "breakpod.redisName" .) }}
 {{- else }}
 {{- .Values.redis.url }}
 {{- end }}
@@ -140,4 +140,29 @@ Values that make no sense fail the render with the value to fix.
 {{- if eq (int $v.overlay.port) (int $v.broker.port) }}
 {{- fail "overlay.port equals broker.port: pick a different debug port for training pods (overlay.port, default 5678)." }}
 {{- end }}
+{{- if regexMatch "[?&]password=" $v.redis.url }}
+{{- fail "redis.url holds a password (?password=): it would be a plain env value in the broker pod. Put the URL in a Secret and set redis.urlSecret.name (and .key) instead." }}
+{{- end }}
+{{- if and $v.webhook.enabled (eq (int $v.webhook.port) (int $v.broker.port)) }}
+{{- fail "webhook.port equals broker.port: both listen in the broker pod. Pick another webhook.port (default 8443)." }}
+{{- end }}
+{{- if and $v.webhook.enabled (eq (int $v.service.port) 443) }}
+{{- fail "service.port is 443, the port the Service gives the webhook: pick another service.port (default 8765)." }}
+{{- end }}
+{{- if and (gt (int $v.broker.replicaCount) 1) (ge (int $v.broker.pdbMinAvailable) (int $v.broker.replicaCount)) }}
+{{- fail (printf "broker.pdbMinAvailable (%v) is not below broker.replicaCount (%v): no broker pod could ever be evicted, and node drains would hang. Lower it." $v.broker.pdbMinAvailable $v.broker.replicaCount) }}
+{{- end }}
+{{- $names := list }}
+{{- range (include "breakpod.overlay" . | fromYaml).container.env }}
+{{- if has .name $names }}
+{{- fail (printf "overlay.extraEnv sets %s, which the overlay sets itself or extraEnv sets twice (the last would win, past the chart's checks): set it once, through its own value." .name) }}
+{{- end }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- end }}
+
+{{/* The in-release Redis's name: short enough for a Service (63) and for the
+StatefulSet's controller-revision-hash label (its name, "-" and 10 characters). */}}
+{{- define "breakpod.redisName" -}}
+{{- printf "%s-redis" (include "breakpod.fullname" . | trunc 46 | trimSuffix "-") }}
 {{- end }}

@@ -31,7 +31,7 @@ container:
   livenessProbe: null
   {{- end }}
   ports:
-    - name: {{ $o.portName }}
+    - name: {{ $o.portName | quote }}
       containerPort: {{ int $o.port }}
       protocol: TCP
   env:

@@ -1,0 +1,99 @@
+"""Values a chart user may give by mistake (or on purpose): each fails the render
+with the value to fix, rather than rendering pods the API server rejects, YAML
+another value wrote, or names Kubernetes refuses. Rendered with the Helm Go SDK."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import yaml
+
+pytest.importorskip("helm_python", reason="pip install -r requirements-dev.txt")
+
+from tests.deploy.conftest import CHART, documents, find, render
+
+WEBHOOK = yaml.safe_load((CHART / "ci" / "webhook-secret-values.yaml").read_text())
+TLS = yaml.safe_load((CHART / "ci" / "broker-tls-values.yaml").read_text())
+EXTERNAL = {"redis": {"enabled": False, "url": "redis://r:6379/0?password=hunter2"}}
+
+
+def merged(*layers: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            both = isinstance(value, dict) and isinstance(out.get(key), dict)
+            out[key] = merged(out[key], value) if both else value
+    return out
+
+
+REFUSED = {
+    # a port name Kubernetes refuses (no letter; "--"), and one YAML would read as a number
+    "a numeric port name": ({"overlay": {"portName": "12345"}}, "portName"),
+    "a port name with --": ({"overlay": {"portName": "a--b"}}, "portName"),
+    # `--set overlay.extraEnv[0].value=600` gives a number: an env value is a string
+    "a number as an env value": (
+        {"overlay": {"extraEnv": [{"name": "BREAKPOD_HOLD_SECONDS", "value": 600}]}},
+        "extraEnv/0/value",
+    ),
+    "an env name the overlay sets": (
+        {"overlay": {"extraEnv": [{"name": "BREAKPOD_HOST", "value": "0.0.0.0"}]}},
+        "BREAKPOD_HOST",
+    ),
+    "YAML in a service account name": (
+        {"serviceAccount": {"create": False, "name": "x\n      hostNetwork: true"}},
+        "serviceAccount",
+    ),
+    "YAML in a secret name": ({"auth": {"existingSecret": "s\n  optional: true"}}, "existing"),
+    "YAML in a secret key": ({"redis": {"existingSecretKey": "k: v"}}, "existingSecretKey"),
+    "a comma in a token": ({"auth": {"tokens": {"agent": "aaaaaaaa,admin:zzzzzzzz"}}}, "agent"),
+    "a password in the Redis URL's query": (EXTERNAL, "password"),
+    "the webhook on the broker's port": (
+        merged(WEBHOOK, {"webhook": {"port": 8765}}),
+        "webhook.port",
+    ),
+    "the API on the webhook's Service port": (
+        merged(WEBHOOK, {"service": {"port": 443}}),
+        "service.port",
+    ),
+    "a PDB no pod could pass": ({"broker": {"replicaCount": 2, "pdbMinAvailable": 2}}, "pdbMin"),
+}
+
+
+@pytest.mark.parametrize("values, named", REFUSED.values(), ids=REFUSED.keys())
+def test_a_value_that_would_break_pods_or_inject_yaml_fails_the_render(values, named) -> None:
+    with pytest.raises(Exception, match=named):
+        render(values)
+
+
+def test_the_values_beside_each_refused_one_render() -> None:
+    """The checks above refuse the value, not its neighbours."""
+    render({"overlay": {"portName": "dbg-2", "extraEnv": [{"name": "X", "value": "600"}]}})
+    render({"serviceAccount": {"create": False, "name": "train.sa-1"}})
+    render({"broker": {"replicaCount": 3, "pdbMinAvailable": 2}})
+    render(merged(WEBHOOK, {"webhook": {"port": 9443}, "service": {"port": 8080}}))
+
+
+def test_a_long_release_name_gives_names_kubernetes_takes() -> None:
+    docs = documents(render({"fullnameOverride": "a" * 63}))
+    redis = find(docs, "StatefulSet")["metadata"]["name"]
+    assert len(redis) <= 52  # + "-" + a 10-character revision hash: a 63-character label
+    services = [d["metadata"]["name"] for d in docs if d["kind"] == "Service"]
+    assert services and all(len(name) <= 63 for name in services)
+    url = next(e for e in _broker_env(docs) if e["name"] == "BREAKPOD_REDIS_URL")["value"]
+    assert f"@{redis}:6379" in url  # the broker is told the name the Service has
+
+
+def test_with_tls_the_helm_test_and_the_notes_speak_https() -> None:
+    rendered = render(TLS)
+    test_pod = find(documents(rendered), "Pod")
+    assert "https://" in " ".join(test_pod["spec"]["containers"][0]["command"])
+    notes = rendered["breakpod/templates/NOTES.txt"]
+    assert "BREAKPOD_BROKER_URL=https://" in notes and "http://" not in notes
+
+
+def _broker_env(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = find(docs, "Deployment")["spec"]["template"]["spec"]["containers"][
+        0
+    ]["env"]
+    return env
