@@ -97,3 +97,27 @@ def _broker_env(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         0
     ]["env"]
     return env
+
+
+def test_as_a_dependency_with_install_false_only_the_overlay_renders(trainer_chart) -> None:
+    """A training chart that has breakpod as a dependency for its named templates
+    installs no second broker, Redis and webhook per release."""
+    central = "https://breakpod.breakpod-system.svc:8765"
+    values = {"breakpod": {"install": False, "overlay": {"brokerUrl": central}}}
+    docs = documents(render(values, trainer_chart))
+    assert sorted(d["kind"] for d in docs) == ["Job", "Pod"]  # the user's own two
+    [train] = find(docs, "Job")["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in train["env"]}
+    assert env["BREAKPOD_BROKER_URL"] == central
+    with pytest.raises(Exception, match=r"overlay\.brokerUrl"):
+        render({"breakpod": {"install": False}}, trainer_chart)
+
+
+def test_the_template_refuses_a_debug_port_the_pod_uses(trainer_chart) -> None:
+    spec = {"containers": [{"name": "a", "image": "a", "ports": [{"containerPort": 5678}]}]}
+    with pytest.raises(Exception, match=r"port 5678 is in use in this pod .*overlay\.port"):
+        render({"podSpec": spec, "container": ""}, trainer_chart)
+    moved = {"breakpod": {"overlay": {"port": 5680}}, "podSpec": spec, "container": ""}
+    docs = documents(render(moved, trainer_chart))
+    ports = find(docs, "Job")["spec"]["template"]["spec"]["containers"][0]["ports"]
+    assert [p["containerPort"] for p in ports] == [5678, 5680]

@@ -18,6 +18,9 @@ Works from a parent chart (dependency named "breakpod") as well as here.
 {{- $o := $v.overlay }}
 {{- $ctx := dict "Values" $v "Release" .Release "Chart" (dict "Name" "breakpod") }}
 {{- $scheme := ternary "https" "http" (and $v.broker.tls $v.broker.tls.enabled | default false) }}
+{{- if and (eq $v.install false) (not $o.brokerUrl) }}
+{{- fail "breakpod.install is false, so this release has no broker: set breakpod.overlay.brokerUrl to the broker your pods report to." }}
+{{- end }}
 {{- $url := $o.brokerUrl | default (printf "%s://%s.%s.svc:%v" $scheme (include "breakpod.fullname" $ctx) .Release.Namespace $v.service.port) }}
 pod:
   {{- if $o.runtimeClassName }}
@@ -121,6 +124,7 @@ container:
 
 {{/* (dict "spec" POD_SPEC "overlay" OVERLAY "container" NAME) -> JSON of the debugged pod spec. */}}
 {{- define "breakpod.applyPod" -}}
+{{- include "breakpod.portsFree" . }}
 {{- $pod := deepCopy (.overlay.pod | default dict) }}
 {{- if .spec.runtimeClassName }}{{ $_ := unset $pod "runtimeClassName" }}{{ end }}
 {{- $out := include "breakpod.merge" (dict "target" .spec "patch" $pod) | fromJson }}
@@ -141,6 +145,22 @@ container:
 {{- end }}
 {{- $_ := set $out "containers" $containers }}
 {{- toJson $out }}
+{{- end }}
+
+{{/* Fails when the pod already uses the overlay's debug port under another name
+(the webhook moves it; a template cannot, and says which value to change). */}}
+{{- define "breakpod.portsFree" -}}
+{{- $ours := list }}
+{{- range (.overlay.container.ports | default list) }}{{ $ours = append $ours .name }}{{ end }}
+{{- range $c := concat (.spec.initContainers | default list) (.spec.containers | default list) }}
+{{- range $used := ($c.ports | default list) }}
+{{- range $.overlay.container.ports | default list }}
+{{- if and (eq (int .containerPort) (int $used.containerPort)) (not (has $used.name $ours)) }}
+{{- fail (printf "breakpod.debugPod: port %v is in use in this pod (container %v): set breakpod.overlay.port to a free one" (int .containerPort) $c.name) }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/*
