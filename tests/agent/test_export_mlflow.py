@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -79,9 +81,66 @@ def test_a_run_that_goes_away_stops_the_export_not_training(
     exporter = breakpod.export.mlflow(run_id)
     train(monitor, model, [1.0])
     store.delete_run(run_id)  # logging into a deleted run fails in MLflow
-    train(monitor, model, [1.0, 2.0, 3.0])
+    steps = 1
+    while exporter.enabled and steps < 100:  # the failure is heard at a write after it
+        train(monitor, model, [1.0])
+        steps += 1
+        time.sleep(0.02)
     monitor.close()
-    assert not exporter.enabled and monitor.step_count == 4
+    assert not exporter.enabled and monitor.step_count == steps
     lines = [line for line in capfd.readouterr().err.splitlines() if "mlflow exporter" in line]
     assert len(lines) == 1 and "training goes on" in lines[0]
     assert torch.isfinite(model.fc1.weight).all()
+
+
+class Rooted(torch.nn.Module):
+    """A model with a parameter of its own (named ``<model>`` by the exporter) and a
+    child whose name MLflow refuses as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4))
+        self.parts = torch.nn.ModuleDict({"layer:1": torch.nn.Linear(4, 1)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.parts["layer:1"](x * self.scale)
+
+
+def test_names_mlflow_refuses_are_written_under_names_it_takes(store: Any) -> None:
+    """MLflow refuses ``<`` ``>`` and ``:`` in a metric name: the model's own parameters
+    and a ModuleDict key stopped the whole export at the first read."""
+    model = Rooted()
+    monitor = breakpod.watch(model)
+    with mlflow.start_run() as run, breakpod.export.mlflow() as exporter:
+        for value in (1.0, math.nan, 2.0):
+            loss = model(torch.ones(2, 4)).sum() * value
+            loss.backward()
+            monitor.step(loss)
+            model.zero_grad()
+        monitor.flush()
+        assert exporter.enabled
+    monitor.close()
+    keys = store.get_run(run.info.run_id).data.metrics
+    assert {"breakpod.grad_norm._model_", "breakpod.grad_norm.parts.layer_1"} <= set(keys)
+    assert history(store, run.info.run_id, "breakpod.loss.nonfinite.nan") == {1: 1.0}
+
+
+def test_a_tracking_server_that_is_down_never_holds_the_training_thread(
+    store: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """MLflow retries an unreachable server for minutes before a call fails."""
+    from breakpod.export import _mlflow
+
+    monkeypatch.setattr(_mlflow, "OPEN_WAIT", 0.5)
+    monkeypatch.setattr(_mlflow, "CLOSE_WAIT", 0.5)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        mlflow.set_tracking_uri(f"http://127.0.0.1:{closed.getsockname()[1]}")
+        started = time.monotonic()
+        exporter = breakpod.export.mlflow("0123456789abcdef")
+        model = Net()
+        with breakpod.watch(model) as monitor:
+            train(monitor, model, [1.0] * 20)
+        exporter.close()
+    assert time.monotonic() - started < 10  # MLflow alone: about 4 minutes
+    assert monitor.step_count == 20

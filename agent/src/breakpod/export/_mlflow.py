@@ -2,20 +2,43 @@
 
 MLflow names metrics like paths (its file store keeps each one as a file), so
 this writer joins name parts with ``.``: ``breakpod.loss`` and its companion
-``breakpod.loss.nonfinite`` never collide as file and folder.
+``breakpod.loss.nonfinite`` never collide as file and folder. A name part MLflow
+refuses (a module named ``layer:1`` in a ``ModuleDict``) has ``_`` for each such
+character.
+
+A tracking server that is down costs the training thread nothing: MLflow's own
+HTTP retries take minutes before a call fails, so the writes run on a thread of
+their own, behind a bounded queue. A failure there is raised at the next write
+(the exporter then stops, once, saying why); a queue the server cannot keep up
+with drops points, and says so once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import queue
+import re
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from breakpod._core.announce import announce
 from breakpod._core.errors import ConfigError
 
 INSTALL = "pip install 'breakpod[mlflow]'"
 BATCH = 1000  # MLflow's limit of metrics per log_batch call
 TAG_LIMIT = 5000  # characters of a tag value kept
+NAME_LIMIT = 250  # characters of a metric or tag name MLflow takes
+PENDING = 1000  # writes queued for the server; more are dropped
+OPEN_WAIT = 5.0  # seconds open_writer waits to hear that the run exists
+CLOSE_WAIT = 10.0  # seconds close waits for queued writes (at exit too)
+_REFUSED = re.compile(r"[^/\w.\- ]")  # what MLflow's names may not hold
+
+
+def valid_name(name: str) -> str:
+    return _REFUSED.sub("_", name)[:NAME_LIMIT]
 
 
 class MlflowWriter:
@@ -25,20 +48,63 @@ class MlflowWriter:
         self._client = client
         self.run_id = run_id
         self._entities = entities  # mlflow.entities: Metric, RunTag
+        self._queue: queue.Queue[Callable[[], object] | None] = queue.Queue(PENDING)
+        self._error: Exception | None = None
+        self._dropped = 0
+        self._thread = threading.Thread(target=self._drain, name="breakpod-mlflow", daemon=True)
+        self._thread.start()
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
-        metrics = [self._entities.Metric(k, v, now, step) for k, v in values.items()]
+        metrics = [self._entities.Metric(valid_name(k), v, now, step) for k, v in values.items()]
         for start in range(0, len(metrics), BATCH):
-            self._client.log_batch(self.run_id, metrics=metrics[start : start + BATCH])
+            batch = metrics[start : start + BATCH]
+            self._put(functools.partial(self._client.log_batch, self.run_id, metrics=batch))
 
     def text(self, step: int, tag: str, text: str) -> None:
         """A run tag per step (MLflow has no per-step text): ``breakpod.anomalies.step_41``."""
-        key = f"{tag.replace('/', self.sep)}{self.sep}step_{step}"
-        self._client.set_tag(self.run_id, key, text[:TAG_LIMIT])
+        key = valid_name(f"{tag.replace('/', self.sep)}{self.sep}step_{step}")
+        self._put(lambda: self._client.set_tag(self.run_id, key, text[:TAG_LIMIT]))
+
+    def check(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the queued writes; raise what failed among them."""
+        deadline = time.monotonic() + seconds
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._raise()
 
     def close(self) -> None:
-        """Every call above was synchronous: nothing is left to flush."""
+        """Let the queued writes go out, for a while; none after a write failed."""
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)
+        if self._error is None:
+            self._thread.join(CLOSE_WAIT)
+
+    def _put(self, write: Callable[[], object]) -> None:
+        self._raise()
+        try:
+            self._queue.put_nowait(write)
+        except queue.Full:
+            self._dropped += 1
+            if self._dropped == 1:
+                announce(
+                    "mlflow exporter: the tracking server is slower than training; "
+                    "points are dropped until it catches up"
+                )
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _drain(self) -> None:
+        while (write := self._queue.get()) is not None:
+            try:
+                if self._error is None:
+                    write()
+            except Exception as e:  # raised to the exporter at its next write
+                self._error = e
+            finally:
+                self._queue.task_done()
 
 
 def open_writer(run: Any = None) -> MlflowWriter:
@@ -55,5 +121,7 @@ def open_writer(run: Any = None) -> MlflowWriter:
     if not run_id:
         raise ConfigError(f"run={run!r}: expected an MLflow run or a run id")
     client = mlflow.MlflowClient()
-    client.get_run(run_id)  # a wrong id fails here, once, not at every read
-    return MlflowWriter(client, run_id, entities)
+    writer = MlflowWriter(client, run_id, entities)
+    writer._put(lambda: client.get_run(run_id))  # a wrong id fails here, not at every read
+    writer.check(OPEN_WAIT)  # ... and is said now, unless the server takes longer to answer
+    return writer
