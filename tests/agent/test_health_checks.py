@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -90,3 +91,18 @@ def test_break_if_false_never_parks_and_bools_work() -> None:
     assert breakpod.break_if(torch.tensor(False), every=1) is False
     assert breakpod.break_if(False) is False
     assert breakpod.break_if(torch.tensor([0.0, 1.0]) > 5) is False
+    loss = np.float32(1.0)  # a NumPy condition: it has .any() but is no tensor
+    assert breakpod.break_if(np.isnan(loss) | (loss > 10)) is False
+    assert breakpod.break_if(np.array([1.0, 2.0]) > 5) is False
+
+
+NUMPY_BREAK = """
+    import numpy as np, breakpod
+    print("parked", breakpod.break_if(np.array([1.0, np.nan]) != np.array([1.0, np.nan])))
+"""
+
+
+def test_break_if_parks_on_a_numpy_condition_that_holds(spawn) -> None:  # type: ignore[no-untyped-def]
+    child = spawn(NUMPY_BREAK, env={"BREAKPOD_HOLD_SECONDS": "0.5"})
+    assert child.wait(timeout=60) == 0, child.stderr
+    assert "parked True" in child.stdout() and "the condition held" in child.stderr

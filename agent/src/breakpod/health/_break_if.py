@@ -22,8 +22,9 @@ _folded: dict[tuple[CodeType, int], list[Any]] = {}  # call site -> [calls, devi
 def break_if(cond: Any, every: int = 1, *, header: str | None = None) -> bool:
     """True when it parked (or would have, where no debugger could start)."""
     frame = sys._getframe(1)
-    if not hasattr(cond, "any"):  # a plain bool: no device involved
-        return _park(frame, header) if cond else False
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(cond, torch.Tensor):  # a bool, a NumPy array
+        return _park(frame, header) if _holds(cond) else False
     site = (frame.f_code, frame.f_lineno)
     state = _folded.setdefault(site, [0, None])
     flag = cond.detach().any()
@@ -33,6 +34,12 @@ def break_if(cond: Any, every: int = 1, *, header: str | None = None) -> bool:
         return False
     held, state[1] = bool(state[1]), None  # the one host read
     return _park(frame, header) if held else False
+
+
+def _holds(cond: Any) -> bool:
+    """A condition's truth: any element of an array (NumPy's ``bool()`` refuses one)."""
+    any_ = getattr(cond, "any", None)
+    return bool(any_() if callable(any_) else cond)
 
 
 def _park(frame: Any, header: str | None) -> bool:
