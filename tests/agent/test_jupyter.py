@@ -57,6 +57,11 @@ def test_load_ext_registers_the_magic_without_torch(kernel: Any) -> None:
     cell = run(kernel, "%load_ext breakpod\nimport sys; print('torch' in sys.modules)")
     assert cell.error is None and cell.stdout.strip() == "False", cell.stderr
     assert "usage: %breakpod" in run(kernel, "%breakpod nonsense").stderr
+    for line in ("%breakpod", "%breakpod   "):  # nothing to unpack: the usage, no error
+        cell = run(kernel, line)
+        assert cell.error is None and "usage: %breakpod" in cell.stderr, cell.stderr
+    bad = run(kernel, "%breakpod sessions --bogus")  # argparse's message, not SystemExit
+    assert bad.error is None and "--bogus" in bad.stderr, bad.stderr
 
 
 def test_importing_the_extension_takes_under_100_ms() -> None:

@@ -28,8 +28,8 @@ def load(ipython: Any) -> None:
 
 def _magic(ipython: Any) -> Any:
     def breakpod(line: str) -> Any:
-        command, *args = line.split()
-        handler = COMMANDS.get(command) if line.strip() else None
+        command, *args = line.split() or [""]
+        handler = COMMANDS.get(command)
         if handler is None:
             print(USAGE, file=sys.stderr)
             return None
@@ -41,7 +41,10 @@ def _magic(ipython: Any) -> Any:
 def _cli(argv: list[str]) -> None:
     from breakpod._cli.main import main
 
-    main(argv)
+    try:
+        main(argv)
+    except SystemExit:  # argparse said what was wrong; a notebook cell does not exit
+        pass
 
 
 def sessions(ipython: Any, args: list[str]) -> None:
