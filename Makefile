@@ -11,7 +11,7 @@ TORCH  := torch==2.13.0
 .PHONY: install test lint demo bench clean chaos scale
 .PHONY: deploy-test helm-lint e2e-kind e2e-docker gpu-check screenshots
 
-$(STAMP): agent/pyproject.toml broker/pyproject.toml requirements-dev.txt
+$(STAMP): agent/pyproject.toml agent/src/breakpod_autostart.pth broker/pyproject.toml requirements-dev.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(TORCH)
 	$(PIP) install -e agent -r requirements-dev.txt

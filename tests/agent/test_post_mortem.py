@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 CRASH = """
     import breakpod
     breakpod.install_excepthook()
@@ -47,3 +49,15 @@ def test_exit_status_is_kept_for_system_exit(spawn):
     child = spawn("import sys\nsys.exit(3)\n", env={"BREAKPOD_POST_MORTEM": "1"})
     assert child.wait() == 3
     assert "waiting" not in child.stderr
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enabled"])
+def test_a_post_mortem_flag_that_is_no_yes_or_no_is_said_and_stays_off(spawn, value) -> None:
+    """The autostart .pth read anything but 1/true/yes/on as off, without a word, while
+    every other yes/no variable says a bad value."""
+    child = spawn(
+        "raise SystemExit('crashed')", env={"BREAKPOD_POST_MORTEM": value}, breakpod=False
+    )
+    assert child.wait() == 1
+    said = [line for line in child.stderr.splitlines() if "BREAKPOD_POST_MORTEM" in line]
+    assert len(said) == 1 and "is not a boolean" in said[0], child.stderr

@@ -41,10 +41,8 @@ def _magic(ipython: Any) -> Any:
 def _cli(argv: list[str]) -> None:
     from breakpod._cli.main import main
 
-    try:
+    with contextlib.suppress(SystemExit):  # argparse said what was wrong; a cell goes on
         main(argv)
-    except SystemExit:  # argparse said what was wrong; a notebook cell does not exit
-        pass
 
 
 def sessions(ipython: Any, args: list[str]) -> None:
