@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -104,3 +105,14 @@ def test_rss_in_a_forked_worker_is_the_worker_s_own() -> None:
     before, after = map(int, os.read(read, 64).split())
     os.waitpid(pid, 0)
     assert after - before > 100 * 2**20, (before, after)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"steps": "100"}, {"steps": 0}, {"steps": 2.5}, {"limit_mb": math.nan}, {"limit_mb": -1}],
+)
+def test_memory_growth_refuses_what_it_could_never_judge(kwargs) -> None:
+    """``steps="100"`` failed at the first read with a traceback and the check was off;
+    ``limit_mb=nan`` never fired."""
+    with pytest.raises(breakpod.ConfigError, match="memory_growth"):
+        breakpod.health.memory_growth(**kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import resource
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 from breakpod import protocol
 from breakpod._core import events
 from breakpod._core.announce import announce
+from breakpod._core.errors import ConfigError
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -132,7 +134,15 @@ class MemoryGrowth:
 
 
 def memory_growth(steps: int = 100, limit_mb: float = 256.0) -> MemoryGrowth:
-    """Watch for growth at every monitor read (call ``.sample(step)`` yourself without one)."""
+    """Watch for growth at every monitor read (call ``.sample(step)`` yourself without one).
+    Raises :class:`ConfigError` for a ``steps`` that is not a positive whole number or
+    a ``limit_mb`` that is not a positive finite number."""
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"memory_growth(steps={steps!r}): expected a whole number of steps, >= 1")
+    if isinstance(limit_mb, bool) or not isinstance(limit_mb, int | float):
+        raise ConfigError(f"memory_growth(limit_mb={limit_mb!r}): expected a number of MiB")
+    if not (math.isfinite(limit_mb) and limit_mb > 0):
+        raise ConfigError(f"memory_growth(limit_mb={limit_mb!r}): expected a positive, finite MiB")
     check = MemoryGrowth(steps=steps, limit_mb=limit_mb)
     events.add_local_sink(check._on_stats)
     return check
