@@ -125,3 +125,18 @@ def test_phase_timings_are_exported_per_read(tmp_path: Path) -> None:
     scalars = tensorboard_scalars(tmp_path / "tb")
     assert set(scalars["breakpod/phase/forward/host_ms"]) == {1, 3}  # at each read's last step
     assert all(v > 0 for v in scalars["breakpod/phase/backward/host_ms"].values())
+
+
+def test_log_leaves_out_what_is_not_a_number_and_names_it_once(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A None, a string, a tensor of many values or a complex number raised a bare
+    TypeError into the training loop, naming no key."""
+    with breakpod.export.tensorboard(tmp_path / "tb") as exporter:
+        bad = {"none": None, "text": "1.5", "many": torch.tensor([1, 2]), "cplx": 1 + 2j}
+        for step in (0, 1):
+            exporter.log(step, {"ok": torch.tensor(3.0), **bad})
+    said = capfd.readouterr().err.splitlines()
+    for name in bad:
+        assert sum(f"'{name}'" in line and "left out" in line for line in said) == 1, said
+    assert tensorboard_scalars(tmp_path / "tb")["ok"] == {0: 3.0, 1: 3.0}

@@ -42,6 +42,7 @@ class Exporter:
         self.points = 0  # metric points written
         self._skipped_seen: set[tuple[int, int]] = set()  # (id(monitor), step)
         self._phases_seen: dict[str, tuple[int, float, int, float]] = {}
+        self._refused: set[str] = set()  # names log() left out (said once each)
         if writer is not None:
             events.add_local_sink(self._on_stats)
             events.add_sink(self._on_event)
@@ -52,10 +53,12 @@ class Exporter:
         return self.writer is not None
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
-        """Write your own values with the same rules (a non-finite one becomes its flags)."""
+        """Write your own values with the same rules (a non-finite one becomes its flags);
+        one that is not a number (None, a string, a tensor of many values) is left out,
+        said once per name."""
         if self.writer is None:
             return
-        encoded = encode(values, self.writer.sep)
+        encoded = encode(self._numbers(values), self.writer.sep)
         self._guard(lambda w: w.scalars(step, encoded))
         self.points += len(encoded)
 
@@ -129,6 +132,22 @@ class Exporter:
             if anomaly.skipped and key not in self._skipped_seen:
                 self._skipped_seen.add(key)
                 self.log(anomaly.step, self._named({f"{PREFIX}/skipped": 1.0}))
+
+    def _numbers(self, values: Mapping[str, Any]) -> dict[str, float]:
+        numbers = {}
+        for name, value in values.items():
+            try:
+                if isinstance(value, str | bytes):  # "1.5" is text: say so, not guess
+                    raise TypeError("text")
+                numbers[name] = float(value)
+            except (TypeError, ValueError, RuntimeError) as e:  # torch: "only one element"
+                if name not in self._refused:
+                    self._refused.add(name)
+                    announce(
+                        f"{self.name} exporter: {name!r} is {type(value).__name__} "
+                        f"({e}), not a number: left out"
+                    )
+        return numbers
 
     def _named(self, values: Mapping[str, float]) -> dict[str, float]:
         sep = self.writer.sep if self.writer is not None else "/"
