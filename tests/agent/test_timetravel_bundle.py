@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -178,3 +180,52 @@ def test_a_namedtuple_batch_bundle_needs_trust_and_a_factory_must_make_a_module(
     rebuilt.net.poison.mode = "backward"
     found = replay.replay_bundle(path, rebuilt, trusted=True)
     assert found.reproduced and found.first is not None and found.first.phase == "backward"
+
+
+@dataclasses.dataclass
+class DataBatch:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+class FromDataBatch(FromBatch):
+    def forward(self, batch: DataBatch) -> torch.Tensor:  # type: ignore[override]
+        return self.net(batch.x)
+
+
+def test_a_dataclass_batch_is_saved_as_itself_and_a_failing_forward_is_one_error(tmp_path):
+    """``asdict`` turned the batch into a dict that not even --trust could give back, and
+    the model's AttributeError on it came out of ``breakpod replay`` as a traceback."""
+    torch.manual_seed(0)
+    model = FromDataBatch()
+    monitor = breakpod.watch(model, replay=True)
+    model.net.poison.mode = "backward"
+    x, y = batch(0)
+    torch.nn.functional.cross_entropy(model(DataBatch(x, y)), y).backward()
+    path = replay.save_bundle(tmp_path / "step.pt", model, monitor.capture)
+    monitor.close()
+    rebuilt = FromDataBatch()
+    rebuilt.net.poison.mode = "backward"
+    found = replay.replay_bundle(path, rebuilt, trusted=True)
+    assert found.reproduced and found.first is not None and found.first.phase == "backward"
+    with pytest.raises(replay.ReplayError, match=r"the model's step failed .*TypeError"):
+        replay.replay_bundle(path, FromBatchAsTuple(), trusted=True)
+
+
+class FromBatchAsTuple(FromDataBatch):
+    def forward(self, batch: Any) -> torch.Tensor:  # type: ignore[override]
+        return self.net(batch[0])  # a dataclass is not indexable: the user's bug
+
+
+def test_accumulated_gradients_are_not_compared_with_one_replayed_forward():
+    """Every gradient NaN in both: 'reproduced bit-exactly' after one of two forwards."""
+    torch.manual_seed(0)
+    model = Net()
+    monitor = breakpod.watch(model, replay=True)
+    model.poison.mode = "backward"
+    for micro in range(2):
+        x, y = batch(micro)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+    found = monitor.replay()
+    monitor.close()
+    assert found.reproduced is None and "accumulate 2 forwards" in found.why_not

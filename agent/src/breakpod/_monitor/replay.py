@@ -139,12 +139,11 @@ def _compare(params: list[Any], real: list[Any], inputs: StepInputs) -> tuple[bo
         return None, "no gradient reached the output in the captured step"
     if all(g is None for g in real):
         return None, "the real step left no gradients to compare with"
+    if inputs.forwards > 1:  # equal or not, one forward's gradients say nothing of the sum
+        return None, f"the real gradients accumulate {inputs.forwards} forwards; one was replayed"
     for p, g in zip(params, real, strict=True):
         if (p.grad is None) != (g is None) or (g is not None and not same_bits(p.grad, g)):
-            why = "gradients differ"
-            if inputs.forwards > 1:
-                why += ": the real ones accumulate several forwards"
-            return False, why
+            return False, "gradients differ"
     return True, ""
 
 
@@ -202,7 +201,8 @@ def save_bundle(path: str | Path, model: Any, capture: Capture | None) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     bundle = {
         "breakpod_replay": BUNDLE_VERSION,
-        "inputs": dataclasses.asdict(inputs),
+        # the fields as they are: asdict() would turn a dataclass batch into a dict
+        "inputs": {f.name: getattr(inputs, f.name) for f in dataclasses.fields(inputs)},
         "state_dict": model.state_dict(),
         "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
         "training": model.training,
@@ -229,7 +229,12 @@ def replay_bundle(path: str | Path, model: Any, *, trusted: bool = False) -> Rep
         inputs = StepInputs(**bundle["inputs"])
     except (RuntimeError, KeyError, TypeError, AttributeError) as e:
         raise ReplayError(f"{path}: the model does not match the bundle ({e!r})") from e
-    return run_step(model, inputs, compare=True)
+    try:
+        return run_step(model, inputs, compare=True)
+    except Exception as e:  # the user's forward on the bundle's inputs
+        raise ReplayError(
+            f"{path}: the model's step failed on the bundle's inputs ({type(e).__name__}: {e})"
+        ) from e
 
 
 def _load_bundle(path: Path, trusted: bool) -> dict[str, Any]:
