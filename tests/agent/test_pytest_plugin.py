@@ -294,3 +294,24 @@ def _free_port_pair() -> int:
                     continue
         return port
     raise RuntimeError("no two adjacent free ports")
+
+
+BREAKPOINT_TEST = """
+def test_stops_here():
+    x = 41
+    breakpoint()
+    assert x + 1 == 42
+"""
+
+
+def test_a_breakpoint_in_a_test_parks_and_its_line_is_not_captured(run_pytest):
+    """Without a terminal, pytest's pdb quit at breakpoint() (BdbQuit: the test failed in
+    a blink, nothing parked), unless PYTHONBREAKPOINT was exported too."""
+    run = run_pytest(
+        BREAKPOINT_TEST, "--breakpod", env={"PYTHONBREAKPOINT": "", "BREAKPOD_HOLD_SECONDS": "1"}
+    )
+    assert run.ret == 0, run.stdout.str()
+    assert "1 passed" in run.stdout.str()
+    said = run.stderr.str()  # while it waited, not in the test's captured output
+    assert "breakpoint() at" in said and "waiting up to 1s for a debugger" in said, said
+    assert "nobody attached within 1s" in said

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import bdb
 import contextlib
+import functools
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from types import TracebackType
@@ -109,6 +111,24 @@ class FailureHold:
         port = _port(config.getoption("breakpod_port"), self.worker)
         self.settings = Settings.from_env(port=port)
         self.done = False
+        self._saved_hook: Any = None  # sys.breakpointhook before the session's
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """Without a terminal, pytest's own pdb quits at ``breakpoint()`` (BdbQuit: the
+        test fails, nothing parks): a ``breakpoint()`` in a test parks as in a job.
+        (After pytest's debugging plugin has set its hook; PYTHONBREAKPOINT wins.)"""
+        from breakpod._debug import shim
+
+        if os.environ.get("PYTHONBREAKPOINT") or shim.use_local_pdb(self.settings):
+            return
+        capman = session.config.pluginmanager.getplugin("capturemanager")
+        self._saved_hook = sys.breakpointhook
+        sys.breakpointhook = functools.partial(_park_uncaptured, capman)
+
+    def pytest_unconfigure(self) -> None:
+        if self._saved_hook is not None:
+            sys.breakpointhook = self._saved_hook
 
     def pytest_report_header(self) -> str:
         if self.hold <= 0:
@@ -197,6 +217,20 @@ class FailureHold:
             ci=self.where.ci,
             worker=self.worker,
         )
+
+
+def _park_uncaptured(capman: Any, *args: Any, **kwargs: Any) -> None:
+    """``breakpoint()`` in a test: park with pytest's capture suspended, so the park's
+    line (the address to attach to) reaches the CI log while it waits."""
+    from breakpod._debug import shim
+
+    if capman is not None:
+        capman.suspend_global_capture(in_=True)
+    try:
+        shim.set_trace(*args, frame=sys._getframe(1), **kwargs)
+    finally:
+        if capman is not None:
+            capman.resume_global_capture()
 
 
 def _hold_seconds(option: str | None, where: hosting.Hosting) -> float:
