@@ -51,3 +51,18 @@ def test_replay_through_batchnorm_reproduces_and_leaves_the_statistics():
     model(torch.randn(16, 6))
     assert monitor.capture.last.buffers == {}
     monitor.close()
+
+
+def test_a_lazy_model_is_captured_from_its_first_step():
+    """Its buffers have no shape before the first forward: capture failed there, and
+    replay then said no step had been captured."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.LazyLinear(8), torch.nn.LazyBatchNorm1d(), torch.nn.ReLU(), torch.nn.Linear(8, 3)
+    )
+    monitor = breakpod.watch(model, replay=True)
+    x, y = torch.randn(16, 5), torch.randint(0, 3, (16,))
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    found = monitor.replay()
+    monitor.close()
+    assert monitor.errors == 0 and found.step == 0 and found.ops > 0

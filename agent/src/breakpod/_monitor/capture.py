@@ -111,12 +111,13 @@ class Capture:
         again only when the set of buffers changes, e.g. a module set to eval)."""
         import torch
 
+        is_lazy = torch.nn.parameter.is_lazy
         live = [
             (f"{name}.{key}" if name else key, b.detach())
             for name, m in self._stateful
             if m.training
             for key, b in m.named_buffers(recurse=False)
-            if b is not None
+            if b is not None and not is_lazy(b)  # a lazy module's, before its first forward
         ]
         shape = [(n, b.shape, b.dtype, b.device) for n, b in live]
         if shape != self._kept_shape:
