@@ -54,12 +54,62 @@ def nonfinite_counts(t: Any) -> dict[str, int]:
     x = _readable(t.detach())
     if x is None or not x.is_floating_point():
         return {"nan": 0, "+inf": 0, "-inf": 0}
-    x = x if x.element_size() >= 2 else x.float()  # float8: few ops take it
-    return {
-        "nan": int(torch.isnan(x).sum()),
-        "+inf": int(torch.isposinf(x).sum()),
-        "-inf": int(torch.isneginf(x).sum()),
-    }
+    stats = _Stats()
+    for chunk in _chunks(x):
+        stats.count(chunk)
+    return stats.nonfinite()
+
+
+CHUNK = 1 << 20  # values read at a time: a few MiB beside a tensor of any size
+
+
+def _chunks(x: Any) -> Any:
+    """``x``'s values, a chunk at a time (views, copied one chunk at a time)."""
+    if x.dim() == 0 or x.is_contiguous():
+        flat = x.reshape(-1)
+        for start in range(0, flat.numel(), CHUNK):
+            yield flat[start : start + CHUNK]
+        return
+    rows = max(1, CHUNK // max(1, x[0].numel()))
+    for start in range(0, x.shape[0], rows):
+        yield from _chunks(x[start : start + rows].contiguous())
+
+
+class _Stats:
+    """Counts, extremes, mean and variance over chunks (Chan et al.'s merge), in float64."""
+
+    def __init__(self) -> None:
+        self.nan = self.posinf = self.neginf = self.n = 0
+        self.lo, self.hi, self.mean, self.m2 = float("inf"), float("-inf"), 0.0, 0.0
+
+    def count(self, chunk: Any) -> Any:
+        import torch
+
+        wide = chunk.to(torch.float32 if chunk.device.type == "mps" else torch.float64)
+        self.nan += int(torch.isnan(wide).sum())
+        self.posinf += int(torch.isposinf(wide).sum())
+        self.neginf += int(torch.isneginf(wide).sum())
+        return wide
+
+    def add(self, chunk: Any) -> None:
+        import torch
+
+        wide = self.count(chunk)
+        finite = wide[torch.isfinite(wide)]
+        n = finite.numel()
+        if not n:
+            return
+        mean = float(finite.mean())
+        m2 = float(((finite - mean) ** 2).sum())
+        self.lo, self.hi = min(self.lo, float(finite.min())), max(self.hi, float(finite.max()))
+        total = self.n + n
+        delta = mean - self.mean
+        self.m2 += m2 + delta * delta * self.n * n / total
+        self.mean += delta * n / total
+        self.n = total
+
+    def nonfinite(self) -> dict[str, int]:
+        return {"nan": self.nan, "+inf": self.posinf, "-inf": self.neginf}
 
 
 def _tensor(t: Any) -> str:
@@ -100,15 +150,14 @@ def _values(x: Any) -> list[str]:
         return []
     if x.dtype == torch.bool:
         return [f"true={int(x.sum())}"]
-    counts = nonfinite_counts(x)
-    wide = x.to(torch.float32 if x.device.type == "mps" else torch.float64)  # MPS: no f64
-    finite = wide[torch.isfinite(wide)]  # a copy of the finite values only
+    stats = _Stats()
+    for chunk in _chunks(x):
+        stats.add(chunk)
     out = []
-    if finite.numel():
-        lo, hi = float(finite.min()), float(finite.max())
-        std = float(finite.std()) if finite.numel() > 1 else 0.0
-        out += [f"x∈[{lo:.3g}, {hi:.3g}]", f"μ={float(finite.mean()):.3g}", f"σ={std:.3g}"]
-    return [*out, f"nan={counts['nan']}", f"inf={counts['+inf'] + counts['-inf']}"]
+    if stats.n:
+        std = (stats.m2 / (stats.n - 1)) ** 0.5 if stats.n > 1 else 0.0
+        out += [f"x∈[{stats.lo:.3g}, {stats.hi:.3g}]", f"μ={stats.mean:.3g}", f"σ={std:.3g}"]
+    return [*out, f"nan={stats.nan}", f"inf={stats.posinf + stats.neginf}"]
 
 
 def _size(nbytes: int) -> str:
