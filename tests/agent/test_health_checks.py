@@ -106,3 +106,25 @@ def test_break_if_parks_on_a_numpy_condition_that_holds(spawn) -> None:  # type:
     child = spawn(NUMPY_BREAK, env={"BREAKPOD_HOLD_SECONDS": "0.5"})
     assert child.wait(timeout=60) == 0, child.stderr
     assert "parked True" in child.stdout() and "the condition held" in child.stderr
+
+
+def test_overlap_compares_images_by_their_pixels() -> None:
+    """A PIL image was hashed by its repr, which holds its address: ten validation images
+    copied from the training set read as "0 of 10"."""
+    image = pytest.importorskip("PIL.Image")
+    train = [(image.new("RGB", (8, 8), (i, 0, 0)), i) for i in range(20)]
+    val = [(img.copy(), label) for img, label in train[:10]]
+    assert overlap(train, val).duplicates == 10
+    assert overlap(train, [(image.new("L", (8, 8), 3), 0)]).duplicates == 0  # mode counts
+
+
+def test_overlap_refuses_samples_it_could_only_compare_by_address() -> None:
+    class Opaque:
+        pass
+
+    with pytest.raises(breakpod.ConfigError, match="key="):
+        overlap([Opaque()], [Opaque()])
+    with pytest.raises(breakpod.ConfigError, match="meta tensor"):
+        overlap([torch.empty(2, device="meta")], [torch.zeros(2)])
+    sparse = torch.eye(3).to_sparse()
+    assert overlap([sparse], [torch.eye(3).to_sparse()]).duplicates == 1

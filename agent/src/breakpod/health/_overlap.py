@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Sized
 from typing import Any
+
+from breakpod._core.errors import ConfigError
 
 PROGRESS_AT = 50_000  # samples: above this (or with progress=True) a progress line
 EXAMPLES = 10
@@ -80,11 +83,12 @@ def _feed(h: Any, value: Any) -> None:
     elif isinstance(value, str):
         h.update(value.encode())
     elif _is_tensor(value):
-        array = value.detach().cpu().contiguous()
-        h.update(f"{array.dtype}{tuple(array.shape)}".encode())
-        h.update(array.view(-1).view(_byte_dtype()).numpy().tobytes())
+        _feed_tensor(h, value)
     elif hasattr(value, "tobytes") and hasattr(value, "dtype"):  # a numpy array
         h.update(f"{value.dtype}{value.shape}".encode())
+        h.update(value.tobytes())
+    elif hasattr(value, "tobytes") and hasattr(value, "mode") and hasattr(value, "size"):
+        h.update(f"image {value.mode} {value.size}".encode())  # a PIL image: its pixels
         h.update(value.tobytes())
     elif isinstance(value, (tuple, list)):
         for item in value:
@@ -95,7 +99,29 @@ def _feed(h: Any, value: Any) -> None:
             _feed(h, k)
             _feed(h, value[k])
     else:
-        h.update(repr(value).encode())
+        text = repr(value)
+        if _ADDRESS.search(text):  # identity, not content: copies would never match
+            raise ConfigError(
+                f"overlap: a {type(value).__name__} has no content to compare (its repr is "
+                "its address): pass key= returning its content (bytes, an array, a tensor)"
+            )
+        h.update(text.encode())
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _feed_tensor(h: Any, value: Any) -> None:
+    if value.is_meta:
+        raise ConfigError("overlap: a meta tensor has no values to compare")
+    array = value.detach().cpu()
+    array = (array.to_dense() if array.layout != _strided() else array).contiguous()
+    h.update(f"{array.dtype}{tuple(array.shape)}".encode())
+    h.update(array.view(-1).view(_byte_dtype()).numpy().tobytes())
+
+
+def _strided() -> Any:
+    return sys.modules["torch"].strided
 
 
 def _is_tensor(value: Any) -> bool:
