@@ -229,3 +229,56 @@ def test_accumulated_gradients_are_not_compared_with_one_replayed_forward():
     found = monitor.replay()
     monitor.close()
     assert found.reproduced is None and "accumulate 2 forwards" in found.why_not
+
+
+class TwoHeads(torch.nn.Module):
+    """Logits and an auxiliary output; the NaN gradient comes back only through the aux."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+        self.aux = Net(d_in=8, d_out=1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.body(x)
+        return self.head(h), self.aux(h)
+
+
+def test_a_nan_that_comes_back_through_a_second_output_is_replayed():
+    torch.manual_seed(0)
+    model = TwoHeads()
+    monitor = breakpod.watch(model, replay=True)
+    model.aux.poison.mode = "backward"
+    x, y = batch(0)
+    logits, aux = model(x)
+    (torch.nn.functional.cross_entropy(logits, y) + aux.mean()).backward()
+    found = monitor.replay()
+    monitor.close()
+    assert found.reproduced, found.why_not  # only the logits were replayed before
+    assert found.first is not None and found.first.phase == "backward"
+
+
+class Overflows(torch.nn.Module):
+    """Finite in float32; past float16's range (65504) under autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x * 3e4) * 10
+
+
+def test_a_step_under_autocast_is_replayed_under_it():
+    torch.manual_seed(0)
+    model = Overflows()
+    monitor = breakpod.watch(model, replay=True)
+    x, _ = batch(0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    assert not torch.isfinite(out).all()  # the real step overflowed
+    out.float().mean().backward()
+    found = monitor.replay()
+    monitor.close()
+    assert (found.first or found.first_any) is not None, "replayed in float32: no overflow"

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from breakpod._core.announce import announce
 from breakpod._core.config import ENV, env_flag
-from breakpod._monitor.checks import first_tensor
 
 REPLAY_ENV = "BREAKPOD_REPLAY"
 DEBUG_ENV = ENV["enabled"]  # debug mode: ENABLE_REMOTE_DEBUG
@@ -63,7 +63,10 @@ class StepInputs:
     rng_cpu: Any
     rng_cuda: list[Any]
     buffers: dict[str, Any]
-    output_grad: Any = None
+    # the gradient each output that needed one got (a model may return several: the
+    # NaN may come back through any of them), in the order grad_outputs gives them
+    output_grads: list[Any] = dataclasses.field(default_factory=list)
+    autocast: tuple[tuple[str, Any], ...] = ()  # (device type, dtype) autocast was on for
     forwards: int = 1  # forwards seen in this step (gradient accumulation replays the last)
 
 
@@ -101,6 +104,7 @@ class Capture:
                 *rng_states(),
                 self._running_stats(),
                 forwards=forwards,
+                autocast=autocast_state(),
             )
         except Exception as e:  # never into training
             self._failed(e)
@@ -130,13 +134,14 @@ class Capture:
     def _after(self, module: Any, args: Any, output: Any) -> None:
         if replaying() or _compiling() or self.last is None:
             return
-        out = first_tensor(output)
-        if out is not None and out.requires_grad:
-            out.register_hook(self._on_grad)  # type: ignore[no-untyped-call]
+        outs = grad_outputs(output)
+        self.last.output_grads = [None] * len(outs)
+        for i, out in enumerate(outs):
+            out.register_hook(functools.partial(self._on_grad, self.last, i))
 
-    def _on_grad(self, grad: Any) -> None:
-        if self.last is not None and not replaying():
-            self.last.output_grad = grad.detach()
+    def _on_grad(self, captured: StepInputs, index: int, grad: Any) -> None:
+        if not replaying():
+            captured.output_grads[index] = grad.detach()
 
     def _failed(self, error: Exception) -> None:
         self.errors += 1
@@ -190,3 +195,52 @@ def _compiling() -> bool:
     import torch
 
     return bool(torch.compiler.is_compiling())
+
+
+def grad_outputs(output: Any) -> list[Any]:
+    """The tensors of a forward's output that need a gradient, in order (tuples, lists,
+    dicts and dataclass-like objects' fields walked)."""
+    import torch
+
+    found, stack = [], [output]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.requires_grad:
+                found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, (tuple, list)):
+            stack.extend(reversed(item))
+    return found
+
+
+def backward_outputs(outs: list[Any], grads: list[Any]) -> bool:
+    """Back-propagate each output's captured gradient at once; False when none had one."""
+    import torch
+
+    pairs = [(o, g) for o, g in zip(outs, grads, strict=False) if g is not None]
+    if not pairs:
+        return False
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return True
+
+
+def autocast_state() -> tuple[tuple[str, Any], ...]:
+    """The devices autocast is on for, with its dtype: a replay runs under the same."""
+    import torch
+
+    return tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device)
+    )
+
+
+def autocast_as(state: tuple[tuple[str, Any], ...]) -> contextlib.ExitStack:
+    import torch
+
+    stack = contextlib.ExitStack()
+    for device, dtype in state:
+        stack.enter_context(torch.autocast(device, dtype=dtype))
+    return stack

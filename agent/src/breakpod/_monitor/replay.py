@@ -27,14 +27,16 @@ from breakpod._core.errors import BreakpodError
 from breakpod._monitor.capture import (
     Capture,
     StepInputs,
+    autocast_as,
+    backward_outputs,
+    grad_outputs,
     replay_in_progress,
     rng_states,
     set_rng_states,
 )
-from breakpod._monitor.checks import first_tensor
 from breakpod._monitor.opwatch import BadOp, OpWatch, modes, module_tracking
 
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2  # 2: every output's gradient, and autocast
 
 
 class ReplayError(BreakpodError):
@@ -113,19 +115,17 @@ def _captured(capture: Capture | None) -> StepInputs:
 
 
 def _instrumented_run(model: Any, inputs: StepInputs) -> OpWatch:
-    import torch
 
     watch = OpWatch(model, sys._getframe())
     functions, ops = modes(watch)
     hooks = module_tracking(watch)
     try:
-        with functions, ops:
-            out = first_tensor(model(*inputs.args, **inputs.kwargs))
-        node_hooks = watch.hook_graph([out.grad_fn] if out is not None else [])
+        with functions, ops, autocast_as(inputs.autocast):
+            outs = grad_outputs(model(*inputs.args, **inputs.kwargs))
+        node_hooks = watch.hook_graph([out.grad_fn for out in outs])
         watch.phase = "backward"
-        if out is not None and out.requires_grad and inputs.output_grad is not None:
-            with ops:
-                torch.autograd.backward(out, inputs.output_grad)
+        with ops:
+            backward_outputs(outs, inputs.output_grads)
         for handle in node_hooks:
             handle.remove()
     finally:
@@ -135,7 +135,7 @@ def _instrumented_run(model: Any, inputs: StepInputs) -> OpWatch:
 
 
 def _compare(params: list[Any], real: list[Any], inputs: StepInputs) -> tuple[bool | None, str]:
-    if inputs.output_grad is None:
+    if all(g is None for g in inputs.output_grads):
         return None, "no gradient reached the output in the captured step"
     if all(g is None for g in real):
         return None, "the real step left no gradients to compare with"
@@ -253,6 +253,9 @@ def _load_bundle(path: Path, trusted: bool) -> dict[str, Any]:
         ) from e
     except Exception as e:  # garbage gives torch's unpickler any error
         raise ReplayError(f"{path}: cannot read a replay bundle ({type(e).__name__}: {e})") from e
-    if not isinstance(bundle, dict) or bundle.get("breakpod_replay") != BUNDLE_VERSION:
+    version = bundle.get("breakpod_replay") if isinstance(bundle, dict) else None
+    if isinstance(version, int) and 0 < version < BUNDLE_VERSION:
+        raise ReplayError(f"{path}: a bundle of an older breakpod (format {version}): save again")
+    if version != BUNDLE_VERSION:
         raise ReplayError(f"{path}: not a breakpod replay bundle (write one with 'replay save')")
     return bundle

@@ -23,6 +23,9 @@ from typing import Any
 
 from breakpod._monitor.capture import (
     StepInputs,
+    autocast_as,
+    backward_outputs,
+    grad_outputs,
     replay_in_progress,
     rng_states,
     set_rng_states,
@@ -148,14 +151,16 @@ def _next_step(
     set_rng_states(inputs.rng_cpu, inputs.rng_cuda)
     opt.zero_grad(set_to_none=True)
     with torch.enable_grad():
-        out = first_tensor(model(*inputs.args, **inputs.kwargs))
+        with autocast_as(inputs.autocast):
+            output = model(*inputs.args, **inputs.kwargs)
+        out = first_tensor(output)
         if out is None:
             raise ReplayError("whatif: the model's forward returned no tensor")
         loss = loss_fn(out) if loss_fn is not None else None
         if loss is not None:
             loss.backward()
-        elif inputs.output_grad is not None and out.requires_grad:
-            out.backward(inputs.output_grad)  # type: ignore[no-untyped-call]  # the captured upstream gradient, no loss known
+        else:  # no loss known: the captured upstream gradients
+            backward_outputs(grad_outputs(output), inputs.output_grads)
     value = float(loss.detach().float().mean()) if loss is not None else None
     result = _apply(model, opt, Change(), f"step {inputs.step + 1} (same batch)", value)
     result.nonfinite_output = _nonfinite(out.detach())
