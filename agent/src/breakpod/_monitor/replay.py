@@ -258,4 +258,4 @@ def _load_bundle(path: Path, trusted: bool) -> dict[str, Any]:
         raise ReplayError(f"{path}: a bundle of an older breakpod (format {version}): save again")
     if version != BUNDLE_VERSION:
         raise ReplayError(f"{path}: not a breakpod replay bundle (write one with 'replay save')")
-    return bundle
+    return dict(bundle)
