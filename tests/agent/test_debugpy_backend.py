@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.agent.test_breakpoint import FORK
 from tests.dap import DapClient
 
 pytest.importorskip("debugpy")
@@ -67,17 +68,8 @@ def test_a_hold_shorter_than_the_wait_s_start_still_ends(spawn):
     assert "all 30 ended" in child.stdout()
 
 
-FORKED = """
-    import os, breakpod
-    breakpod.init_remote_debugger(port=0, backend="debugpy", enable=True)
-    pid = os.fork()
-    if pid == 0:  # a DataLoader-style worker; no IDE was attached to the parent
-        worker = "child"
-        breakpoint()
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    print("worker exited", os.waitstatus_to_exitcode(status), flush=True)
-"""
+# a DataLoader-style worker forked by a process with a debugpy listener; no IDE attached
+FORKED = FORK.replace('backend="pdb"', 'backend="debugpy"')
 
 
 def test_a_forked_worker_with_no_ide_attached_parks_on_a_pdb_listener_of_its_own(spawn, pdb_client):

@@ -125,14 +125,15 @@ class FromBatch(torch.nn.Module):
         return self.net(batch.x)
 
 
-def batch_step() -> tuple[FromBatch, breakpod.Monitor]:
-    """A step on a namedtuple batch whose backward goes NaN, captured for replay."""
+def batch_step(make_model: Any = None, make_batch: Any = Batch) -> tuple[Any, breakpod.Monitor]:
+    """A step on a batch object (a namedtuple by default) whose backward goes NaN,
+    captured for replay."""
     torch.manual_seed(0)
-    model = FromBatch()
+    model = (make_model or FromBatch)()
     monitor = breakpod.watch(model, replay=True)
     model.net.poison.mode = "backward"
     x, y = batch(0)
-    torch.nn.functional.cross_entropy(model(Batch(x, y)), y).backward()
+    torch.nn.functional.cross_entropy(model(make_batch(x, y)), y).backward()
     return model, monitor
 
 
@@ -196,12 +197,7 @@ class FromDataBatch(FromBatch):
 def test_a_dataclass_batch_is_saved_as_itself_and_a_failing_forward_is_one_error(tmp_path):
     """``asdict`` turned the batch into a dict that not even --trust could give back, and
     the model's AttributeError on it came out of ``breakpod replay`` as a traceback."""
-    torch.manual_seed(0)
-    model = FromDataBatch()
-    monitor = breakpod.watch(model, replay=True)
-    model.net.poison.mode = "backward"
-    x, y = batch(0)
-    torch.nn.functional.cross_entropy(model(DataBatch(x, y)), y).backward()
+    model, monitor = batch_step(FromDataBatch, DataBatch)
     path = replay.save_bundle(tmp_path / "step.pt", model, monitor.capture)
     monitor.close()
     rebuilt = FromDataBatch()
