@@ -8,6 +8,7 @@ import select
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import pytest
@@ -381,3 +382,38 @@ def test_the_nc_hint_takes_an_ipv6_address_apart():
 
     assert _nc_args("[::1]:5678") == "::1 5678"  # was: "[  1] 5678"
     assert _nc_args("127.0.0.1:5678") == "127.0.0.1 5678"
+
+
+def _raised_through(module: str, filename: str) -> BaseException:
+    """An exception raised in ``module`` (compiled as ``filename``) and caught, as the
+    park's wait catches it, in a frame of breakpod's."""
+    job: dict[str, object] = {"__name__": module}
+    exec(compile("def handler():\n    raise RuntimeError('stop')\n", filename, "exec"), job)
+    ours: dict[str, object] = {"__name__": "breakpod._debug.fake", "handler": job["handler"]}
+    source = textwrap.dedent(
+        """
+        def wait():
+            try:
+                handler()
+            except RuntimeError as e:
+                return e
+        """
+    )
+    exec(compile(source, "breakpod_fake.py", "exec"), ours)
+    return ours["wait"]()  # type: ignore[operator, no-any-return]
+
+
+def test_the_jobs_exception_is_told_apart_by_module_not_by_folder():
+    """A job installed into site-packages lives under the standard library's folder
+    (a venv, the official Python images): its SIGTERM handler's exception was taken
+    for breakpod's own and swallowed."""
+    import sysconfig
+
+    from breakpod._debug.shim import raised_elsewhere
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    installed = f"{stdlib}/site-packages/jobpkg/signals.py"
+    assert raised_elsewhere(_raised_through("jobpkg.signals", installed))
+    assert raised_elsewhere(_raised_through("__main__", "train.py"))
+    assert not raised_elsewhere(_raised_through("json.decoder", f"{stdlib}/json/decoder.py"))
+    assert not raised_elsewhere(_raised_through("breakpod._core.net", "net.py"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -144,3 +145,10 @@ def test_a_tracking_server_that_is_down_never_holds_the_training_thread(
         exporter.close()
     assert time.monotonic() - started < 10  # MLflow alone: about 4 minutes
     assert monitor.step_count == 20
+
+
+def test_an_exporter_that_could_not_open_leaves_no_thread_behind(store: Any) -> None:
+    before = threading.active_count()
+    for _ in range(5):
+        assert not breakpod.export.mlflow("0" * 32).enabled  # no such run
+    assert threading.active_count() == before

@@ -43,7 +43,7 @@ from breakpod_broker import (
 )
 from breakpod_broker.context import Broker
 from breakpod_broker.events import _decode
-from breakpod_broker.fanout import EventFanout
+from breakpod_broker.fanout import EventFanout, within
 from breakpod_broker.fastpath import (
     EventsFastPath,
     HeartbeatFastPath,
@@ -278,8 +278,7 @@ class BodyLimit:
         try:
             if declared.isdigit() and int(declared) > limit:
                 raise _too_large(limit)
-            async with asyncio.timeout(settings.body_seconds):
-                body = await _read(scope, receive, limit)
+            body = await within(settings.body_seconds, _read(scope, receive, limit))
         except TimeoutError:
             seconds = settings.body_seconds
             await refuse(send, HTTPException(408, f"the body did not arrive within {seconds:g}s"))

@@ -28,8 +28,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi.responses import StreamingResponse
 from starlette.types import Message, Send
@@ -45,6 +45,7 @@ RETRY_SECONDS = 1.0
 DRAIN = 500  # queued events a stream writes at once
 
 Cursor = tuple[int, int]
+T = TypeVar("T")
 Wants = Callable[[dict[str, Any]], bool]  # a follower's filter
 
 
@@ -235,7 +236,7 @@ class SSEResponse(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         async def send_in_time(message: Message) -> None:
-            await asyncio.wait_for(send(message), self.stall_seconds)
+            await within(self.stall_seconds, send(message))
 
         try:
             await super().stream_response(send_in_time)
@@ -243,3 +244,15 @@ class SSEResponse(StreamingResponse):
             log.info("an SSE client took nothing for %gs: its stream ends", self.stall_seconds)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def within(seconds: float, awaitable: Awaitable[T]) -> T:
+    """``awaitable``'s result, or TimeoutError after ``seconds``: without a task per call
+    where asyncio has ``timeout`` (Python 3.11), else through ``wait_for``."""
+    if _timeout is None:
+        return await asyncio.wait_for(awaitable, seconds)
+    async with _timeout(seconds):
+        return await awaitable
+
+
+_timeout = getattr(asyncio, "timeout", None)

@@ -15,9 +15,7 @@ the program continues. What the training code itself raises while a park waits
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import sysconfig
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
@@ -148,17 +146,22 @@ def hold(frame: FrameType, header: str) -> bool:
         return False
 
 
-_PATHS = sysconfig.get_paths()
-_OURS = (os.path.dirname(os.path.dirname(__file__)), _PATHS["stdlib"], _PATHS["platstdlib"])
+# Code whose exceptions in a park are breakpod's failures (contained): breakpod's own,
+# the standard library's and debugpy's (its vendored pydevd). Anything else is the job's.
+_OURS = frozenset(
+    {"breakpod", "debugpy", "pydevd", "_pydevd_bundle", "_pydev_bundle", "pydevd_plugins"}
+) | frozenset(sys.stdlib_module_names)
 
 
 def raised_elsewhere(error: BaseException) -> bool:
-    """Did code other than breakpod's and the standard library's raise ``error``: a
-    signal handler that ran while a park waited? Then it is the job's to handle."""
+    """Did code other than breakpod's, debugpy's and the standard library's raise
+    ``error``: a signal handler that ran while a park waited? Then it is the job's to
+    handle. Judged by each frame's module, not its file: a job installed into
+    site-packages sits under the standard library's folder."""
     tb = error.__traceback__
     while tb is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if not (name.startswith(_OURS) or name.startswith("<")):
+        module = tb.tb_frame.f_globals.get("__name__") or ""
+        if module.partition(".")[0] not in _OURS:
             return True
         tb = tb.tb_next
     return False

@@ -51,6 +51,8 @@ class MlflowWriter:
         self._queue: queue.Queue[Callable[[], object] | None] = queue.Queue(PENDING)
         self._error: Exception | None = None
         self._dropped = 0
+        self._closing = False
+        self._raised = False  # the failure was raised to the exporter already
         self._thread = threading.Thread(target=self._drain, name="breakpod-mlflow", daemon=True)
         self._thread.start()
 
@@ -74,11 +76,21 @@ class MlflowWriter:
         self._raise()
 
     def close(self) -> None:
-        """Let the queued writes go out, for a while; none after a write failed."""
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(None)
-        if self._error is None:
-            self._thread.join(CLOSE_WAIT)
+        """Let the queued writes go out, for at most CLOSE_WAIT in all; none after a
+        write failed. Raises what failed among them (the exporter says it)."""
+        deadline = time.monotonic() + (0.5 if self._error is not None else CLOSE_WAIT)
+        try:
+            self._queue.put(None, timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Full:
+            self._closing = True  # the writes still queued are skipped, then the thread ends
+        self._thread.join(max(0.0, deadline - time.monotonic()))
+        self._closing = True  # a write still under way: what follows it is skipped
+        if not self._raised:
+            self._raise()
+
+    def close_quietly(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
     def _put(self, write: Callable[[], object]) -> None:
         self._raise()
@@ -93,13 +105,22 @@ class MlflowWriter:
                 )
 
     def _raise(self) -> None:
-        if self._error is not None:
+        if self._error is not None and not self._raised:
+            self._raised = True  # said once, by the exporter that hears it
             raise self._error
+        if self._error is not None:
+            raise RuntimeError("an earlier write failed")
 
     def _drain(self) -> None:
-        while (write := self._queue.get()) is not None:
+        while True:
+            try:  # once closing, an empty queue is the end (its sentinel may not fit)
+                write = self._queue.get(timeout=1.0 if self._closing else None)
+            except queue.Empty:
+                return
+            if write is None:
+                return
             try:
-                if self._error is None:
+                if self._error is None and not self._closing:
                     write()
             except Exception as e:  # raised to the exporter at its next write
                 self._error = e
@@ -123,5 +144,9 @@ def open_writer(run: Any = None) -> MlflowWriter:
     client = mlflow.MlflowClient()
     writer = MlflowWriter(client, run_id, entities)
     writer._put(lambda: client.get_run(run_id))  # a wrong id fails here, not at every read
-    writer.check(OPEN_WAIT)  # ... and is said now, unless the server takes longer to answer
+    try:
+        writer.check(OPEN_WAIT)  # ... and is said now, unless the server takes longer
+    except Exception:
+        writer.close_quietly()  # no thread is left behind for an exporter that never was
+        raise
     return writer
