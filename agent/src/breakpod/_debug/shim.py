@@ -149,7 +149,7 @@ def hold(frame: FrameType, header: str) -> bool:
 # Code whose exceptions in a park are breakpod's failures (contained): breakpod's own,
 # the standard library's and debugpy's (its vendored pydevd). Anything else is the job's.
 _OURS = frozenset(
-    {"breakpod", "debugpy", "pydevd", "_pydevd_bundle", "_pydev_bundle", "pydevd_plugins"}
+    {"breakpod", debugger.DEBUGPY_MODULE, "pydevd", "_pydevd_bundle", "_pydev_bundle"}
 ) | frozenset(sys.stdlib_module_names)
 
 
