@@ -85,12 +85,7 @@ class MlflowWriter:
             self._closing = True  # the writes still queued are skipped, then the thread ends
         self._thread.join(max(0.0, deadline - time.monotonic()))
         self._closing = True  # a write still under way: what follows it is skipped
-        if not self._raised:
-            self._raise()
-
-    def close_quietly(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
+        self._raise()
 
     def _put(self, write: Callable[[], object]) -> None:
         self._raise()
@@ -105,11 +100,10 @@ class MlflowWriter:
                 )
 
     def _raise(self) -> None:
+        """Raise a failed write's error, once: the exporter that hears it stops."""
         if self._error is not None and not self._raised:
-            self._raised = True  # said once, by the exporter that hears it
+            self._raised = True
             raise self._error
-        if self._error is not None:
-            raise RuntimeError("an earlier write failed")
 
     def _drain(self) -> None:
         while True:
@@ -147,6 +141,7 @@ def open_writer(run: Any = None) -> MlflowWriter:
     try:
         writer.check(OPEN_WAIT)  # ... and is said now, unless the server takes longer
     except Exception:
-        writer.close_quietly()  # no thread is left behind for an exporter that never was
+        with contextlib.suppress(Exception):  # no thread left for an exporter that never was
+            writer.close()
         raise
     return writer
