@@ -140,3 +140,29 @@ def test_log_leaves_out_what_is_not_a_number_and_names_it_once(
     for name in bad:
         assert sum(f"'{name}'" in line and "left out" in line for line in said) == 1, said
     assert tensorboard_scalars(tmp_path / "tb")["ok"] == {0: 3.0, 1: 3.0}
+
+
+@pytest.mark.parametrize("order", ["optimizer-then-loss", "check-every-3"])
+def test_the_last_step_reaches_the_event_file(tmp_path: Path, order: str) -> None:
+    """An 8-step run wrote steps 0-6: the last step's loss (recorded after opt.step(),
+    or waiting for a read every 3 steps) was dropped by close(), never read."""
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if order == "optimizer-then-loss":
+        monitor = breakpod.watch(model, optimizer=optimizer)
+    else:
+        monitor = breakpod.watch(model, check_every=3)
+    exporter = breakpod.export.tensorboard(tmp_path / "tb")
+    losses = []
+    for _ in range(8):
+        optimizer.zero_grad()
+        loss = model(torch.randn(4, 8)).square().mean()
+        loss.backward()
+        optimizer.step()
+        monitor.step(loss)
+        losses.append(loss.item())
+    monitor.close()
+    exporter.close()
+    written = tensorboard_scalars(tmp_path / "tb")["breakpod/loss"]
+    assert sorted(written) == list(range(8))
+    assert written[7] == pytest.approx(losses[7])

@@ -984,7 +984,11 @@ class Monitor:
             announce(f"monitor {where} failed ({type(error).__name__}: {error}); the job continues")
 
     def close(self) -> None:
-        """Remove every hook; the monitor keeps its anomalies for inspection."""
+        """Read what is still pending (the last steps' statistics, a loss recorded after
+        the optimizer's step), then remove every hook; the anomalies stay for inspection."""
+        if self.enabled and self._pending:  # else the exporters never hear the last step
+            with contextlib.suppress(AnomalyError):  # a stop rule: training is over anyway
+                self.flush()
         for handle in [*self._handles, *self._leaf_hooks.values()]:
             handle.remove()
         self._handles.clear()
