@@ -1,34 +1,44 @@
 # One set of commands for people, CI and docs. Every target installs what it
-# needs on first use into .venv (the on-disk CPU torch wheel, never a CUDA one).
+# needs on first use into .venv (the on-disk CPU torch wheel, never a CUDA one):
+# the runtime (torch, breakpod[debugpy], breakpod-broker) for `make demo`, and the
+# test and lint tools of requirements-dev.txt besides for the other targets.
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 STAMP  := $(VENV)/.installed
+TOOLS  := $(VENV)/.installed-tools
 TORCH  := torch==2.13.0
 
 .PHONY: install test lint demo bench clean chaos scale
 .PHONY: deploy-test helm-lint e2e-kind e2e-docker gpu-check screenshots
 
-$(STAMP): agent/pyproject.toml agent/src/breakpod_autostart.pth broker/pyproject.toml requirements-dev.txt
+# The runtime: what the demo and a training job need.
+$(STAMP): agent/pyproject.toml agent/src/breakpod_autostart.pth broker/pyproject.toml
+	@echo "make: installing the runtime into $(VENV): $(TORCH) (CPU), breakpod[debugpy], breakpod-broker"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install $(TORCH)
-	$(PIP) install -e agent -r requirements-dev.txt
-	$(PIP) install -e broker
+	$(PIP) install -e "agent[debugpy]" -e broker $(TORCH)
 	touch $@
 
-install: $(STAMP)
+# The test and lint tools (pytest, ruff, mypy, the deployment and browser tools, ...).
+$(TOOLS): $(STAMP) requirements-dev.txt
+	@echo "make: installing the test and lint tools of requirements-dev.txt into $(VENV)"
+	$(PIP) install -r requirements-dev.txt $(TORCH)
+	touch $@
 
-test: $(STAMP)
+install: $(STAMP) $(TOOLS)
+
+test: $(TOOLS)
 	$(PY) -m pytest
 
 # Fault injection, long: kill -9 of redis-server and of the broker 20 times each
 # (`make test` runs the same tests with CHAOS_ROUNDS=2).
-chaos: $(STAMP)
+chaos: $(TOOLS)
 	CHAOS_ROUNDS=20 $(PY) -m pytest tests/chaos
 
-lint: $(STAMP)
+lint: $(TOOLS)
 	$(VENV)/bin/ruff check agent tests bench examples
 	$(VENV)/bin/ruff format --check agent tests bench examples
 	$(VENV)/bin/mypy agent/src
@@ -39,12 +49,12 @@ lint: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/run_demo.py
 
-bench: $(STAMP)
+bench: $(TOOLS)
 	$(PY) bench/run.py
 
 # The broker at scale, the whole grid (1k/5k/10k sessions, 0/20/100 followers,
 # one and three replicas); long. `make bench` runs one small row of each kind.
-scale: $(STAMP)
+scale: $(TOOLS)
 	$(PY) bench/scale.py --full
 
 clean:
@@ -52,19 +62,19 @@ clean:
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 
 # Deployment: chart (Helm Go SDK), webhook, compose, Dockerfiles; part of `make test`.
-deploy-test: $(STAMP)
+deploy-test: $(TOOLS)
 	$(PY) -m pytest tests/deploy
 
-helm-lint: $(STAMP)
+helm-lint: $(TOOLS)
 	$(PY) -m pytest tests/deploy/test_chart.py
 
 # The compose stack on a real Docker engine (started here when possible;
 # skipped with the reason otherwise). .ci/run runs it too.
-e2e-docker: $(STAMP)
+e2e-docker: $(TOOLS)
 	PY=$(PY) scripts/e2e-docker.sh
 
 # Needs docker, kind, kubectl, openssl and image downloads: not run in CI.
-e2e-kind: $(STAMP)
+e2e-kind: $(TOOLS)
 	PY=$(PY) scripts/e2e-kind.sh
 
 # On a machine with a CUDA device and its own torch: the gpu-marked tests.
@@ -73,5 +83,5 @@ gpu-check:
 
 # The dashboard with fixture data (a 4-rank job, one rank parked on a NaN) as PNGs
 # under screenshots/ (gitignored), for the README; needs Debian's chromium.
-screenshots: $(STAMP)
+screenshots: $(TOOLS)
 	$(PY) -m tests.dashboard.screenshots screenshots

@@ -1,63 +1,22 @@
-"""The install path a user takes: both wheels built from the repository, installed
-into a fresh venv with no torch (pip's configured index supplies the broker's
-dependencies), then `breakpod --help`, `breakpod doctor` and a headless
-`breakpoint()` that parks and is continued over the socket."""
+"""The install path a user takes: both wheels built from the repository and
+installed by the README's own lines into a fresh venv with no torch (conftest.py;
+pip's configured index supplies the broker's dependencies), then `breakpod --help`,
+`breakpod doctor` and a headless `breakpoint()` that parks and is continued over
+the socket."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.install.conftest import ROOT, clean_env, run
+
 PARK = re.compile(r"waiting .* on 127\.0\.0\.1:(\d+)")
 JOB = "x = 41\nbreakpoint()\nprint('finished', x + 1, flush=True)\n"
-
-
-def run(*argv: str | Path, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(
-        [str(a) for a in argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        stdin=subprocess.DEVNULL,
-        **kwargs,  # type: ignore[call-overload]
-    )
-    assert done.returncode == 0, f"{argv}: {done.stdout[-2000:]}{done.stderr[-2000:]}"
-    return done
-
-
-@pytest.fixture(scope="module")
-def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fresh venv holding the two wheels and nothing of this checkout."""
-    where = tmp_path_factory.mktemp("install")
-    wheels = where / "wheels"
-    run(
-        sys.executable,
-        "-m",
-        "pip",
-        "wheel",
-        "-q",
-        "--no-deps",
-        "-w",
-        wheels,
-        ROOT / "agent",
-        ROOT / "broker",
-    )
-    run(sys.executable, "-m", "venv", where / "venv")
-    python = where / "venv" / "bin" / "python"
-    run(python, "-m", "pip", "install", "-q", *sorted(wheels.glob("*.whl")))
-    return where / "venv" / "bin"
-
-
-def clean_env() -> dict[str, str]:
-    keep = {k: v for k, v in os.environ.items() if not k.startswith(("BREAKPOD_", "PYTHON"))}
-    return {**keep, "HOME": str(Path(os.environ.get("TMPDIR", "/tmp")))}
 
 
 @pytest.mark.slow
