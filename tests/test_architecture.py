@@ -125,6 +125,7 @@ AGENT_LAYERS = (
             "breakpod._monitor.summaries",
             "breakpod._monitor.flight_table",
             "breakpod._monitor.baselines",
+            "breakpod._monitor.optimizers",
         ),
         independent=False,
     ),

@@ -46,7 +46,7 @@ from breakpod._core.config import env_flag
 from breakpod._core.errors import AnomalyError, ConfigError, RuleError
 from breakpod._debug import shim
 from breakpod._job import watchdog
-from breakpod._monitor import checks, staging
+from breakpod._monitor import checks, optimizers, staging
 from breakpod._monitor.anomaly import ActionContext, Anomaly, dispatch, merge_same_tensor
 from breakpod._monitor.anomaly import user_frame as _user_frame
 from breakpod._monitor.capture import REPLAYING, Capture, capture_wanted, replaying
@@ -116,6 +116,7 @@ def watch(
     With ``BREAKPOD_MONITOR=0`` (or ``AI_DEBUG_MODE=0``) nothing is installed.
     """
     _check_arguments(model, optimizer, expect)
+    optimizer = _hooked_optimizer(optimizer)
     settings = _config(config)
     every = check_every if check_every is not None else settings.get("check_every", 1)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
@@ -139,7 +140,7 @@ def _check_arguments(model: Any, optimizer: Any, expect: Any) -> None:
     """What ``watch()`` is given, said plainly rather than failing deep inside torch."""
     if not callable(getattr(model, "named_modules", None)):
         raise ConfigError(f"watch(model): expected a torch.nn.Module, got {type(model).__name__}")
-    if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
+    if optimizer is not None and not callable(getattr(optimizer, "step", None)):
         got = type(optimizer).__name__
         raise ConfigError(f"watch(optimizer=...): expected a torch.optim.Optimizer, got {got}")
     if expect is not None and not isinstance(expect, Mapping):
@@ -147,6 +148,20 @@ def _check_arguments(model: Any, optimizer: Any, expect: Any) -> None:
             f"watch(expect={expect!r}): expected a mapping of module names to shapes, "
             "e.g. {'fc1': 'B,128'}"
         )
+
+
+def _hooked_optimizer(optimizer: Any) -> Any:
+    """What actually steps under a framework's wrapper (see optimizers.py); one that
+    cannot be hooked is one line, and steps end at ``monitor.step()`` instead."""
+    if optimizer is None:
+        return None
+    found, why = optimizers.steppable(optimizer)
+    if found is None:
+        announce(
+            f"watch(optimizer=...): {why}; its step cannot be hooked, so steps end at "
+            "monitor.step() (anomalies are judged there, after the update)"
+        )
+    return found
 
 
 def _config(config: Any) -> dict[str, Any]:
