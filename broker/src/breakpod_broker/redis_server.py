@@ -14,7 +14,10 @@ Lifecycle, so that no server is ever orphaned or doubled on one AOF:
   with the supervisor thread that started it, so with the broker, SIGKILL included;
 * a supervisor thread restarts a server that died, on the same port;
 * before each start the AOF's tail is repaired (:func:`repair_aof`): a kill in the
-  middle of a transaction's write must not leave half of it to be replayed later.
+  middle of a transaction's write must not leave half of it to be replayed later;
+* :func:`stop_all_now` stops every server this process started, from any thread and
+  whatever a ``stop()`` is waiting for: the broker's last act when its shutdown
+  overran its deadline (serving.py).
 
 Loopback only, no fake anywhere.
 """
@@ -45,6 +48,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT = 10.0
 RESTART_DELAYS = (0.2, 0.5, 1.0, 2.0)  # seconds before each restart in a row, then the last
 PR_SET_PDEATHSIG = 1
+STOP_NOW_SECONDS = 2.0  # stop_all_now: SIGTERM, then SIGKILL (the AOF is fsynced per write)
 
 
 def find_binary() -> str:
@@ -77,6 +81,7 @@ class EmbeddedRedis:
         self.port = port or free_port()
         self.fsync = fsync
         self.proc: subprocess.Popen[bytes] | None = None
+        self._child: subprocess.Popen[bytes] | None = None  # the latest, kept for stop_now
         self.restarts = 0
         self._lock: IO[str] | None = None
         self._stopping = threading.Event()
@@ -103,6 +108,7 @@ class EmbeddedRedis:
         self._started.clear()
         self._error = None
         self._thread = threading.Thread(target=self._supervise, name="embedded-redis", daemon=True)
+        _LIVE.add(self)
         self._thread.start()
         self._started.wait()
         if self._error is not None:
@@ -144,7 +150,7 @@ class EmbeddedRedis:
         repair_aof(self.data_dir)
         if self._stopping.is_set():  # stopped while the AOF was checked: start nothing
             raise RedisServerError("stopped before redis-server started")
-        proc = self.proc = subprocess.Popen(
+        proc = self.proc = self._child = subprocess.Popen(
             self._argv(log_path),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -183,6 +189,18 @@ class EmbeddedRedis:
         if self._lock is not None:
             self._lock.close()  # closing the file releases the flock
             self._lock = None
+        _LIVE.discard(self)
+
+    def stop_now(self, timeout: float = STOP_NOW_SECONDS) -> None:
+        """Stop the server within about ``2 * timeout``, from any thread, even while
+        ``stop()`` waits on it elsewhere (a server that hangs, or was stopped with
+        SIGSTOP, gets SIGKILL, which needs no cooperation)."""
+        self._stopping.set()
+        proc = self._child
+        if proc is not None:
+            with contextlib.suppress(OSError):
+                proc.send_signal(signal.SIGCONT)  # a stopped process takes SIGTERM only then
+            _terminate(proc, timeout)
 
     def __enter__(self) -> EmbeddedRedis:
         return self.start()
@@ -194,6 +212,17 @@ class EmbeddedRedis:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+_LIVE: set[EmbeddedRedis] = set()  # started and not yet stopped, in this process
+
+
+def stop_all_now() -> int:
+    """Stop every embedded server of this process at once (see ``stop_now``); how many."""
+    servers = list(_LIVE)
+    for server in servers:
+        server.stop_now()
+    return len(servers)
 
 
 def lock_data_dir(data_dir: Path) -> IO[str]:

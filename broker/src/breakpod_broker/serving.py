@@ -1,9 +1,16 @@
-"""Serving the broker app with uvicorn: optional TLS, and a clean shutdown.
+"""Serving the broker app with uvicorn: optional TLS, and a clean, bounded shutdown.
 
 On SIGTERM/SIGINT uvicorn stops accepting and waits for running requests;
 ``closing`` is set at that moment so command long-polls answer 503 at once
 (the agent polls again, on another replica or after the restart) instead of
 being cancelled mid-request with a traceback.
+
+The shutdown has ``shutdown_seconds`` (BREAKPOD_SHUTDOWN_SECONDS). A broker still
+running then, or sent a second SIGTERM/SIGINT before it finished (uvicorn itself
+heeds only a second SIGINT), gives up: it stops its embedded redis-server and
+exits 1, saying why on stderr. The deadline is a thread of its own, so a main
+thread stuck anywhere (an await that never returns under load) cannot hold the
+process, nor leave its redis-server behind.
 
 uvicorn's httptools protocol writes a response's status line and headers, then
 its body, each with its own ``transport.write``: two sends (and two TCP
@@ -17,6 +24,10 @@ agent's reader).
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import sys
+import threading
 from types import FrameType
 from typing import Any
 
@@ -28,9 +39,11 @@ try:
 except ImportError:  # no httptools: uvicorn's default protocol, uncorked
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
+from breakpod_broker import redis_server
 from breakpod_broker.settings import BrokerSettings
 
 GRACEFUL_SECONDS = 3  # SSE streams never end by themselves
+GAVE_UP = 1  # the exit status of a shutdown that overran its deadline or was cut short
 # uvicorn logs each request at INFO; above it the line is dropped, but uvicorn still
 # formats its arguments (client address, quoted path): ~10% of a command poll's
 # answer when a job-wide ``break`` answers thousands at once (profiled)
@@ -40,19 +53,44 @@ ACCESS_LOG_LEVELS = ("debug", "info")
 class Server(uvicorn.Server):
     """uvicorn's server, telling the app when shutdown begins."""
 
-    def __init__(self, config: uvicorn.Config, closing: asyncio.Event) -> None:
+    def __init__(self, config: uvicorn.Config, closing: asyncio.Event, deadline: float) -> None:
         super().__init__(config)
         self.closing = closing
+        self.deadline = deadline
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._giving_up = threading.Lock()
 
     async def serve(self, sockets: Any = None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        name = signal.Signals(sig).name
+        if self.should_exit:  # a second signal: never ignored
+            why = f"a second {name} before the shutdown finished"
+            _in_thread(self.give_up, why)
+        else:
+            why = f"the shutdown after {name} took longer than {self.deadline:g}s"
+            timer = threading.Timer(self.deadline, self.give_up, (why,))
+            timer.daemon = True
+            timer.start()
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self.closing.set)
         super().handle_exit(sig, frame)
+
+    def give_up(self, why: str) -> None:
+        """Stop the embedded redis-server and exit now (any thread, once)."""
+        if not self._giving_up.acquire(blocking=False):
+            return
+        stopped = redis_server.stop_all_now()
+        then = "stopped its embedded redis-server and " if stopped else ""
+        line = f"breakpod-broker: error: {why}: {then}exits {GAVE_UP}\n"
+        os.write(sys.stderr.fileno(), line.encode())  # no lock the stuck thread may hold
+        os._exit(GAVE_UP)  # no interpreter shutdown: it would wait for the stuck thread
+
+
+def _in_thread(target: Any, *args: Any) -> None:
+    threading.Thread(target=target, args=args, name="broker-give-up", daemon=True).start()
 
 
 class CorkedTransport:
@@ -120,4 +158,4 @@ def serve(app: FastAPI, settings: BrokerSettings, log_level: str) -> None:
         timeout_graceful_shutdown=GRACEFUL_SECONDS,
         **tls,
     )
-    Server(config, closing).run()
+    Server(config, closing, settings.shutdown_seconds).run()

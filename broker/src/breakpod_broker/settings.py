@@ -75,6 +75,7 @@ class BrokerSettings(BaseSettings):
     # a request body not all received this long after its headers gets 408
     body_seconds: float = Field(default=30.0, gt=0)
     login_seconds: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)  # a dashboard login
+    shutdown_seconds: float = Field(default=20.0, gt=0, le=3600)  # serving.py: then it gives up
     # SSE streams one replica serves (each costs memory: a queue of follower_queue events)
     max_followers: int = Field(default=10_000, ge=1, le=1_000_000)
     # a follower this many events behind is dropped; it resumes with Last-Event-ID
@@ -115,4 +116,6 @@ HELP: dict[str, str] = {
     "is dropped, and its stream's place freed",
     "body_seconds": "a request body not all received this long after its headers gets 408",
     "login_seconds": "a dashboard login (its HttpOnly cookie) lasts this long",
+    "shutdown_seconds": "after SIGTERM/SIGINT the broker has this long to stop; then (or at a "
+    "second signal) its embedded redis-server is stopped and it exits 1, saying why",
 }
