@@ -9,14 +9,22 @@ broker lists it, and an engineer attaches by session id.
    a scripted engineer prints `loss`, the input's shape and a tensor summary,
    then continues; the job finishes and exits 0. DEMO_AUTOATTACH=0 without a
    terminal prints the command for another terminal and counts down the hold.
+
+Tokens reach the CLI through its environment, never as flags (they would show in
+`ps`); the command printed for another terminal reads the viewer token from a file.
+Whatever happens (an error, Ctrl-C, SIGTERM), the broker, its redis-server and the
+job are stopped on the way out: the broker runs in a process group of its own,
+killed once it has had its time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -35,18 +43,41 @@ TOKENS = {role: secrets.token_hex(8) for role in ("agent", "viewer", "admin")}
 
 HOLD_SECONDS = float(os.environ.get("BREAKPOD_HOLD_SECONDS", "300"))
 COUNTDOWN_EVERY = 30.0
+BROKER_SHUTDOWN_SECONDS = 5  # the broker's own deadline (BREAKPOD_SHUTDOWN_SECONDS)
+STOP_WAIT_SECONDS = 15.0  # then its process group is killed
+CLI_ENV: dict[str, str] = {}
 
 
 def main() -> int:
     auto = wants_scripted_engineer(os.environ.get("DEMO_AUTOATTACH"), sys.stdin.isatty())
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # end as Ctrl-C does: through the finally
+        signal.signal(sig, _exit_on_signal)
     with tempfile.TemporaryDirectory(prefix="breakpod-demo-") as data:
         url = f"http://127.0.0.1:{free_port()}"
+        # the CLI's settings, as an engineer exports them (a token is never a flag)
+        CLI_ENV.update(BREAKPOD_BROKER_URL=url, BREAKPOD_BROKER_TOKEN=TOKENS["viewer"])
         broker = start_broker(url, data)
         try:
-            return run_job(url, auto)
+            return run_job(url, auto, Path(data))
         finally:
-            broker.terminate()
-            broker.wait(timeout=20)
+            stop_group(broker)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def stop_group(proc: subprocess.Popen[bytes], wait: float = STOP_WAIT_SECONDS) -> None:
+    """SIGTERM, ``wait`` seconds, then SIGKILL to whatever is left of its group."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            say(f"the broker did not stop within {wait:g}s: killing it and its redis-server")
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # its redis-server too, whatever became of it
+    proc.wait()
 
 
 def wants_scripted_engineer(setting: str | None, terminal: bool) -> bool:
@@ -62,18 +93,20 @@ def start_broker(url: str, data: str) -> subprocess.Popen[bytes]:
     port = url.rsplit(":", 1)[1]
     tokens = ",".join(f"{role}:{token}" for role, token in TOKENS.items())
     say(f"1/4 broker on {url} (embedded Redis, data in {data})")
+    shutdown = str(BROKER_SHUTDOWN_SECONDS)
     broker = subprocess.Popen(
         [str(BIN / "breakpod-broker"), "serve", "--port", port, "--data-dir", data],
-        env={**os.environ, "BREAKPOD_BROKER_TOKENS": tokens},
+        env={**os.environ, "BREAKPOD_BROKER_TOKENS": tokens, "BREAKPOD_SHUTDOWN_SECONDS": shutdown},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        start_new_session=True,  # its own process group, with its redis-server: see stop_group
     )
     wait_healthy(url)
     return broker
 
 
-def run_job(url: str, auto: bool) -> int:
+def run_job(url: str, auto: bool, data: Path) -> int:
     env = {
         **os.environ,
         "PYTHONBREAKPOINT": "breakpod.set_trace",
@@ -91,59 +124,74 @@ def run_job(url: str, auto: bool) -> int:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
-    assert job.stdout is not None
-    for line in job.stdout:
-        print(f"[job] {line}", end="", flush=True)
-        if PARK.search(line):
-            threading.Thread(target=engineer, args=(url, auto), daemon=True).start()
-    status = job.wait()
+    try:
+        assert job.stdout is not None
+        for line in job.stdout:
+            print(f"[job] {line}", end="", flush=True)
+            if PARK.search(line):
+                threading.Thread(target=engineer, args=(auto, data), daemon=True).start()
+        status = job.wait()
+    finally:
+        if job.poll() is None:  # the demo was interrupted: the job goes with it
+            job.kill()
+            job.wait()
     say(f"training job exited with status {status}; its events at the broker:")
-    print(cli("events", "--broker", url, "--broker-token", TOKENS["viewer"]), flush=True)
+    print(cli("events"), flush=True)
     return status
 
 
-def engineer(url: str, auto: bool) -> None:
+def engineer(auto: bool, data: Path) -> None:
     """What an engineer does once the job parks: find it, then attach."""
-    session = parked_session(url)
+    session = parked_session()
     say("3/4 the broker knows the parked job:")
-    print(cli("sessions", "--broker", url, "--broker-token", TOKENS["viewer"]), flush=True)
-    attach = ["attach", session, "--broker", url, "--broker-token", TOKENS["viewer"]]
+    print(cli("sessions"), flush=True)
+    attach = ["attach", session]
     if not auto:
-        command = " ".join([str(BIN / "breakpod"), *attach])
         if not sys.stdin.isatty():
-            say(f"4/4 attach from another terminal: {command}")
-            count_down(url, session)
+            say(f"4/4 attach from another terminal: {other_terminal(session, data)}")
+            count_down(session)
             return
+        command = " ".join([str(BIN / "breakpod"), *attach])
         tries = "`p loss`, `tstat x`, `flight`, then `c`"
         say(f"4/4 attaching in this terminal ({command}); try {tries}")
-        subprocess.run([str(BIN / "breakpod"), *attach], check=False)
+        subprocess.run([str(BIN / "breakpod"), *attach], env={**os.environ, **CLI_ENV}, check=False)
         return
     say(f"4/4 scripted engineer: breakpod attach {session}")
     for line in cli(*attach, stdin=SCRIPT).splitlines():
         print(f"[engineer] {line}", flush=True)
 
 
-def count_down(url: str, session: str) -> None:
+def other_terminal(session: str, data: Path) -> str:
+    """The command for another terminal: the token comes from a file (this user's only),
+    through the environment, never as a flag."""
+    token_file = data / "viewer.token"
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(TOKENS["viewer"])
+    url = CLI_ENV["BREAKPOD_BROKER_URL"]
+    return (
+        f"BREAKPOD_BROKER_URL={url} BREAKPOD_BROKER_TOKEN=$(cat {token_file}) "
+        f"{BIN / 'breakpod'} attach {session}"
+    )
+
+
+def count_down(session: str) -> None:
     """One line every COUNTDOWN_EVERY seconds while the job waits for a debugger."""
     deadline = time.monotonic() + HOLD_SECONDS
-    while still_parked(url, session) and (left := deadline - time.monotonic()) > 0:
+    while still_parked(session) and (left := deadline - time.monotonic()) > 0:
         say(f"the job waits for a debugger on session {session}: {left:.0f}s left")
         time.sleep(min(COUNTDOWN_EVERY, max(left, 0.1)))
 
 
-def still_parked(url: str, session: str) -> bool:
-    listed = json.loads(
-        cli("sessions", "--json", "--broker", url, "--broker-token", TOKENS["viewer"])
-    )
+def still_parked(session: str) -> bool:
+    listed = json.loads(cli("sessions", "--json"))
     return any(s["id"] == session and s.get("state") == "parked" for s in listed)
 
 
-def parked_session(url: str, timeout: float = 30) -> str:
+def parked_session(timeout: float = 30) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        listed = json.loads(
-            cli("sessions", "--json", "--broker", url, "--broker-token", TOKENS["viewer"])
-        )
+        listed = json.loads(cli("sessions", "--json"))
         parked = [s["id"] for s in listed if s.get("state") == "parked"]
         if parked:
             return str(parked[0])
@@ -153,7 +201,12 @@ def parked_session(url: str, timeout: float = 30) -> str:
 
 def cli(*args: str, stdin: str = "") -> str:
     done = subprocess.run(
-        [str(BIN / "breakpod"), *args], input=stdin, text=True, capture_output=True, timeout=120
+        [str(BIN / "breakpod"), *args],
+        input=stdin,
+        text=True,
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, **CLI_ENV},
     )
     return done.stdout + done.stderr
 

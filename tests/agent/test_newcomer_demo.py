@@ -4,6 +4,9 @@ engineer instead of waiting out the hold; with DEMO_AUTOATTACH=0 it counts down.
 from __future__ import annotations
 
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -44,5 +47,53 @@ def test_the_demo_without_a_terminal_attaches_the_scripted_engineer():
 def test_the_demo_told_not_to_attach_counts_down_the_hold():
     done, _ = run_demo(DEMO_AUTOATTACH="0", BREAKPOD_HOLD_SECONDS="8")
     assert "4/4 attach from another terminal:" in done.stdout
+    # a token is never a flag (it would show in ps): the command reads it from a file
+    assert "--broker-token" not in done.stdout and "BREAKPOD_BROKER_TOKEN=$(cat " in done.stdout
     assert "the job waits for a debugger on session" in done.stdout and "s left" in done.stdout
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_an_interrupted_demo_leaves_no_broker_redis_or_job_behind():
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BREAKPOD_", "DEMO_"))}
+    demo = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "run_demo.py")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**clean, "DEMO_AUTOATTACH": "0", "BREAKPOD_HOLD_SECONDS": "100"},
+    )
+    try:
+        said = read_until(demo, "4/4 attach from another terminal")
+        data = Path(re.search(r"data in (\S+)\)", said).group(1)) / "redis"
+        broker, redis = (int((data / name).read_text()) for name in ("lock", "redis.pid"))
+        port = int(re.search(r"waiting .* on 127\.0\.0\.1:(\d+)", said).group(1))
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(60) == 128 + signal.SIGTERM
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert not alive(broker) and not alive(redis)
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
+        pass  # the parked job is gone too
+
+
+def read_until(proc: subprocess.Popen[str], marker: str) -> str:
+    said = ""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        said += line
+        if marker in line:
+            return said
+    raise AssertionError(f"{marker!r} never came:\n{said}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return ") Z" not in stat
