@@ -100,3 +100,18 @@ def test_a_stream_whose_client_stopped_reading_ends_and_frees_its_place(start_br
     assert wait_until(a_stream_is_served, timeout=20, interval=0.5)
     for sock in stuck:
         sock.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("token", [None, AGENT])
+def test_a_heartbeat_body_that_never_finishes_gets_408(start_broker, token):
+    """The heartbeat's fast path reads its few bytes itself: under the same deadline
+    (it answered nothing at all, and held the connection for ever)."""
+    broker = start_broker(BREAKPOD_BODY_SECONDS="1")
+    auth = f"Authorization: Bearer {token}\n" if token else ""
+    head = f"POST /v1/sessions/s1/heartbeat HTTP/1.1\nHost: b\n{auth}Content-Length: 100\n"
+    started = time.monotonic()
+    with raw_request(broker, head, b"{") as sock:
+        status, body = answer(sock)
+    assert status == 408 and "within 1s" in json.loads(body)["detail"]
+    assert time.monotonic() - started < 8

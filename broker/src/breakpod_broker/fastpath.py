@@ -6,7 +6,9 @@ seconds). Profiled under bench/scale.py, the handler (one Lua call) was a
 quarter of its time; routing, dependency solving and request/response
 validation took most of the rest. This ASGI middleware serves the happy path
 itself: a POST to a heartbeat path, a known agent (or admin) bearer token, a
-valid body, a session the token owns. It does exactly what
+valid body, a session the token owns. It reads that body under the same deadline
+as every other route (``body_seconds``, then 408): headers announcing a body that
+never comes hold no connection. It does exactly what
 ``sessions.heartbeat`` does and answers the same JSON. Anything else (no or
 unknown token, wrong role, invalid body, a missing or foreign session: the
 script then wrote nothing) goes to the app unchanged, which answers with its
@@ -58,6 +60,7 @@ except ImportError:  # optional: json.loads then, as Starlette's request.json()
     from json import loads as _loads  # type: ignore[assignment]
 from breakpod_broker.commands import answer_poll
 from breakpod_broker.events import accept, plain_numbers
+from breakpod_broker.fanout import within
 from breakpod_broker.models import EventBatch, Heartbeat
 from breakpod_broker.sessions import beat, heartbeat_session
 from breakpod_broker.tokens import Principal, Role
@@ -86,7 +89,12 @@ class HeartbeatFastPath(_FastPath):
         if match is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        body, complete = await read_body(receive, MAX_BODY)
+        seconds: float = scope["app"].state.broker.settings.body_seconds
+        try:
+            body, complete = await within(seconds, read_body(receive, MAX_BODY))
+        except TimeoutError:
+            await refuse(send, late_body(seconds))
+            return
         small = complete and len(body) <= MAX_BODY
         answer = await _serve(scope, match.group(1), body) if small else None
         if answer is None:  # the ordinary path decides, and says why
@@ -180,6 +188,11 @@ async def refuse(send: Send, e: HTTPException) -> None:
     detail = json.dumps({"detail": e.detail}, ensure_ascii=False, separators=(",", ":")).encode()
     extra = [(k.lower().encode(), v.encode()) for k, v in (e.headers or {}).items()]
     await _respond(send, e.status_code, detail, extra)
+
+
+def late_body(seconds: float) -> HTTPException:
+    """The answer to a body not all received within ``seconds`` of its headers."""
+    return HTTPException(408, f"the body did not arrive within {seconds:g}s")
 
 
 def _wait(query: bytes) -> float | None:
