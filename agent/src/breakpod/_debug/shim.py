@@ -5,7 +5,10 @@ Routing of :func:`set_trace` (``PYTHONBREAKPOINT=breakpod.set_trace``):
 1. a debugpy listener is active -> the attached IDE stops in the caller;
 2. stdin is a usable TTY        -> plain local pdb, as ``breakpoint()`` would
                                    (unless ENABLE_REMOTE_DEBUG=1);
-3. otherwise (container, CI)    -> park on the remote pdb socket and wait.
+3. BREAKPOD_BACKEND=debugpy     -> start the debugpy listener (the policy of
+   (``breakpod run --backend``)    ``debugger.start_listener`` applies) and wait
+                                   for a DAP client there;
+4. otherwise (container, CI)    -> park on the remote pdb socket and wait.
 
 Nothing here may raise into the training code: a failure is announced and
 the program continues. What the training code itself raises while a park waits
@@ -14,6 +17,8 @@ the program continues. What the training code itself raises while a park waits
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import logging
 import sys
 from collections.abc import Callable
@@ -22,13 +27,14 @@ from types import FrameType, TracebackType
 from breakpod import protocol
 from breakpod._core import events, holding, net, wiring
 from breakpod._core.announce import announce
-from breakpod._core.config import Settings, format_seconds
+from breakpod._core.config import ENV, Settings, format_seconds
 from breakpod._core.errors import AnomalyError
 from breakpod._debug import debugger
 from breakpod._debug.pdb_commands import CommandsMixin, focus, is_library, load_builtin_commands
 from breakpod._debug.remote_pdb import (
     SKIP,
     RemoteSession,
+    hold_until,
     inspect_remote,
     post_mortem_remote,
     set_trace_remote,
@@ -89,6 +95,11 @@ def _prepare(frame: FrameType, header: str | None) -> Start | None:
     settings = env_settings()
     if use_local_pdb(settings):
         return lambda: LocalPdb().set_trace(frame)
+    serves = debugpy_serves(settings)
+    if serves is None:
+        return None
+    if serves:
+        return _prepare_debugpy(frame, reason)
     attached = still_attached()
     if attached is not None:  # the engineer continued with breakpoints set: theirs
         attached.message(f"breakpod: {reason}")
@@ -132,7 +143,12 @@ def hold(frame: FrameType, header: str) -> bool:
     """
     try:
         settings = env_settings()
-        if debugger.debugpy_endpoint() is not None:
+        serves: bool | None = debugger.debugpy_endpoint() is not None
+        if not serves and not use_local_pdb(settings):
+            serves = debugpy_serves(settings)
+            if serves is None:
+                return False
+        if serves:
             if not _wait_for_dap_client(header, settings.hold_seconds):
                 return False
             debugger.debugpy_stop_at(frame)  # a DAP client stops at the caller's next line
@@ -190,6 +206,26 @@ def park(frame: FrameType, settings: Settings, reason: str, *, hold_seconds: flo
     return True
 
 
+def debugpy_serves(settings: Settings) -> bool | None:
+    """Does a debugpy listener serve a park? True when one runs, or when the settings
+    ask for debugpy (``BREAKPOD_BACKEND=debugpy``) and it starts now; False: the
+    remote pdb does (also when debugpy is asked for but not installed, said once
+    per park); None: debugpy was asked for and may not start (said): nothing parks,
+    never a listener the settings did not ask for."""
+    if debugger.debugpy_endpoint() is not None:
+        return True
+    if settings.backend != debugger.DAP:
+        return False
+    if importlib.util.find_spec(debugger.DEBUGPY_MODULE) is None:
+        announce(
+            f"{ENV['backend']}=debugpy, but debugpy is not installed "
+            "(pip install 'breakpod[debugpy]'): the remote pdb serves this park"
+        )
+        return False
+    asked = dataclasses.replace(settings, enabled=True)  # a park asks for a listener
+    return debugger.start_listener(asked, [], set_trace) is not None or None
+
+
 def _prepare_debugpy(frame: FrameType, reason: str) -> Start | None:
     if not _wait_for_dap_client(reason, env_settings().hold_seconds):
         return None
@@ -239,7 +275,14 @@ def open_session(
         f"attach with: breakpod attach {target}  (or: nc {_nc_args(target)})"
         + ("; a token is required: set BREAKPOD_LISTENER_TOKEN" if listener.requires_token else "")
     )
-    events.emit(protocol.PARKED, backend=protocol.DEFAULT_LISTENER, address=address, reason=reason)
+    until = hold_until(hold_seconds)
+    events.emit(
+        protocol.PARKED,
+        backend=protocol.DEFAULT_LISTENER,
+        address=address,
+        reason=reason,
+        **({protocol.HOLD_UNTIL_FIELD: until} if until is not None else {}),
+    )
     try:
         attached = session.wait()
     except BaseException as e:
