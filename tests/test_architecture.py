@@ -36,13 +36,14 @@ BROKER_LAYERS = (
     grimp.Layer("serving"),  # uvicorn: TLS, shutdown
     grimp.Layer("app", "admission"),  # the two ASGI apps
     grimp.Layer("fastpath"),  # heartbeat, command poll and event ingest below FastAPI's routing
+    grimp.Layer("deaths"),  # what the broker records itself: pushed deaths
     grimp.Layer(
         *("admin", "attach", "commands", "dashboard", "events", "listing", "sessions"),
         "joblog",  # the job-wide command log that sessions and commands share
         independent=False,
     ),  # routes
     grimp.Layer("auth"),  # FastAPI dependencies: token and role checks
-    grimp.Layer("logins"),  # dashboard logins: cookie -> token, with a CSRF token
+    grimp.Layer("logins", "stalls"),  # dashboard logins; a job stall's culprit on its ranks
     grimp.Layer("context"),  # what every request handler gets
     grimp.Layer(
         *("notifiers", "metrics", "redis_server", "overlay", "fanout", "wakeups"),

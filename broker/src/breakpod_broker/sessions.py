@@ -53,7 +53,8 @@ async def register(
             *(x for pair in fields.items() for x in pair),
         ],
     )
-    _refuse_registration(session_id, refused)
+    if not refused.startswith("+"):
+        await _refuse_registration(broker, who, session_id, refused)
     if broker.cluster:  # the indexes live in other slots: added after the script
         await sharded.add_to_indexes(broker.redis, session_id, float(refused[1:]), indexes)
     if job_stream is not None and job_cursor is not None:  # none of the job's earlier commands
@@ -129,7 +130,17 @@ def _indexes(body: SessionIn) -> list[str]:
     return found + ([keys.job_sessions(body.job)] if body.job else [])
 
 
-def _refuse_registration(session_id: str, refused: str) -> None:
+async def _refuse_registration(
+    broker: Broker, who: Principal, session_id: str, refused: str
+) -> None:
+    """Why the script wrote nothing; 404, as for any session the token may not see,
+    when the id is held in a namespace outside the token's (its owner and namespace
+    are not for it to learn)."""
+    registered = refused.partition(":")[2] if refused.startswith("namespace:") else None
+    if refused == "owner":
+        registered = await broker.redis.hget(keys.session(session_id), "namespace")
+    if not who.may_see(registered or None):
+        raise HTTPException(404, f"no session {session_id!r} here: register under another id")
     if refused == "owner":
         raise _not_owner(session_id)
     if refused.startswith("namespace:"):

@@ -78,6 +78,7 @@ _MONITOR_IDS = itertools.count()
 # value would keep every watched model (and its hooks) alive forever.
 MONITORS: weakref.WeakKeyDictionary[Any, weakref.ref[Monitor]] = weakref.WeakKeyDictionary()
 REPLACED_EVERY = 64  # gradient collections between looks for replaced parameters
+PROBED = 4  # parameters whose version counters tell that an update was applied
 
 
 Shapes = tuple[list[tuple[int, ...]], tuple[int, ...]]  # a module's input and output shapes
@@ -246,7 +247,10 @@ class Monitor:
         self._backward_queued = False
         self._optimizer = optimizer
         self._urgent = any(r.urgent for r in rules)
-        self._updated = False  # the optimizer ended a step since the last monitor.step()
+        # the optimizer ended a step and no training pass ran since: a loss given now is
+        # that step's (see record_loss)
+        self._updated = False
+        self._probe: list[tuple[Any, int]] = []  # (parameter, its version) at the backward
         self.skipped_steps = 0
         self._module_checks = False  # some forward/backward hook records stats
         self._said_compiled = False
@@ -433,8 +437,13 @@ class Monitor:
         self._native = frozenset((torch.float32, torch.bfloat16, torch.float16))
         self._ignore_pass = False
         self._input_slot: Slot | None = None
-        if not self._module_checks:
-            return
+        if self._module_checks:
+            self._plan_input_slot()
+        # always: a training pass is where a step begins (see record_loss)
+        hook = self._guarded("model input hook", self._on_model_input)
+        self._handles.append(self.model.register_forward_pre_hook(hook))
+
+    def _plan_input_slot(self) -> None:
         batch_rules = frozenset(
             r.name
             for r in self.rules
@@ -445,11 +454,13 @@ class Monitor:
         if batch_rules:
             parks = any(r.parks for r in self.rules if r.name in batch_rules)
             self._input_slot = self._new_slot("", "input", batch_rules, retain=parks)
-        hook = self._guarded("model input hook", self._on_model_input)
-        self._handles.append(self.model.register_forward_pre_hook(hook))
 
     def _on_model_input(self, module: Any, inputs: tuple[Any, ...]) -> None:
         self._pass += 1  # a claim holds for one pass: a module may return one tensor each step
+        if self._grad_enabled():
+            self._updated = False  # a training pass: the next step has begun (see record_loss)
+        if not self._module_checks:
+            return
         self._aside = _in_transform()  # the module hooks do nothing in this pass
         if self._aside:
             return
@@ -733,6 +744,7 @@ class Monitor:
 
     def _on_backward_end(self) -> None:
         self._backward_queued = False
+        self._updated = False  # a backward after the update: the next step has begun
         self._current.grads_done = True
         self._collect_grads()
 
@@ -747,6 +759,9 @@ class Monitor:
         for _, keys, norms in self._grad_norms(grads):
             entries.append(Entry("grads", norms, keys=keys))
         self._current.entries = entries
+        if self._optimizer is None:  # to tell, at a skip, whether an update came since
+            present = (p for g, (_, p) in zip(grads, self._params, strict=True) if g is not None)
+            self._probe = [(p, p._version) for p in itertools.islice(present, PROBED)]
 
     def _check_shape(self, name: str, rule: Rule, contract: checks.ShapeContract, out: Any) -> None:
         key = (rule.name, name)
@@ -769,9 +784,16 @@ class Monitor:
 
     # ------------------------------------------------------------------ step boundary
     def record_loss(self, loss: Any) -> None:
-        """Check this step's loss (when the optimizer hook ends steps, call this before it)."""
+        """Check this step's loss: the step being trained, or, with ``optimizer=`` after
+        ``optimizer.step()`` and before the next pass, the step that update ended."""
         if not self.enabled:
             return
+        if self._updated:
+            self._late_loss(loss)
+        else:
+            self._put_loss(loss)
+
+    def _put_loss(self, loss: Any) -> None:
         import torch
 
         try:
@@ -806,8 +828,7 @@ class Monitor:
             if self._handles_steps():
                 self._end_step(loss, frame)
             elif loss is not None:
-                self._late_loss(loss) if self._updated else self.record_loss(loss)
-            self._updated = False
+                self.record_loss(loss)
         watchdog.boundary(self.step_count, frame)
         shim.take_break(frame)  # `breakpod send ID break`: one flag check per step
 
@@ -816,7 +837,7 @@ class Monitor:
 
     def _end_step(self, loss: Any, frame: FrameType | None = None) -> None:
         if loss is not None:
-            self.record_loss(loss)
+            self._put_loss(loss)
         if not self._current.grads_done and self._params:
             self._collect_grads()  # no backward ran through the model's output hook
         done, self._current = self._current, self._record(self.step_count + 1)
@@ -863,7 +884,7 @@ class Monitor:
         Its update is applied already, so it waits for the next read (no extra one).
         """
         late, self._current = self._current, StepRecord(self.step_count - 1, partial=True)
-        self.record_loss(loss)
+        self._put_loss(loss)
         self._current, record = late, self._current
         if not record.entries:  # no value to check (an empty or a wrongly typed loss)
             return
@@ -874,6 +895,13 @@ class Monitor:
     def _apply_skip(self, step: int) -> None:
         """Drop this step's update: no gradient, so the optimizer's step changes nothing."""
         if not self._ctx.take_skip(step):
+            return
+        if any(p._version != version for p, version in self._probe):
+            announce(
+                f"step {step}: update not skipped: optimizer.step() ran before monitor.step(), "
+                "so it was applied before the verdict (call monitor.step(loss) before "
+                "optimizer.step(), or pass watch(optimizer=...))"
+            )
             return
         params = _optimizer_params(self._optimizer) or list(self.model.parameters())
         for p in params:
