@@ -276,7 +276,7 @@ def test_a_job_that_ends_as_the_broker_returns_still_shows_finished(start_broker
     broker.start()  # same port, same Redis
     assert child.wait() == 3, child.stderr
     session = wait_until(lambda: registered(broker, "on-return"), timeout=20)
-    assert (session["state"], session["reason"]) == ("finished", "finished (exit 3)")
+    assert (session["state"], session["reason"]) == ("failed", "exit 3")
     assert "did not get" not in child.stderr
 
 

@@ -1,6 +1,7 @@
 """Sessions end with what happened: exit status, SIGTERM while parked, late events,
-and command long-polls that end cleanly when the broker shuts down. ``finished``
-is final: no stale event or heartbeat reopens a session."""
+and command long-polls that end cleanly when the broker shuts down. ``finished``,
+``failed`` and ``killed`` are final: no stale event or heartbeat reopens a session,
+and the first word on how the process ended is kept."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from tests.broker.test_flow import SCRIPT, agent_env, kinds, only_session
-from tests.brokerkit import AGENT, post_events, register, wait_until
+from tests.brokerkit import AGENT, VIEWER, post_events, register, wait_until
 from tests.conftest import PdbClient
 
 EXITS_3 = """
@@ -23,22 +24,22 @@ EXITS_3 = """
 """
 
 
-def test_sigterm_while_parked_is_recorded_as_finished_signal_15(broker, spawn):
+def test_sigterm_while_parked_is_recorded_as_killed_by_signal_15(broker, spawn):
     child = spawn(SCRIPT, env=agent_env(broker), stdin="closed")
     child.park_port()
     session = wait_until(lambda: only_session(broker, "parked"), timeout=20)
     child.proc.send_signal(signal.SIGTERM)
     assert child.wait() == -signal.SIGTERM  # it still dies of the signal (143 in a shell)
-    finished = wait_until(lambda: only_session(broker, "finished"), timeout=20)
-    assert finished["id"] == session["id"]
-    assert finished["reason"] == "finished (signal 15)"
+    killed = wait_until(lambda: only_session(broker, "killed"), timeout=20)
+    assert killed["id"] == session["id"]
+    assert killed["reason"] == "signal 15 (SIGTERM)"
 
 
-def test_an_exit_status_is_recorded(broker, spawn):
+def test_a_non_zero_exit_status_is_recorded_as_failed(broker, spawn):
     child = spawn(EXITS_3, env=agent_env(broker), stdin="closed")
     assert child.wait() == 3, child.stderr
-    finished = wait_until(lambda: only_session(broker, "finished"), timeout=20)
-    assert finished["reason"] == "finished (exit 3)"
+    failed = wait_until(lambda: only_session(broker, "failed"), timeout=20)
+    assert failed["reason"] == "exit 3"
 
 
 def test_a_program_s_own_sigterm_handler_is_left_alone(broker, spawn):
@@ -57,8 +58,8 @@ def test_a_program_s_own_sigterm_handler_is_left_alone(broker, spawn):
     wait_until(lambda: only_session(broker), timeout=20)
     child.proc.send_signal(signal.SIGTERM)
     assert child.wait() == 7
-    finished = wait_until(lambda: only_session(broker, "finished"), timeout=20)
-    assert finished["reason"] == "finished (exit 7)"
+    failed = wait_until(lambda: only_session(broker, "failed"), timeout=20)
+    assert failed["reason"] == "exit 7"
 
 
 def test_a_late_final_event_still_closes_a_session_that_read_as_lost(start_broker):
@@ -68,8 +69,8 @@ def test_a_late_final_event_still_closes_a_session_that_read_as_lost(start_broke
     wait_until(lambda: only_session(broker, "lost"), timeout=10)
     late = {"id": "f", "session": "s1", "kind": "finished", "fields": {"signal": 15}}
     assert post_events(broker, late).status_code == 200
-    assert only_session(broker)["state"] == "finished"
-    assert only_session(broker)["reason"] == "finished (signal 15)"
+    assert only_session(broker)["state"] == "killed"
+    assert only_session(broker)["reason"] == "signal 15 (SIGTERM)"
 
 
 def test_a_command_long_poll_ends_with_503_when_the_broker_shuts_down(start_broker):
@@ -117,8 +118,8 @@ def test_a_stale_event_after_finished_never_reopens_the_session(broker):
         reply = post_events(broker, {"id": f"late{n}", "session": "s1", **stale})
         assert reply.status_code == 200 and reply.json()["accepted"] == 1, reply.text  # stored
         session = only_session(broker)
-        assert session["state"] == "finished", (stale, session)
-        assert session["reason"] == "finished (signal 15)", (stale, session)
+        assert session["state"] == "killed", (stale, session)
+        assert session["reason"] == "signal 15 (SIGTERM)", (stale, session)
         assert session.get("address") is None, (stale, session)
     assert kinds(broker, "s1").count("parked") == 1  # the history keeps them all
 
@@ -131,8 +132,34 @@ def test_a_later_final_event_still_tells_how_it_ended(broker):
     assert only_session(broker)["reason"] == "hold expired"
     post_events(broker, {"id": "r", "session": "s1", "kind": "resumed"})
     post_events(broker, {"id": "x", "session": "s1", "kind": "finished", "fields": {"exit": 3}})
-    assert only_session(broker)["state"] == "finished"
-    assert only_session(broker)["reason"] == "finished (exit 3)"
+    assert only_session(broker)["state"] == "failed"
+    assert only_session(broker)["reason"] == "exit 3"
+
+
+def test_the_first_exit_status_settles_how_a_session_ended(broker):
+    """A rank fails (exit 1); its launcher then sends it SIGTERM while it exits, and the
+    agent reports that too. The first status is the cause: the session stays failed."""
+    register(broker, "s1")
+    failed = {"id": "a", "session": "s1", "kind": "finished", "fields": {"exit": 1}}
+    echo = {"id": "b", "session": "s1", "kind": "finished", "fields": {"signal": 15}}
+    assert post_events(broker, failed, echo).json()["accepted"] == 2
+    session = only_session(broker)
+    assert (session["state"], session["reason"]) == ("failed", "exit 1")
+    post_events(broker, {"id": "c", "session": "s1", "kind": "killed", "fields": {"exit": 137}})
+    assert (only_session(broker)["state"], only_session(broker)["reason"]) == ("failed", "exit 1")
+    assert kinds(broker, "s1") == ["finished", "finished", "killed"]  # all kept as history
+
+
+def test_a_clean_exit_is_finished_and_a_runtime_kill_is_killed_with_its_reason(broker):
+    register(broker, "ok")
+    register(broker, "oom")
+    post_events(broker, {"id": "f", "session": "ok", "kind": "finished", "fields": {"exit": 0}})
+    oom = {"reason": "OOMKilled", "exit": 137, "source": "docker"}
+    post_events(broker, {"id": "k", "session": "oom", "kind": "killed", "fields": oom})
+    with broker.client(VIEWER) as c:
+        found = {s["id"]: s for s in c.get("/v1/sessions").json()["sessions"]}
+    assert (found["ok"]["state"], found["ok"]["reason"]) == ("finished", "exit 0")
+    assert (found["oom"]["state"], found["oom"]["reason"]) == ("killed", "OOMKilled (exit 137)")
 
 
 def test_finished_stays_final_within_one_batch(broker):
@@ -144,8 +171,8 @@ def test_finished_stays_final_within_one_batch(broker):
         {"id": "l", "session": "s1", "kind": "listening", "fields": {"address": "0.0.0.0:1"}},
     ]
     assert post_events(broker, *batch).json()["accepted"] == 4
-    assert only_session(broker)["state"] == "finished"
-    assert only_session(broker)["reason"] == "finished (exit 3)"
+    assert only_session(broker)["state"] == "failed"
+    assert only_session(broker)["reason"] == "exit 3"
     assert only_session(broker)["address"] is None
 
 
@@ -156,14 +183,14 @@ def test_a_stale_heartbeat_after_finished_keeps_it_finished(broker):
     with broker.client(AGENT) as c:
         reply = c.post("/v1/sessions/s1/heartbeat", json={"state": "running", "reason": "again"})
     assert reply.status_code == 200, reply.text
-    assert reply.json()["state"] == "finished" and reply.json()["reason"] == "finished (exit 0)"
+    assert reply.json()["state"] == "finished" and reply.json()["reason"] == "exit 0"
     session = only_session(broker)
-    assert session["state"] == "finished" and session["reason"] == "finished (exit 0)"
+    assert session["state"] == "finished" and session["reason"] == "exit 0"
     assert session["last_seen"] >= before  # the heartbeat itself still counts
 
 
 def test_a_heartbeat_still_changes_the_state_of_a_live_session(broker):
-    """The other side of the rule: only ``finished`` is sticky."""
+    """The other side of the rule: only the final states are sticky."""
     register(broker, "s1")
     with broker.client(AGENT) as c:
         reply = c.post("/v1/sessions/s1/heartbeat", json={"state": "stalled", "reason": "slow"})
@@ -206,7 +233,7 @@ def test_events_queued_during_an_outage_arrive_late_and_close_the_session(
 
     go.touch()
     assert child.wait() == 3
-    finished = wait_until(lambda: only_session(broker, "finished"), timeout=20)
-    assert finished["reason"] == "finished (exit 3)"
+    failed = wait_until(lambda: only_session(broker, "failed"), timeout=20)
+    assert failed["reason"] == "exit 3"
     post_events(broker, {"id": "stale", "session": session["id"], "kind": "parked"})
-    assert only_session(broker)["state"] == "finished"
+    assert only_session(broker)["state"] == "failed"

@@ -33,10 +33,13 @@ EventKind = Literal[
     "command",
     "ci_failure",
     "log",
+    "lost",
+    "killed",
 ]
 EVENT_KINDS: Final = frozenset(get_args(EventKind))
-# What the broker itself records (an agent's "command" events would be forged).
-AGENT_EVENT_KINDS: Final = EVENT_KINDS - {"command"}
+# What the broker itself records (an agent's would be forged): a command's delivery,
+# a session whose heartbeats stopped, a runtime's word that the process was killed.
+AGENT_EVENT_KINDS: Final = EVENT_KINDS - {"command", "lost", "killed"}
 # Anything else an agent wants to say travels as this kind.
 FALLBACK_KIND: Final = "log"
 # Routed to notifiers unless a notifier names its own kinds.
@@ -54,16 +57,28 @@ RESUMED: Final = "resumed"
 FINISHED: Final = "finished"
 WAITING: Final = "waiting"  # a kind and the state it moves to
 CI_FAILURE: Final = "ci_failure"
+# The broker's own: heartbeats stopped (pushed once per death, deaths.py); the runtime
+# (Docker engine, Kubernetes) says the process was killed, and why (fields: reason, exit).
+LOST_KIND: Final = "lost"
+KILLED: Final = "killed"
 # Kinds whose fields announce the listener: {"address": HOST:PORT, "backend": listener}.
 LISTENER_KINDS: Final = frozenset({"parked", "listening"})
 
-State = Literal["running", "parked", "waiting", "attached", "stalled", "finished"]
+State = Literal[
+    "running", "parked", "waiting", "attached", "stalled", "finished", "failed", "killed"
+]
 STATES: Final = get_args(State)
 LOST: Final = "lost"  # not stored: a session whose heartbeat expired reads as lost
 LOST_REASON: Final = "no heartbeat"  # a lost session's reason, also not stored
 Lost = Literal["lost"]
 INITIAL_STATE: Final = "running"  # a session's state until an event says otherwise
-FINAL_STATE: Final = "finished"  # never reads as lost, and takes no more commands
+# How a session ends: exit 0, a non-zero exit, a signal or the runtime's kill (OOM,
+# eviction). Final states never read as lost and take no more commands; the first
+# final event that says how the process ended settles it (see final_state).
+FINAL_STATE: Final = "finished"
+FAILED: Final = "failed"
+KILLED_STATE: Final = "killed"
+FINAL_STATES: Final = frozenset({FINAL_STATE, FAILED, KILLED_STATE})
 STATE_OF_KIND: Final[dict[str, str]] = {
     "parked": "parked",
     "waiting": "waiting",  # paused because another rank of its job is parked
@@ -71,24 +86,55 @@ STATE_OF_KIND: Final[dict[str, str]] = {
     "detached": "parked",  # the process keeps waiting for the next client
     "resumed": "running",
     "stall": "stalled",
-    "finished": "finished",
+    "finished": "finished",  # or failed / killed: final_state() reads its fields
+    "killed": "killed",
 }
 
 # The flight recorder's dump rides under this field (anomaly, stall and dump-flight events).
 FLIGHT_FIELD: Final = "flight"
+
+# A park's fields: until when (unix seconds) the process waits for a debugger (absent:
+# for ever); an attached event's: the debugger client's address.
+HOLD_UNTIL_FIELD: Final = "hold_until"
+CLIENT_FIELD: Final = "client"
 
 # The final event's fields say how the process ended: {"exit": N} or {"signal": N}.
 EXIT_FIELD: Final = "exit"
 SIGNAL_FIELD: Final = "signal"
 
 
-def finished_reason(fields: dict[str, Any]) -> str | None:
-    """``finished (signal N)`` / ``finished (exit N)`` for a final event, else None."""
-    for name in (SIGNAL_FIELD, EXIT_FIELD):
-        value = fields.get(name)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return f"finished ({name} {value})"
-    return None
+SIGNAL_NAMES: Final = {1: "SIGHUP", 2: "SIGINT", 6: "SIGABRT", 9: "SIGKILL", 15: "SIGTERM"}
+
+
+def _status(fields: dict[str, Any], name: str) -> int | None:
+    value = fields.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def final_state(kind: str, fields: dict[str, Any]) -> tuple[str, str, bool] | None:
+    """(state, reason, settled) for an event that ends a session, else None.
+
+    ``finished`` with ``{"exit": 0}`` -> finished; a non-zero exit -> failed;
+    ``{"signal": N}`` or a ``killed`` event (the runtime's word: OOMKilled,
+    Evicted) -> killed. ``settled``: the event says how the process ended, and
+    the first such word is kept: a job whose rank fails (exit 1) is then sent
+    SIGTERM by its launcher while it exits, and that later signal is an echo, not
+    the cause. A final event that does not say (an expired hold's ``finished``)
+    leaves room for the one that does."""
+    if STATE_OF_KIND.get(kind) not in FINAL_STATES:
+        return None
+    said = str(fields.get("reason") or fields.get("why") or "")
+    signal, code = _status(fields, SIGNAL_FIELD), _status(fields, EXIT_FIELD)
+    if kind == KILLED:
+        how = said or (f"exit {code}" if code is not None else "killed")
+        if code is not None and f"exit {code}" not in how:
+            how += f" (exit {code})"
+        return KILLED_STATE, how, True
+    if signal is not None:
+        return KILLED_STATE, f"signal {signal} ({SIGNAL_NAMES.get(signal, 'signal')})", True
+    if code is not None:
+        return (FINAL_STATE if code == 0 else FAILED), f"exit {code}", True
+    return FINAL_STATE, said, False
 
 
 # -- commands -----------------------------------------------------------------

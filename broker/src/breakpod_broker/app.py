@@ -42,6 +42,7 @@ from breakpod_broker import (
     sessions,
 )
 from breakpod_broker.context import Broker
+from breakpod_broker.deaths import Deaths
 from breakpod_broker.events import _decode
 from breakpod_broker.fanout import EventFanout, within
 from breakpod_broker.fastpath import (
@@ -167,6 +168,9 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
         )
         # a job-wide command's new entries read once for all the polls it wakes
         wakeups.read_job = functools.partial(joblog.after, broker)
+        deaths = Deaths(broker)  # every replica sweeps; one records each death
+        stack.push_async_callback(deaths.close)
+        deaths.start()
         yield broker
 
 

@@ -51,7 +51,7 @@ LIVE_CHECK_CHUNK = 100  # a job's sessions read per round trip looking for a liv
 async def send(session_id: SessionId, body: CommandIn, who: Admin, broker: BrokerDep) -> Command:
     """Queue a command for the session's agent (admin only)."""
     session = await visible(broker, who, session_id)
-    if session.state == protocol.FINAL_STATE:
+    if session.state in protocol.FINAL_STATES:
         raise HTTPException(
             409, f"session {session_id!r} has finished: nobody will receive {body.command!r}"
         )
@@ -103,7 +103,7 @@ async def _has_live_session(broker: Broker, job: str, namespace: str | None) -> 
                 pipe.exists(keys.alive(session_id))
             replies = await pipe.execute()
         for (ns, state), alive in zip(replies[::2], replies[1::2], strict=True):
-            if alive and (ns or None) == namespace and state != protocol.FINAL_STATE:
+            if alive and (ns or None) == namespace and state not in protocol.FINAL_STATES:
                 return True
         if len(ids) < LIVE_CHECK_CHUNK:
             return False
@@ -216,7 +216,10 @@ async def _take_when_queued(
 
 async def _touch(broker: Broker, session_id: str) -> None:
     """A poll keeps its session alive, as a heartbeat does."""
-    await broker.redis.set(keys.alive(session_id), "1", ex=broker.alive_ttl())
+    async with broker.redis.pipeline(transaction=False) as pipe:
+        pipe.set(keys.alive(session_id), "1", ex=broker.alive_ttl())
+        pipe.zadd(keys.DEADLINES, {session_id: time.time() + broker.alive_ttl()})
+        await pipe.execute()
 
 
 async def _take(broker: Broker, session_id: str, touch: bool) -> list[str]:
@@ -224,9 +227,10 @@ async def _take(broker: Broker, session_id: str, touch: bool) -> list[str]:
     to the right end of ``delivered`` (which so stays oldest first); ``touch``: in
     the same round trip, keep the session alive (see _touch)."""
     src, dst = keys.commands(session_id), keys.delivered(session_id)
-    async with broker.redis.pipeline(transaction=False) as pipe:  # one slot: the session's
+    async with broker.redis.pipeline(transaction=False) as pipe:  # and the deadlines (deaths.py)
         if touch:
             pipe.set(keys.alive(session_id), "1", ex=broker.alive_ttl())
+            pipe.zadd(keys.DEADLINES, {session_id: time.time() + broker.alive_ttl()})
         pipe.lmove(src, dst, "RIGHT", "RIGHT")
         first = (await pipe.execute())[-1]
     if first is None:

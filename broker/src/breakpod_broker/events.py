@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from breakpod import protocol
 from breakpod.protocol import EventKind
-from breakpod_broker import fanout, keys, scripts, sharded
+from breakpod_broker import fanout, keys, scripts, sharded, stalls
 from breakpod_broker.auth import Agent, Credentials, Viewer, recheck
 from breakpod_broker.context import Broker, BrokerDep
 from breakpod_broker.limits import (
@@ -157,6 +157,7 @@ async def ingest(
             cursors[i] = cursor or None
     accepted = [{**d, "cursor": c} for d, c in zip(docs, cursors, strict=True) if c is not None]
     broker.metrics.ingested(accepted, duplicates=len(events) - len(accepted))
+    await stalls.blame(broker, accepted, sessions)
     await broker.notifiers.enqueue(accepted, sessions)
     return IngestResult(
         accepted=len(accepted), duplicates=len(events) - len(accepted), cursors=cursors
@@ -214,25 +215,59 @@ def _session_lua_args(
 
 
 def _changes(events: list[EventIn], indexes: list[int]) -> list[Any]:
-    """Per event that changes its session: its place in the call, state, reason, listener."""
+    """Per event that changes its session: its place in the call, state, reason,
+    listener address and backend, and "1" when it settles how the session ended."""
     changes: list[Any] = []
     for n, i in enumerate(indexes, start=1):
         event = events[i]
         state = protocol.STATE_OF_KIND.get(event.kind, "")
         address, backend = _listener(event)
-        if state or address:
+        settled = ""
+        if ended := protocol.final_state(event.kind, event.fields):
+            state, reason, settles = ended
+            settled = "1" if settles else ""
+        else:
             reason = _reason(event) if state else ""
-            changes += [n, state, reason[:2000], address, backend]
+        if state or address:
+            changes += [n, state, reason[:2000], address, backend, settled, _extras(event)]
     return changes
 
 
+def _extras(event: EventIn) -> str:
+    """JSON of the session fields that hold while the event's state does."""
+    fields, extras = event.fields, {}
+    hold = fields.get(protocol.HOLD_UNTIL_FIELD)
+    if isinstance(hold, (int, float)) and not isinstance(hold, bool) and 0 < hold < 1e11:
+        extras["hold_until"] = repr(float(hold))
+    seconds = fields.get("seconds")
+    if event.kind == protocol.STALL and isinstance(seconds, (int, float)) and seconds >= 0:
+        extras["since"] = repr((event.time or time.time()) - float(seconds))  # the last step
+    client = fields.get(protocol.CLIENT_FIELD)
+    if event.kind == protocol.ATTACHED and isinstance(client, str) and client:
+        extras["attached_by"] = client[:200]
+    return json.dumps(extras)
+
+
 def _reason(event: EventIn) -> str:
-    """The session's new reason: how it ended for a final event, else what it says."""
+    """The session's new reason: what the event says (a rank's stall: where it is)."""
     fields = event.fields
-    final = protocol.STATE_OF_KIND.get(event.kind) == protocol.FINAL_STATE
-    if final and (ended := protocol.finished_reason(fields)):
-        return ended
-    return str(fields.get("reason") or fields.get("why") or "")
+    said = str(fields.get("reason") or fields.get("why") or "")
+    if said or event.kind != protocol.STALL:
+        return said
+    return stall_reason(fields)
+
+
+def stall_reason(fields: dict[str, Any]) -> str:
+    """A stall event's reason, from what it says: how long, where, doing what."""
+    seconds = fields.get("seconds")
+    parts = [f"no step for {seconds}s" if isinstance(seconds, (int, float)) else "no step"]
+    if isinstance(fields.get("step"), int):
+        parts.append(f"at step {fields['step']}")
+    if fields.get("frame"):
+        parts.append(f"in {fields['frame']}")
+    if fields.get("state"):
+        parts.append(f"({fields['state']})")
+    return " ".join(parts)
 
 
 def _dumps(doc: dict[str, Any], index: int) -> str:

@@ -18,6 +18,12 @@ PREFIX = "breakpod:"
 # job_sessions below are the same index narrowed to one namespace or one job.
 SESSIONS = PREFIX + "sessions"
 
+# Sorted set: session id -> unix seconds at which its alive key expires (each beat,
+# poll and registration moves it on). Swept by every replica (deaths.py): an entry
+# past its deadline is claimed by exactly one replica, which records the death. No
+# TTL; an entry leaves when claimed.
+DEADLINES = PREFIX + "deadlines"
+
 # Stream of every event, trimmed to settings.global_stream_maxlen (MAXLEN ~).
 EVENTS = PREFIX + "events"
 

@@ -258,7 +258,7 @@ async def _count_in_redis(broker: Broker, scope: Scope, ids: list[str]) -> dict[
     reply = await broker.scripts.count(
         keys=[*map(keys.session, ids), *map(keys.alive, ids)],
         args=[
-            *(len(ids), protocol.FINAL_STATE, protocol.LOST, protocol.INITIAL_STATE),
+            *(len(ids), ",".join(protocol.FINAL_STATES), protocol.LOST, protocol.INITIAL_STATE),
             "" if scope.namespace is None else f"={scope.namespace}",
             "" if scope.job is None else f"={scope.job}",
             *(("*",) if scope.visible is None else scope.visible),
@@ -278,7 +278,7 @@ async def _count_here(broker: Broker, scope: Scope, ids: list[str]) -> dict[str,
     for (state, namespace, job, owner), alive in zip(replies[::2], replies[1::2], strict=True):
         if owner is None or not _in_scope(scope, namespace, job):
             continue  # expired (pruned when listed), or another namespace's
-        if not alive and state != protocol.FINAL_STATE:
+        if not alive and state not in protocol.FINAL_STATES:
             state = protocol.LOST
         state = state or protocol.INITIAL_STATE
         counts[state] = counts.get(state, 0) + 1

@@ -85,6 +85,14 @@ class SessionOut(SessionIn):
     updated: float
     last_seen: float
     owner: str = Field(description="id of the token that registered the session")
+    since: float | None = Field(None, description="unix seconds: when the state began")
+    hold_until: float | None = Field(
+        None, description="parked: unix seconds until which it waits for a debugger"
+    )
+    attached_by: str | None = Field(None, description="attached: the debugger client's address")
+    culprit: str | None = Field(
+        None, description="stalled: the rank(s) the job waits for, where, from the job's report"
+    )
 
 
 class LiveSession(SessionOut):

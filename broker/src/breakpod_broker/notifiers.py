@@ -357,11 +357,11 @@ def current(
     ``stall``, ...) for a session already finished, before this batch or earlier
     in it. The ingest script keeps such a session finished; a notification would
     invite someone to attach to a process that is gone."""
-    ended = {sid for sid, s in sessions.items() if s.state == protocol.FINAL_STATE}
+    ended = {sid for sid, s in sessions.items() if s.state in protocol.FINAL_STATES}
     kept = []
     for event in events:
         state = protocol.STATE_OF_KIND.get(event["kind"])
-        if state == protocol.FINAL_STATE:
+        if state in protocol.FINAL_STATES:
             ended.add(event["session"])
         elif state is not None and event["session"] in ended:
             continue

@@ -17,23 +17,51 @@ from redis.exceptions import NoScriptError
 
 from breakpod import protocol
 
-# The final state is sticky: once a session reads finished, no later non-final
-# event or heartbeat (a stale one, delivered after an outage) reopens it.
-_FINAL = f"local final = '{protocol.FINAL_STATE}'\n"
+# Final states are sticky: once a session reads finished, failed or killed, no later
+# non-final event or heartbeat (a stale one, delivered after an outage) reopens it.
+# The first final event that says how the process ended (an exit status, a signal,
+# the runtime's reason) settles it (the hash's "settled" field): later final words
+# are stored as events but change nothing (protocol.final_state says why).
+_FINAL = (
+    "local finals = {"
+    + ", ".join(f"['{state}'] = true" for state in sorted(protocol.FINAL_STATES))
+    + "}\n"
+)
+
+
+# Session fields that hold while its state does: a park's deadline, who is attached,
+# a stall's culprit (stalls.py), since when (set on each change of state).
+STATE_EXTRAS = ("hold_until", "attached_by", "culprit", "since")
+_EXTRAS = ", ".join(f"'{name}'" for name in STATE_EXTRAS)
 
 
 def _state_changes(session_hash: str, first: str) -> str:
     """Lua: apply the state changes from ARGV[first] on (index, state, reason, address,
-    listener) for events that were stored; ``finished`` stays finished (see above)."""
+    listener, settles, extras) for events that were stored; final stays final (see
+    above). ``extras``: JSON of the fields that hold while the state does (a park's
+    hold deadline, who is attached); a change to another state drops the old ones."""
     return f"""
 local live = redis.call('EXISTS', {session_hash}) == 1
-local ended = live and redis.call('HGET', {session_hash}, 'state') == final
-for b = {first}, #ARGV - 1, 5 do
+local ended = live and finals[redis.call('HGET', {session_hash}, 'state')] == true
+local settled = live and redis.call('HEXISTS', {session_hash}, 'settled') == 1
+for b = {first}, #ARGV - 1, 7 do
   if live and out[tonumber(ARGV[b])] ~= '' then
     local state = ARGV[b + 1]
-    if state ~= '' and (not ended or state == final) then
+    if state ~= '' and not settled and (not ended or finals[state]) then
+      if redis.call('HGET', {session_hash}, 'state') ~= state then
+        redis.call('HDEL', {session_hash}, {_EXTRAS})
+        local t = redis.call('TIME')
+        redis.call('HSET', {session_hash}, 'since', t[1] .. '.' .. string.format('%06d', t[2]))
+      end
       redis.call('HSET', {session_hash}, 'state', state, 'reason', ARGV[b + 2])
-      ended = state == final
+      for k, v in pairs(cjson.decode(ARGV[b + 6])) do
+        redis.call('HSET', {session_hash}, k, tostring(v))
+      end
+      ended = finals[state] == true
+      if ARGV[b + 5] ~= '' then
+        redis.call('HSET', {session_hash}, 'settled', '1')
+        settled = true
+      end
     end
     if ARGV[b + 3] ~= '' and not ended then
       redis.call('HSET', {session_hash}, 'address', ARGV[b + 3], 'listener', ARGV[b + 4])
@@ -62,6 +90,7 @@ end
 local n = tonumber(ARGV[7])
 redis.call('HSETNX', KEYS[1], 'created', ARGV[3])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1])
+redis.call('HDEL', KEYS[1], 'settled')  -- a registration starts the session's life anew
 if n > 0 then redis.call('HDEL', KEYS[1], unpack(ARGV, 8, 7 + n)) end
 if #ARGV > 7 + n then redis.call('HSET', KEYS[1], unpack(ARGV, 8 + n)) end
 redis.call('EXPIRE', KEYS[1], ARGV[4])
@@ -71,10 +100,11 @@ for i = 3, #KEYS do redis.call('ZADD', KEYS[i], created, ARGV[6]) end
 return '+' .. created
 """
 
-# KEYS: session hash, alive key. ARGV: token id, now, retention, heartbeat ttl,
+# KEYS: session hash, alive key, and (but with Redis Cluster) the deadlines
+# (keys.DEADLINES). ARGV: token id, now, retention, heartbeat ttl, session id,
 # then field/value pairs to set. The whole heartbeat, O(1): returns {'missing'},
 # {'owner', namespace} (another token's session: nothing written), or {'ok',
-# then the hash's field/value pairs as written}. A finished session keeps its
+# then the hash's field/value pairs as written}. An ended session keeps its
 # state and reason.
 HEARTBEAT_LUA = (
     _FINAL
@@ -82,9 +112,9 @@ HEARTBEAT_LUA = (
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner then return {'missing'} end
 if owner ~= ARGV[1] then return {'owner', redis.call('HGET', KEYS[1], 'namespace') or ''} end
-local ended = redis.call('HGET', KEYS[1], 'state') == final
+local ended = finals[redis.call('HGET', KEYS[1], 'state')] == true
 local fields = {'last_seen', ARGV[2]}
-for i = 5, #ARGV - 1, 2 do
+for i = 6, #ARGV - 1, 2 do
   if not (ended and (ARGV[i] == 'state' or ARGV[i] == 'reason')) then
     table.insert(fields, ARGV[i])
     table.insert(fields, ARGV[i + 1])
@@ -93,6 +123,7 @@ end
 redis.call('HSET', KEYS[1], unpack(fields))
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 redis.call('SET', KEYS[2], '1', 'EX', ARGV[4])
+if KEYS[3] then redis.call('ZADD', KEYS[3], tonumber(ARGV[2]) + tonumber(ARGV[4]), ARGV[5]) end
 local out = redis.call('HGETALL', KEYS[1])
 table.insert(out, 1, 'ok')
 return out
@@ -114,8 +145,8 @@ return 0
 #       address, listener. Returns the cursors joined by "," ("" = duplicate):
 #       one bulk reply and two arguments per event keep redis-py's share small.
 # A session hash that expired meanwhile is not recreated (without TTL or owner).
-# A finished session's address no longer changes, and its state and reason only
-# by another final event (the exit status after an earlier final word).
+# An ended session's address no longer changes, and its state and reason only by
+# a final event that settles it after an earlier final word that did not.
 INGEST_LUA = (
     _FINAL
     + """
@@ -193,14 +224,16 @@ return 0
 """
 
 
-# KEYS: n session hashes, then their n alive keys. ARGV: n, final state, lost,
+# KEYS: n session hashes, then their n alive keys. ARGV: n, final states (joined
+# by ","), lost,
 # initial state, namespace filter ('' none, else '=' .. namespace), job filter
 # (the same), then the visible namespaces ('*' alone: all). Counts the sessions
 # the filters select per state (lost when the alive key is gone and not final),
 # in Redis: the broker parses one short reply per chunk, not two per session.
 COUNT_LUA = """
 local n = tonumber(ARGV[1])
-local final, lost, initial = ARGV[2], ARGV[3], ARGV[4]
+local finals, lost, initial = {}, ARGV[3], ARGV[4]
+for state in string.gmatch(ARGV[2], '[^,]+') do finals[state] = true end
 local ns_f, job_f = ARGV[5], ARGV[6]
 local visible = nil
 if ARGV[7] ~= '*' then
@@ -215,7 +248,7 @@ for i = 1, n do
     if (not visible or visible[ns]) and (ns_f == '' or ns_f == '=' .. ns)
         and (job_f == '' or job_f == '=' .. (f[3] or '')) then
       local state = f[1] or initial
-      if state ~= final and redis.call('EXISTS', KEYS[n + i]) == 0 then state = lost end
+      if not finals[state] and redis.call('EXISTS', KEYS[n + i]) == 0 then state = lost end
       counts[state] = (counts[state] or 0) + 1
     end
   end

@@ -55,6 +55,7 @@ async def register(
     )
     if not refused.startswith("+"):
         await _refuse_registration(broker, who, session_id, refused)
+    await broker.redis.zadd(keys.DEADLINES, {session_id: now + broker.alive_ttl()})
     if broker.cluster:  # the indexes live in other slots: added after the script
         await sharded.add_to_indexes(broker.redis, session_id, float(refused[1:]), indexes)
     if job_stream is not None and job_cursor is not None:  # none of the job's earlier commands
@@ -76,13 +77,20 @@ async def heartbeat(
 async def beat(broker: Broker, who: Principal, session_id: str, body: Heartbeat) -> list[str]:
     """The heartbeat script's reply: written when ``ok``, else nothing written."""
     s = broker.settings
+    now, ttl = time.time(), broker.alive_ttl()
     reply: list[str] = await broker.scripts.heartbeat(
-        keys=[keys.session(session_id), keys.alive(session_id)],
+        keys=[
+            keys.session(session_id),
+            keys.alive(session_id),
+            *([] if broker.cluster else [keys.DEADLINES]),
+        ],
         args=[
-            *(who.token_id, time.time(), s.retention_seconds, broker.alive_ttl()),
+            *(who.token_id, now, s.retention_seconds, ttl, session_id),
             *(x for pair in _strings(body).items() for x in pair),
         ],
     )
+    if broker.cluster and reply[0] == "ok":  # another slot: after the script
+        await broker.redis.zadd(keys.DEADLINES, {session_id: now + ttl})
     return reply
 
 
@@ -229,9 +237,10 @@ async def read_many(
 def _decode(session_id: str, fields: dict[str, str], alive: int) -> SessionOut | None:
     if not fields:
         return None
-    if not alive and fields.get("state") != protocol.FINAL_STATE:
+    if not alive and fields.get("state") not in protocol.FINAL_STATES:
+        was = fields.get("state") or protocol.INITIAL_STATE
         fields["state"] = protocol.LOST
-        fields["reason"] = protocol.LOST_REASON
+        fields["reason"] = f"{protocol.LOST_REASON} (was {was})"
     data = {**fields, "id": session_id}
     try:
         return SessionOut.model_validate(data)

@@ -55,7 +55,7 @@ class BrokerSettings(BaseSettings):
     max_batch: int = Field(default=1000, ge=1, le=10_000)
     global_stream_maxlen: int = Field(default=100_000, ge=100)
     session_stream_maxlen: int = Field(default=10_000, ge=10)
-    heartbeat_ttl_seconds: int = Field(default=60, ge=1)
+    heartbeat_ttl_seconds: int = Field(default=30, ge=1)
     # beats per second all sessions together aim at: beyond 15 s x this many
     # sessions, agents are asked to beat less often (and liveness scales with it)
     heartbeat_rate: float = Field(default=200.0, gt=0)
@@ -98,8 +98,9 @@ HELP: dict[str, str] = {
     "max_batch": "most events in one batch an agent posts (more: 413)",
     "global_stream_maxlen": "events kept in the global stream (`XADD MAXLEN ~`)",
     "session_stream_maxlen": "events kept per session",
-    "heartbeat_ttl_seconds": "a session silent this long shows `lost` (reason: no heartbeat), "
-    "with agents beating every 15 s; scaled with the interval when it grows",
+    "heartbeat_ttl_seconds": "a session silent this long shows `lost` (reason: no heartbeat) "
+    "and a `lost` event is recorded within a second; with agents beating every 15 s, two "
+    "missed beats; scaled with the interval when it grows",
     "heartbeat_rate": "heartbeats per second all sessions together aim at: with more than "
     "15 s x this many sessions, agents are asked to beat less often (`heartbeat_seconds`)",
     "retention_seconds": "how long a silent session (and its stream) is kept",

@@ -16,6 +16,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from types import FrameType, TracebackType
 
 from breakpod import protocol
@@ -66,7 +67,12 @@ class RemoteSession:
         self._client = sock
         self.io.attach(sock)
         self.io.write(f"breakpod: attached to pid {os.getpid()}: {self.reason}\n")
-        events.emit(protocol.ATTACHED, address=self.listener.address, reason=self.reason)
+        events.emit(
+            protocol.ATTACHED,
+            address=self.listener.address,
+            reason=self.reason,
+            **{protocol.CLIENT_FIELD: _peer(sock)},
+        )
         return True
 
     @property
@@ -81,7 +87,13 @@ class RemoteSession:
         self.io.close()
         self.listener.release(self._client)
         self._client = None
-        events.emit(protocol.DETACHED, address=self.listener.address, why=why)
+        until = hold_until(self.hold_seconds)  # a detached process waits again, as long
+        events.emit(
+            protocol.DETACHED,
+            address=self.listener.address,
+            why=why,
+            **({protocol.HOLD_UNTIL_FIELD: until} if until is not None else {}),
+        )
 
     def _hold(self, held: bool) -> None:
         if held != self._holding:
@@ -220,3 +232,17 @@ def _interact(
         debugger.interaction(frame, tb)
     finally:
         session.end(farewell)
+
+
+def hold_until(hold_seconds: float) -> float | None:
+    """When a park that starts now stops waiting (unix seconds); None: it waits for ever."""
+    return None if hold_seconds == float("inf") else time.time() + hold_seconds
+
+
+def _peer(sock: socket.socket) -> str:
+    """The debugger client's address, as the listener sees it ("" when unknown)."""
+    try:
+        host, port = sock.getpeername()[:2]
+    except (OSError, ValueError):
+        return ""
+    return f"{host}:{port}"
