@@ -73,6 +73,7 @@ AGENT_LAYERS = (
             "breakpod._integrations.pytest_plugin",
             "breakpod._integrations.autostart",
             "breakpod._integrations.jupyter",
+            "breakpod._integrations.autowatch",
         ),
         # exporters: the monitors' stats and anomalies into TensorBoard / MLflow
         *(
@@ -138,7 +139,7 @@ AGENT_LAYERS = (
             "breakpod._job.collectives",
             "breakpod._job.stall_report",
         ),
-        *("breakpod._job.pause", "breakpod._job.timeouts"),
+        *("breakpod._job.pause", "breakpod._job.timeouts", "breakpod._job.optimizer_steps"),
         independent=False,
     ),
     # park/resume, remote pdb, listeners

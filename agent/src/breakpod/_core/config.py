@@ -117,6 +117,22 @@ FEATURE_ENV: dict[str, tuple[str, str, str]] = {
         "seconds without a step before a stall is reported",
         "many-ranks.md",
     ),
+    "BREAKPOD_AUTO_STEPS": (
+        "on in debug mode",
+        "`0`: an optimizer's step is no step boundary (stalls and job-wide breaks then need "
+        "`breakpod.step()`)",
+        "frameworks.md",
+    ),
+    "BREAKPOD_AUTO_WATCH": (
+        "on in debug mode",
+        "`0`: the model is not found and watched for anomalies without code",
+        "frameworks.md",
+    ),
+    "BREAKPOD_RULES": (
+        "unset",
+        "a YAML rules file for the model debug mode watches with no code",
+        "frameworks.md",
+    ),
     "BREAKPOD_JOB": (
         "torchrun's run id, the pod's or script's name",
         "the job a session belongs to",

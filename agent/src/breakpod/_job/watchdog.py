@@ -44,7 +44,7 @@ from breakpod._core.errors import ConfigError
 from breakpod._debug import shim
 from breakpod._debug.remote_pdb import inspect_remote
 from breakpod._job import board as job
-from breakpod._job import collectives, stall_report
+from breakpod._job import collectives, stall_report, thread_stacks
 from breakpod._job import pause as job_pause
 from breakpod._job import timeouts as job_timeouts
 
@@ -78,6 +78,7 @@ class Watchdog:
         self.action = action
         self.step: int | None = None
         self.last_beat = time.monotonic()
+        self.alive_at = 0.0  # the model's last forward with no step since (an evaluation)
         self.stalls = 0
         self.durations: collections.deque[float] | None = (
             collections.deque(maxlen=512) if adaptive else None
@@ -159,7 +160,8 @@ class Watchdog:
         if self.pause is not None:
             self._tick_pause(self.pause)
         overdue = self._collective_overdue()
-        silent = time.monotonic() - max(self.last_beat, self.pause.over_at if self.pause else 0)
+        quiet_since = max(self.last_beat, self.alive_at)  # forwards: evaluating, not stalled
+        silent = time.monotonic() - max(quiet_since, self.pause.over_at if self.pause else 0)
         if overdue is not None and not self._stalled:
             self._collective_timeout(overdue)
         elif silent > self.current_timeout() and not self._stalled and not self._held():
@@ -596,14 +598,9 @@ def heartbeat(step: int | None = None) -> None:
 
 
 def format_stacks() -> str:
-    """Every thread's Python stack, named, innermost call last."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    blocks = []
-    for ident, frame in sys._current_frames().items():
-        if names.get(ident) == "breakpod-watchdog":
-            continue
-        blocks.append(f'Thread "{names.get(ident, ident)}":\n{stall_report.stack_of(frame)}')
-    return "\n".join(blocks)
+    """Every thread's Python stack, innermost call last: the user's threads first,
+    breakpod's own folded into one last line (``breakpod stacks --pid`` prints the same)."""
+    return thread_stacks.format_threads(thread_stacks.current())
 
 
 def _inspect(frame: FrameType, step: int | None) -> None:

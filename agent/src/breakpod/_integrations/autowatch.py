@@ -1,0 +1,243 @@
+"""Debug mode with no code: the model is found and watched; the optimizer's steps are steps.
+
+Installed by :mod:`breakpod._integrations.autostart` once ``import torch`` is done,
+in debug mode (``ENABLE_REMOTE_DEBUG=1``) only:
+
+* **Finding the model.** A global forward pre-hook notes every module that runs
+  until the first optimizer step. At that step (a global step pre-hook) the
+  outermost modules that ran and hold parameters are the models; the global
+  forward hook is removed then, and costs nothing more. A wrapper
+  (DistributedDataParallel, Lightning's) is looked through to the model it wraps,
+  so modules keep the names the user gave them.
+* **Anomalies** (``BREAKPOD_AUTO_WATCH``): each model an optimizer steps is
+  ``watch()``-ed with the default rules, a non-finite value parking
+  (``BREAKPOD_RULES=rules.yaml`` adds or replaces rules). Its step ends *before
+  the update*: at the optimizer's pre-hook, or, for an optimizer stepped with a
+  closure (Lightning: forward and backward run inside ``step()``), when the
+  closure returns. A park there sees the previous step's weights, with the
+  model, the optimizer and the framework's frames reachable (``up``).
+* **Step boundaries** (``BREAKPOD_AUTO_STEPS``): :mod:`breakpod._job.optimizer_steps`;
+  a forward pre-hook on each model (and its direct children: a LightningModule's
+  own ``forward`` may never run) tells the stall watchdog the job is alive while
+  it evaluates.
+
+Every failure here is said once; training goes on.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from breakpod._core.announce import announce
+from breakpod._core.config import env_flag
+from breakpod._core.errors import AnomalyError
+from breakpod._job import optimizer_steps
+from breakpod._monitor import optimizers
+from breakpod._monitor.monitor import Monitor, monitor_of, watch
+
+AUTO_WATCH_ENV = "BREAKPOD_AUTO_WATCH"
+AUTO_STEPS_ENV = "BREAKPOD_AUTO_STEPS"
+RULES_ENV = "BREAKPOD_RULES"
+# debug mode's default: a non-finite value parks before the update (the other defaults log)
+PARK_ON_NONFINITE = {"name": "nonfinite", "check": "nonfinite", "action": ["log", "event", "break"]}
+WRAPPERS = {  # class name -> the attribute holding the model it wraps
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "_LightningModuleWrapperBase": "_forward_module",
+    "OptimizedModule": "_orig_mod",
+}
+
+_ran: dict[int, Any] = {}  # modules that ran a forward before the first optimizer step
+_handles: list[Any] = []
+_forward_handle: Any = None
+_roots: list[weakref.ref[Any]] | None = None  # the outermost modules that ran
+_adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers looked at
+_monitors: dict[int, Monitor] = {}  # id(model) -> its monitor
+_auto_optimizer: dict[int, Any] = {}  # id(monitor) -> the optimizer whose steps end its steps
+_wanted = {"watch": False, "steps": False}
+_failed: set[str] = set()
+
+
+def install() -> None:
+    """Register the global hooks (torch is imported); nothing when both are switched off."""
+    _wanted["watch"] = env_flag(AUTO_WATCH_ENV, True)
+    _wanted["steps"] = env_flag(AUTO_STEPS_ENV, True)
+    if not any(_wanted.values()) or _handles:
+        return
+    from torch.nn.modules.module import register_module_forward_pre_hook
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    global _forward_handle
+    _forward_handle = register_module_forward_pre_hook(_note)
+    _handles.append(register_optimizer_step_pre_hook(_before_step))
+    if _wanted["steps"]:
+        optimizer_steps.install()
+
+
+def remove() -> None:
+    """Every hook off (tests; a job never needs it)."""
+    global _forward_handle, _roots
+    for handle in _handles:
+        handle.remove()
+    _handles.clear()
+    if _forward_handle is not None:
+        _forward_handle.remove()
+        _forward_handle = None
+    for monitor in _monitors.values():
+        monitor.close()
+    _monitors.clear()
+    _auto_optimizer.clear()
+    _ran.clear()
+    _roots = None
+    _adopted.clear()
+    optimizer_steps.remove()
+
+
+def monitors() -> list[Monitor]:
+    return list(_monitors.values())
+
+
+def _note(module: Any, args: Any) -> None:
+    _ran[id(module)] = module
+
+
+def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Global step pre-hook: a new optimizer finds its models; a watched one's step ends.
+    With a closure (forward and backward run inside ``step()``), both happen after it."""
+    try:
+        closure = kwargs.get("closure", args[0] if args else None)
+        if optimizer not in _adopted:  # its monitors start now: their first step is the next
+            if callable(closure):
+                return _with_closure(args, kwargs, _then(closure, lambda _: _adopt(optimizer)))
+            _adopt(optimizer)
+            return None
+        watched = [m for m in _monitors.values() if _auto_optimizer.get(id(m)) is optimizer]
+        if not watched:
+            return None
+        if callable(closure):
+            return _with_closure(args, kwargs, _then(closure, lambda x: _end_steps(watched, x)))
+        _end_steps(watched, None)
+    except AnomalyError:
+        raise  # a `stop` rule: training was asked to stop
+    except Exception as e:
+        _fail("finding the model", e)
+    return None
+
+
+def _adopt(optimizer: Any) -> None:
+    """The models this optimizer steps: found once some module ran (else looked for again
+    at its next step)."""
+    global _roots
+    if _roots is None:
+        found = outermost(_ran.values())
+        if not found:
+            return
+        _roots = [weakref.ref(m) for m in found]
+        _stop_noting()
+    _adopted.add(optimizer)
+    held = {id(p) for p in optimizers.params_of(optimizer)}
+    ran = [r() for r in _roots]
+    for model in [m for m in ran if m is not None and _holds(m, held)]:
+        _keep_alive(model)
+        inner = unwrap(model)
+        if _wanted["watch"] and id(inner) not in _monitors and monitor_of(inner) is None:
+            _watch(inner, optimizer)  # a model the program watches itself is left to it
+
+
+def _stop_noting() -> None:
+    global _forward_handle
+    if _forward_handle is not None:
+        _forward_handle.remove()
+        _forward_handle = None
+    _ran.clear()
+
+
+def outermost(modules: Iterable[Any]) -> list[Any]:
+    """The modules with parameters that no other one of them contains."""
+    holding = [m for m in modules if next(iter(m.parameters()), None) is not None]
+    inside = {id(c) for m in holding for c in m.modules() if c is not m}
+    return [m for m in holding if id(m) not in inside]
+
+
+def unwrap(model: Any) -> Any:
+    for _ in range(4):
+        inner = getattr(model, WRAPPERS.get(type(model).__name__, ""), None)
+        if inner is None:
+            return model
+        model = inner
+    return model
+
+
+def _holds(model: Any, held: set[int]) -> bool:
+    return any(id(p) in held for p in model.parameters())
+
+
+def _keep_alive(model: Any) -> None:
+    """Forwards (an evaluation too) keep the stall clock from counting silence."""
+    if not _wanted["steps"]:
+        return
+    for module in [model, *unwrap(model).children()]:
+        _handles.append(module.register_forward_pre_hook(_alive))
+
+
+def _alive(module: Any, args: Any) -> None:
+    optimizer_steps.alive()
+
+
+def _watch(model: Any, optimizer: Any) -> None:
+    rules = os.environ.get(RULES_ENV, "").strip()
+    config = {"rules": [PARK_ON_NONFINITE]}
+    try:
+        monitor = watch(model, rules or None, config=config)
+    except Exception as e:  # an unreadable or wrong BREAKPOD_RULES: the defaults watch
+        announce(f"{RULES_ENV}={rules}: {e}; the model is watched with the default rules")
+        monitor = watch(model, config=config)
+    _auto_optimizer[id(monitor)] = optimizer
+    # watched from the optimizer's second step: numbered as the optimizer's steps
+    monitor.step_count = monitor._current.step = 1
+    _monitors[id(model)] = monitor
+    names = type(model).__name__
+    announce(f"debug mode: watching {names} for anomalies; they park before the update")
+
+
+def _end_steps(watched: list[Monitor], loss: Any) -> None:
+    """Before the update: each watched model's step ends (a park happens here)."""
+    loss = loss if callable(getattr(loss, "detach", None)) else None  # a closure's tensor
+    for monitor in watched:
+        monitor.step(loss)
+
+
+def _then(closure: Callable[[], Any], after: Callable[[Any], None]) -> Callable[[], Any]:
+    """The closure, then ``after(its loss)``: a failure there is said once."""
+
+    def closure_then() -> Any:
+        loss = closure()
+        try:
+            after(loss)
+        except AnomalyError:
+            raise
+        except Exception as e:
+            _fail("the step's end", e)
+        return loss
+
+    return closure_then
+
+
+def _with_closure(
+    args: tuple[Any, ...], kwargs: dict[str, Any], closure: Callable[[], Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": closure}
+    return (closure, *args[1:]), kwargs
+
+
+def _fail(where: str, error: Exception) -> None:
+    if where not in _failed:
+        _failed.add(where)
+        announce(f"debug mode: {where} failed ({type(error).__name__}: {error}); training goes on")
+
+
+__all__ = ["install", "monitors", "outermost", "remove", "unwrap"]
