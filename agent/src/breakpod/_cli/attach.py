@@ -14,9 +14,11 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TextIO
 
 from breakpod import protocol
+from breakpod._core import net
 from breakpod._core.config import LISTENER_TOKEN_ENV, token_value
 from breakpod._core.errors import AttachError
 from breakpod._debug.listener import REFUSED, TOKEN_PROMPT
@@ -43,23 +45,65 @@ def attach(
     token: str | None = None,
     out: TextIO = sys.stdout,
     read_line: Callable[[str], str] = input,
-    remote_root: str = ".",
+    remote_root: str | None = None,
 ) -> None:
     """Run an interactive session until the remote side closes or EOF is typed.
-    A debugpy listener gets its launch.json printed and an :class:`AttachError`."""
+    A debugpy listener gets its launch.json printed and an :class:`AttachError`;
+    its ``remoteRoot`` is ``remote_root``, else the listener's working directory
+    when it runs on this machine (:func:`listener_cwd`), else ``.``."""
     sock = connect(host, port)
     with sock:
         first = _first_words(sock, host, port)
         if first.startswith(DAP_HEADER):
             _hear_out(sock, first)
-            out.write(vscode_launch(host, port, remote_root, "${workspaceFolder}") + "\n")
-            raise AttachError(
-                f"{host}:{port} is a debugpy (DAP) listener, not a remote pdb: open the "
-                "launch.json above in VS Code (or any DAP client), or run the job with "
-                "BREAKPOD_BACKEND=pdb to attach from a terminal"
-            )
+            root = remote_root or listener_cwd(host, port) or "."
+            out.write(vscode_launch(host, port, root, "${workspaceFolder}") + "\n")
+            raise AttachError(dap_listener_message(f"{host}:{port}"))
         with _history():
             _session(sock, first, token, out, read_line)
+
+
+def dap_listener_message(where: str) -> str:
+    """Why attach stops at a debugpy listener (exit 2, by address or by session)."""
+    return (
+        f"{where} is a debugpy (DAP) listener, not a remote pdb: open the "
+        "launch.json above in VS Code (or any DAP client), or run the job with "
+        "BREAKPOD_BACKEND=pdb to attach from a terminal"
+    )
+
+
+def listener_cwd(host: str, port: int) -> str | None:
+    """The working directory of the debugpy adapter listening on loopback ``port`` of
+    this machine (attach by address inside the job's container, or on its host): the
+    job's own, which the adapter inherits. None when the listener is not a debugpy
+    process visible here (a ``kubectl port-forward``'s port is kubectl's)."""
+    if not net.is_loopback(host):
+        return None
+    inode = _listening_inode(port)
+    for proc in Path("/proc").iterdir() if inode else ():
+        try:
+            if f"socket:[{inode}]" not in {os.readlink(fd) for fd in (proc / "fd").iterdir()}:
+                continue
+            if b"debugpy" not in (proc / "cmdline").read_bytes():
+                return None
+            return os.readlink(proc / "cwd")
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _listening_inode(port: int) -> str | None:
+    """The socket inode of the TCP listener on ``port`` (Linux's /proc/net tables)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # LISTEN
+                return fields[9]
+    return None
 
 
 def _first_words(sock: socket.socket, host: str, port: int) -> bytes:

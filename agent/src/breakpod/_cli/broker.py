@@ -83,7 +83,7 @@ def run_flight(args: argparse.Namespace) -> int:
     broker = client(args)
     for session in job_sessions(broker.sessions(), args.target):
         print(_heading(session), flush=True)
-        live = session["state"] not in (protocol.LOST, *protocol.FINAL_STATES)
+        live = session["state"] not in (protocol.LOST, protocol.FINAL_STATE)
         answer = _ask(broker, session, protocol.DUMP_FLIGHT, args.timeout) if live else None
         if answer is None and live:
             print(_no_answer(args.timeout), flush=True)
@@ -119,7 +119,7 @@ def job_sessions(sessions: list[dict[str, Any]], target: str) -> list[dict[str, 
     live = [
         s
         for s in sessions
-        if s.get("job") == target and s["state"] not in (protocol.LOST, *protocol.FINAL_STATES)
+        if s.get("job") == target and s["state"] not in (protocol.LOST, protocol.FINAL_STATE)
     ]
     if not live:
         jobs = sorted({s["job"] for s in sessions if s.get("job")})
@@ -153,7 +153,7 @@ def _no_answer(timeout: float) -> str:
 def _session_row(s: dict[str, Any]) -> list[str]:
     where = f"{s['namespace']}/{s['pod']}" if s.get("pod") and s.get("namespace") else s.get("host")
     rank = "-" if s.get("rank") is None else f"{s['rank']}/{s.get('world_size') or '?'}"
-    reason = incident(s)[:100]
+    reason = (s.get("reason") or "")[:60]
     return [
         s["id"],
         s.get("job") or "-",
@@ -165,30 +165,8 @@ def _session_row(s: dict[str, Any]) -> list[str]:
     ]
 
 
-def incident(s: dict[str, Any], now: float | None = None) -> str:
-    """The REASON column: what the dashboard's job card says of the session. A stall
-    names the culprit rank(s) the job waits for, where, and for how long; a park its
-    reason and how long it still holds; an attached session who is attached."""
-    now = time.time() if now is None else now
-    state, reason = s.get("state"), s.get("reason") or ""
-    since = s.get("since")
-    if state == protocol.STATE_OF_KIND[protocol.STALL] and s.get("culprit"):
-        reason = f"culprit {s['culprit']}"
-    if state == protocol.STATE_OF_KIND[protocol.STALL] and isinstance(since, (int, float)):
-        reason += f"; for {_age(since, now)}"
-    hold = s.get("hold_until")
-    if state == protocol.STATE_OF_KIND[protocol.PARKED] and isinstance(hold, (int, float)):
-        reason += f"; holds {_duration(max(0, int(hold - now)))} more"
-    if state == protocol.STATE_OF_KIND[protocol.ATTACHED] and s.get("attached_by"):
-        reason += f"; attached: {s['attached_by']}"
-    return reason.lstrip("; ")
-
-
-def _age(since: float, now: float | None = None) -> str:
-    return _duration(max(0, int((time.time() if now is None else now) - since)))
-
-
-def _duration(seconds: int) -> str:
+def _age(since: float) -> str:
+    seconds = max(0, int(time.time() - since))
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds // size}{unit}"
@@ -205,7 +183,10 @@ def _table(rows: list[list[str]]) -> str:
 def run_events(args: argparse.Namespace) -> int:
     broker = client(args)
     found: Iterator[dict[str, Any]]
-    if args.follow:
+    job = getattr(args, "job", None)
+    if job:
+        found = job_events(broker, job, args)
+    elif args.follow:
         found = (event for _, event in broker.event_stream(session=args.session, kind=args.kind))
     else:
         found = iter(broker.events(limit=args.limit, session=args.session, kind=args.kind))
@@ -213,6 +194,37 @@ def run_events(args: argparse.Namespace) -> int:
     for event in found:
         print(show(event), flush=True)
     return 0
+
+
+def job_events(
+    broker: BrokerClient, job: str, args: argparse.Namespace
+) -> Iterator[dict[str, Any]]:
+    """``events --job JOB``: the events of every session (rank) of the job, oldest first,
+    the last ``--limit`` of them together; with ``--follow``, new ones as they come
+    (a session that joins the job later is picked up at its first event)."""
+    ids = {s["id"] for s in broker.sessions(job=job) if s.get("job") == job}
+    if not ids and not args.follow:
+        raise BrokerError(f"no session of job {job!r} at the broker (see breakpod sessions)")
+    if args.follow:
+        return _follow_job(broker, job, ids, args.kind)
+    found = [
+        e for s in sorted(ids) for e in broker.events(limit=args.limit, session=s, kind=args.kind)
+    ]
+    found.sort(key=lambda e: (e.get("time", 0), e.get("cursor") or ""))
+    return iter(found[-args.limit :])
+
+
+def _follow_job(
+    broker: BrokerClient, job: str, ids: set[str], kind: list[str] | None
+) -> Iterator[dict[str, Any]]:
+    others: set[str] = set()  # sessions seen that are not the job's
+    for _, event in broker.event_stream(kind=kind):
+        session = str(event.get("session"))
+        if session not in ids and session not in others:
+            ids |= {s["id"] for s in broker.sessions(job=job) if s.get("job") == job}
+            others |= {session} - ids
+        if session in ids:
+            yield event
 
 
 def format_event(event: dict[str, Any]) -> str:
@@ -294,8 +306,30 @@ def rank_session(sessions: list[dict[str, Any]], job: str, rank: int) -> str:
     for s in ranks:
         if s.get("rank") == rank:
             return str(s["id"])
-    known = ", ".join(str(s.get("rank")) for s in ranks)
+    ranked = sorted(s["rank"] for s in ranks if s.get("rank") is not None)
+    if not ranked:
+        ids = ", ".join(s["id"] for s in ranks)
+        raise BrokerError(
+            f"job {job!r} has no ranks (its processes set no RANK): attach without --rank, "
+            f"by the job or by session id ({ids})"
+        )
+    known = ", ".join(map(str, ranked))
     raise BrokerError(f"job {job!r} has no rank {rank}; its ranks: {known}")
+
+
+def resolve_attach_target(sessions: list[dict[str, Any]], target: str) -> str:
+    """The session to attach to for ``target``: a session id, or a job of one live
+    process; a job of several names its ranks (``--rank N``)."""
+    if any(s["id"] == target for s in sessions):
+        return target
+    live = job_sessions(sessions, target)  # says which jobs exist when there is none
+    if len(live) == 1:
+        return str(live[0]["id"])
+    ranks = ", ".join(str(s.get("rank", "-")) for s in live)
+    raise AttachError(
+        f"job {target!r} has {len(live)} live processes (ranks {ranks}): "
+        f"pick one with --rank N, or attach by session id"
+    )
 
 
 def attach_session(args: argparse.Namespace) -> int:
@@ -303,30 +337,34 @@ def attach_session(args: argparse.Namespace) -> int:
     from breakpod._cli import attach
 
     broker = client(args)
-    target = args.target
+    sessions = broker.sessions()
     if getattr(args, "rank", None) is not None:
-        target = rank_session(broker.sessions(), args.target, args.rank)
+        target = rank_session(sessions, args.target, args.rank)
+    else:
+        target = resolve_attach_target(sessions, args.target)
     info = broker.attach_info(target, _free_port())
     _check_attachable(target, info)
     host, port = net.parse_address(info["connect"])
+    remote_root = args.remote_root or info.get("cwd") or "."
     if args.vscode or info["listener"] == protocol.DAP_LISTENER:
-        remote_root = args.remote_root or info.get("cwd") or "."
         launch = protocol.vscode_launch(
             target, host, port, local_root=args.local_root, remote_root=remote_root
         )
         if info.get("port_forward"):
             print(f"// first run: {info['port_forward']}", file=sys.stderr)
         print(json.dumps(launch, indent=2))
+        if not args.vscode:  # as by address: a debugpy listener is no terminal's (exit 2)
+            raise AttachError(attach.dap_listener_message(f"session {target}"))
         return 0
     forward = info.get("port_forward")
     with PortForward(port_forward_argv(info), port) if forward else contextlib.nullcontext():
-        attach.attach(host, port, token=args.listener_token, remote_root=args.remote_root or ".")
+        attach.attach(host, port, token=args.listener_token, remote_root=remote_root)
     return 0
 
 
 def _check_attachable(target: str, info: dict[str, Any]) -> None:
     """A finished or lost session has nothing listening: say so, exit non-zero."""
-    if info.get("state") in (protocol.LOST, *protocol.FINAL_STATES):
+    if info.get("state") in (protocol.FINAL_STATE, protocol.LOST):
         raise AttachError(
             f"session {target} is {info['state']}: nothing listens any more "
             "(`breakpod sessions` lists the live ones)"

@@ -104,7 +104,8 @@ def run_attach(args: argparse.Namespace) -> int:
 
         return attach_session(args)
     host, port = net.parse_address(args.target)
-    remote_root = args.remote_root or "."  # HOST:PORT alone does not say the job's directory
+    # the job's directory: the debugpy listener's own on this machine, else .
+    remote_root = args.remote_root or attach.listener_cwd(host, port) or "."
     if args.vscode:
         print(attach.vscode_launch(host, port, remote_root, args.local_root))
         return 0
@@ -194,6 +195,7 @@ def add_events(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = commands.add_parser("events", help="show (or --follow) events from the broker")
     p.add_argument("--follow", "-f", action="store_true", help="stream new events until Ctrl-C")
     p.add_argument("--session", help="only this session's events")
+    p.add_argument("--job", help="only the events of this job's sessions (every rank)")
     p.add_argument("--kind", action="append", help="only this kind (repeatable)")
     p.add_argument("--limit", type=int, default=50, help="how many recent events (default 50)")
     shown = p.add_mutually_exclusive_group()
