@@ -83,7 +83,7 @@ def run_flight(args: argparse.Namespace) -> int:
     broker = client(args)
     for session in job_sessions(broker.sessions(), args.target):
         print(_heading(session), flush=True)
-        live = session["state"] not in (protocol.LOST, protocol.FINAL_STATE)
+        live = session["state"] not in (protocol.LOST, *protocol.FINAL_STATES)
         answer = _ask(broker, session, protocol.DUMP_FLIGHT, args.timeout) if live else None
         if answer is None and live:
             print(_no_answer(args.timeout), flush=True)
@@ -119,7 +119,7 @@ def job_sessions(sessions: list[dict[str, Any]], target: str) -> list[dict[str, 
     live = [
         s
         for s in sessions
-        if s.get("job") == target and s["state"] not in (protocol.LOST, protocol.FINAL_STATE)
+        if s.get("job") == target and s["state"] not in (protocol.LOST, *protocol.FINAL_STATES)
     ]
     if not live:
         jobs = sorted({s["job"] for s in sessions if s.get("job")})
@@ -153,7 +153,7 @@ def _no_answer(timeout: float) -> str:
 def _session_row(s: dict[str, Any]) -> list[str]:
     where = f"{s['namespace']}/{s['pod']}" if s.get("pod") and s.get("namespace") else s.get("host")
     rank = "-" if s.get("rank") is None else f"{s['rank']}/{s.get('world_size') or '?'}"
-    reason = (s.get("reason") or "")[:60]
+    reason = incident(s)[:100]
     return [
         s["id"],
         s.get("job") or "-",
@@ -165,8 +165,30 @@ def _session_row(s: dict[str, Any]) -> list[str]:
     ]
 
 
-def _age(since: float) -> str:
-    seconds = max(0, int(time.time() - since))
+def incident(s: dict[str, Any], now: float | None = None) -> str:
+    """The REASON column: what the dashboard's job card says of the session. A stall
+    names the culprit rank(s) the job waits for, where, and for how long; a park its
+    reason and how long it still holds; an attached session who is attached."""
+    now = time.time() if now is None else now
+    state, reason = s.get("state"), s.get("reason") or ""
+    since = s.get("since")
+    if state == protocol.STATE_OF_KIND[protocol.STALL] and s.get("culprit"):
+        reason = f"culprit {s['culprit']}"
+    if state == protocol.STATE_OF_KIND[protocol.STALL] and isinstance(since, (int, float)):
+        reason += f"; for {_age(since, now)}"
+    hold = s.get("hold_until")
+    if state == protocol.STATE_OF_KIND[protocol.PARKED] and isinstance(hold, (int, float)):
+        reason += f"; holds {_duration(max(0, int(hold - now)))} more"
+    if state == protocol.STATE_OF_KIND[protocol.ATTACHED] and s.get("attached_by"):
+        reason += f"; attached: {s['attached_by']}"
+    return reason.lstrip("; ")
+
+
+def _age(since: float, now: float | None = None) -> str:
+    return _duration(max(0, int((time.time() if now is None else now) - since)))
+
+
+def _duration(seconds: int) -> str:
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if seconds >= size:
             return f"{seconds // size}{unit}"
@@ -364,7 +386,7 @@ def attach_session(args: argparse.Namespace) -> int:
 
 def _check_attachable(target: str, info: dict[str, Any]) -> None:
     """A finished or lost session has nothing listening: say so, exit non-zero."""
-    if info.get("state") in (protocol.FINAL_STATE, protocol.LOST):
+    if info.get("state") in (protocol.LOST, *protocol.FINAL_STATES):
         raise AttachError(
             f"session {target} is {info['state']}: nothing listens any more "
             "(`breakpod sessions` lists the live ones)"

@@ -78,6 +78,7 @@ class Watchdog:
         self.action = action
         self.step: int | None = None
         self.last_beat = time.monotonic()
+        self.alive_at = 0.0  # the model's last forward with no step since (an evaluation)
         self.stalls = 0
         self.durations: collections.deque[float] | None = (
             collections.deque(maxlen=512) if adaptive else None
@@ -159,7 +160,8 @@ class Watchdog:
         if self.pause is not None:
             self._tick_pause(self.pause)
         overdue = self._collective_overdue()
-        silent = time.monotonic() - max(self.last_beat, self.pause.over_at if self.pause else 0)
+        quiet_since = max(self.last_beat, self.alive_at)  # forwards: evaluating, not stalled
+        silent = time.monotonic() - max(quiet_since, self.pause.over_at if self.pause else 0)
         if overdue is not None and not self._stalled:
             self._collective_timeout(overdue)
         elif silent > self.current_timeout() and not self._stalled and not self._held():
