@@ -68,6 +68,13 @@ AGENT_LAYERS = (
             "breakpod._cli.attach",
             "breakpod._cli.doctor",
         ),
+        # stacks read from outside (py-spy), and the job report shared with the agent's
+        *(
+            "breakpod._cli.stacks",
+            "breakpod._cli.stacks_remote",
+            "breakpod._cli.stacks_report",
+            "breakpod._cli.stacks_probe",
+        ),
         *(
             "breakpod._cli.runner",
             "breakpod._integrations.pytest_plugin",
@@ -138,6 +145,7 @@ AGENT_LAYERS = (
             "breakpod._job.board",
             "breakpod._job.collectives",
             "breakpod._job.stall_report",
+            "breakpod._job.thread_stacks",
         ),
         *("breakpod._job.pause", "breakpod._job.timeouts", "breakpod._job.optimizer_steps"),
         independent=False,

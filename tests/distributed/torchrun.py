@@ -16,7 +16,9 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
 class Job:
-    def __init__(self, tmp_path: Path, nproc: int, port: int, **env: str) -> None:
+    def __init__(
+        self, tmp_path: Path, nproc: int, port: int, script: Path = JOB, **env: str
+    ) -> None:
         self.stderr_path = tmp_path / f"torchrun-{port}.err"
         clean = {
             k: v
@@ -25,7 +27,7 @@ class Job:
         }
         clean.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **env)
         cmd = [str(TORCHRUN), f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1"]
-        cmd += [f"--master-port={port}", f"--rdzv-id=job-{port}", str(JOB)]
+        cmd += [f"--master-port={port}", f"--rdzv-id=job-{port}", str(script)]
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen(
                 cmd,

@@ -245,12 +245,50 @@ def add_asks(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     )
     for name, func, help_, description in asks:
         p = commands.add_parser(name, help=help_, description=description)
-        p.add_argument("target", metavar="SESSION_ID|JOB")
+        p.add_argument("target", metavar="SESSION_ID|JOB", nargs="?" if name == "stacks" else None)
         p.add_argument(
             "--timeout", type=_seconds, default=30.0, help="seconds to wait for each rank"
         )
         broker_cli.add_broker_flags(p)
         p.set_defaults(func=func)
+        if name == "stacks":
+            add_stacks_from_outside(p)
+
+
+def add_stacks_from_outside(p: argparse.ArgumentParser) -> None:
+    """``stacks --pid``, ``pod/NAME``, ``job/NAME``, ``compose:SERVICE``, ``container:ID``:
+    read with py-spy, no breakpod in the job (docs/stacks.md)."""
+    p.description = (
+        f"{p.description} Or read a job that never imported breakpod with py-spy: "
+        "--pid PID... (a launcher's PID finds its ranks), pod/NAME, job/NAME (Job, JobSet, "
+        "PyTorchJob), compose:SERVICE, container:ID."
+    )
+    p.add_argument("--pid", type=int, nargs="+", default=[], help="processes (or a launcher)")
+    p.add_argument("--native", action="store_true", help="with C/C++ frames (slower)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("-n", "--namespace", help="the pods' namespace (default: kubectl's)")
+    p.add_argument("-c", "--container", help="the container the job runs in")
+    p.add_argument("--image", help="an image with python3 and py-spy, for a debug container")
+    p.add_argument(
+        "--via",
+        choices=("auto", "exec", "debug"),
+        default="auto",
+        help="exec into the job's container, or start a debug one with --image "
+        "(auto: exec when its image has py-spy)",
+    )
+    p.set_defaults(func=run_stacks)
+
+
+def run_stacks(args: argparse.Namespace) -> int:
+    from breakpod._cli import broker as broker_cli
+    from breakpod._cli import stacks
+
+    if stacks.wanted(args):
+        return stacks.run(args)
+    if not args.target:
+        raise BreakpodError("stacks: give a SESSION_ID or JOB, --pid PID..., or pod/NAME")
+    return broker_cli.run_stacks(args)
 
 
 def add_replay(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -44,7 +44,7 @@ from breakpod._core.errors import ConfigError
 from breakpod._debug import shim
 from breakpod._debug.remote_pdb import inspect_remote
 from breakpod._job import board as job
-from breakpod._job import collectives, stall_report
+from breakpod._job import collectives, stall_report, thread_stacks
 from breakpod._job import pause as job_pause
 from breakpod._job import timeouts as job_timeouts
 
@@ -601,14 +601,9 @@ def heartbeat(step: int | None = None) -> None:
 
 
 def format_stacks() -> str:
-    """Every thread's Python stack, named, innermost call last."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    blocks = []
-    for ident, frame in sys._current_frames().items():
-        if names.get(ident) == "breakpod-watchdog":
-            continue
-        blocks.append(f'Thread "{names.get(ident, ident)}":\n{stall_report.stack_of(frame)}')
-    return "\n".join(blocks)
+    """Every thread's Python stack, innermost call last: the user's threads first,
+    breakpod's own folded into one last line (``breakpod stacks --pid`` prints the same)."""
+    return thread_stacks.format_threads(thread_stacks.current())
 
 
 def _inspect(frame: FrameType, step: int | None) -> None:
