@@ -93,7 +93,7 @@ FEATURE_ENV: dict[str, tuple[str, str, str]] = {
         "monitors.md",
     ),
     "BREAKPOD_ON_EXPIRE": (
-        "continue",
+        "skip a non-finite update, else continue",
         "an anomaly park nobody attached to: `continue`, `skip` the update, or `exit` 75",
         "monitors.md",
     ),

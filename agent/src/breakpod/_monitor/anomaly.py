@@ -6,7 +6,8 @@ user's frame that called ``opt.step()`` or ``monitor.step()``, with
 ``anomaly`` added to its locals), ``snapshot`` (``torch.save`` the offending
 tensor and stats), ``skip`` (drop this step's update, like GradScaler),
 ``stop`` (raise :class:`~breakpod._core.errors.AnomalyError`), or any callable
-taking the :class:`Anomaly`. Only ``stop`` (and ``BREAKPOD_ON_EXPIRE=exit``)
+taking the :class:`Anomaly`. ``event`` runs for every anomaly, whatever the rule
+lists (the broker and the dashboard hear of each). Only ``stop`` (and ``BREAKPOD_ON_EXPIRE=exit``)
 may end the training loop; every other failure is reported once and swallowed.
 """
 
@@ -123,7 +124,13 @@ def merge_same_tensor(found: list[Found]) -> list[tuple[Anomaly, tuple[Any, ...]
 
 
 def dispatch(anomaly: Anomaly, actions: tuple[Any, ...], ctx: ActionContext) -> None:
-    """Run each action; ``stop`` runs last so the others still happen."""
+    """Run each action; ``stop`` runs last so the others still happen.
+
+    The rule's actions add to the ``event``, never replace it: every anomaly reaches
+    the event hub (and the broker, the dashboard, the flight dump it carries), first,
+    before a park or a stop."""
+    if "event" not in actions:
+        actions = ("event", *actions)
     for action in actions:
         if action == "stop":
             continue
@@ -260,19 +267,49 @@ def library_frame(frame: FrameType) -> bool:
     return package in ("torch", "breakpod")
 
 
-def on_expire(environ: Any = None) -> str:
-    """``BREAKPOD_ON_EXPIRE``: continue (default), skip or exit; a bad value is announced."""
-    value = (os.environ if environ is None else environ).get(ON_EXPIRE_ENV, "continue")
+def on_expire(environ: Any = None) -> str | None:
+    """``BREAKPOD_ON_EXPIRE``: continue, skip or exit; None when unset (the default, see
+    :func:`expiry_policy`); a bad value is announced and taken as unset."""
+    value = (os.environ if environ is None else environ).get(ON_EXPIRE_ENV)
+    if value is None or not value.strip():
+        return None
     if value.strip().lower() in ON_EXPIRE:
         return str(value.strip().lower())
-    announce(f"{ON_EXPIRE_ENV}={value!r}: expected one of {', '.join(ON_EXPIRE)}; using continue")
-    return "continue"
+    announce(
+        f"{ON_EXPIRE_ENV}={value!r}: expected one of {', '.join(ON_EXPIRE)}; using the "
+        "default (skip a non-finite update, else continue)"
+    )
+    return None
+
+
+def expiry_policy(anomaly: Anomaly, environ: Any = None) -> str:
+    """What an expired hold does: ``BREAKPOD_ON_EXPIRE``, else skip the update of a step
+    whose values are non-finite (it would write NaN/Inf into the weights, as GradScaler
+    refuses to) and continue after any other anomaly."""
+    chosen = on_expire(environ)
+    if chosen is not None:
+        return chosen
+    return "skip" if nonfinite_values(anomaly) else "continue"
+
+
+def nonfinite_values(anomaly: Anomaly) -> bool:
+    """NaN or Inf in the values (not a finite tensor whose L2 norm overflowed)."""
+    return anomaly.check == "nonfinite" and anomaly.details.get("kind") != "overflow"
 
 
 def _expired(anomaly: Anomaly, ctx: ActionContext) -> None:
-    policy = on_expire()
+    policy = expiry_policy(anomaly)
     if policy == "skip":
         ctx.skip = anomaly.step
+        why = (
+            f"{ON_EXPIRE_ENV}=skip"
+            if on_expire() == "skip"
+            else f"its values are non-finite; {ON_EXPIRE_ENV}=continue applies it"
+        )
+        announce(
+            f"anomaly hold expired with nobody attached: step {anomaly.step}'s update will be "
+            f"skipped ({why})"
+        )
     elif policy == "exit":
         why = f"anomaly hold expired ({ON_EXPIRE_ENV}=exit): {anomaly}"
         announce(f"{why}; exiting with status {EXPIRED_STATUS}")

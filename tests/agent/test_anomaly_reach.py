@@ -1,0 +1,84 @@
+"""Every anomaly reaches the event hub whatever the rule's actions; an expired hold
+after a non-finite step skips that update unless BREAKPOD_ON_EXPIRE=continue."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import breakpod
+from breakpod import protocol
+from breakpod._core import events
+from tests.agent.nets import Net, batch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+
+# The README's example: a NaN sample at step 7, a [log, break] rule, nobody attaches.
+README_LOOP = """
+    import torch, breakpod
+    from breakpod._core import events
+
+    seen = []
+    events.add_sink(lambda e: seen.append(e))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = breakpod.watch(model, rules=[{"check": "nonfinite", "action": ["log", "break"]}])
+    for step in range(10):
+        x = torch.randn(32, 16)
+        x[3, 5] = float("nan") if step == 7 else x[3, 5]
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+        optimizer.zero_grad(); loss.backward(); monitor.step(loss)
+        optimizer.step()
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    anomalies = [e for e in seen if e.kind == "anomaly"]
+    flight = bool(anomalies) and "flight" in anomalies[0].fields
+    print("finished", finite, monitor.skipped_steps, len(anomalies), flight)
+"""
+
+
+@pytest.fixture(autouse=True)
+def _enabled(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+    torch.manual_seed(0)
+
+
+def test_a_rule_without_event_still_emits_the_anomaly_event():
+    seen: list[events.Event] = []
+    events.add_sink(seen.append)
+    sunk = []
+    try:
+        model = Net()
+        rules = [{"name": "quiet", "check": "nonfinite", "action": ["log"]}]
+        monitor = breakpod.watch(model, rules, sink=sunk.append)
+        model.poison.mode = "forward"
+        x, y = batch(0)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        monitor.step()
+        monitor.close()
+    finally:
+        events.remove_sink(seen.append)
+    (event,) = [e for e in seen if e.kind == protocol.ANOMALY]
+    assert (event.fields["rule"], event.fields["module"]) == ("quiet", "poison")
+    assert [a.rule for a in sunk] == ["quiet"]
+
+
+@pytest.mark.timeout(120)
+def test_the_readme_example_expires_skips_the_nan_update_and_sends_its_event(spawn):
+    env = {"PYTHONPATH": ROOT, "BREAKPOD_HOLD_SECONDS": "0.2"}
+    child = spawn(README_LOOP, env=env, stdin="closed")
+    assert child.wait(timeout=60) == 0, child.stderr
+    assert "finished True 1 1 True" in child.stdout(), child.stderr
+    said = "step 7's update will be skipped (its values are non-finite; BREAKPOD_ON_EXPIRE=continue"
+    assert said in child.stderr, child.stderr
+
+
+@pytest.mark.timeout(120)
+def test_on_expire_continue_keeps_applying_the_update(spawn):
+    env = {"PYTHONPATH": ROOT, "BREAKPOD_HOLD_SECONDS": "0.2", "BREAKPOD_ON_EXPIRE": "continue"}
+    child = spawn(README_LOOP, env=env, stdin="closed")
+    assert child.wait(timeout=60) == 0, child.stderr
+    assert "finished False 0 1 True" in child.stdout(), child.stderr
