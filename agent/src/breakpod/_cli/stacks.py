@@ -35,13 +35,14 @@ def wanted(args: argparse.Namespace) -> bool:
 def run(args: argparse.Namespace) -> int:
     if args.pid and args.target:
         raise StacksError("give either --pid PID... or a target, not both")
-    hosts = [(LOCAL, list(args.pid))] if args.pid else resolve(args)
+    places = [[LOCAL]] if args.pid else resolve(args)
+    pids = list(args.pid) or [1]  # in a pod or a container: from its first process
     if args.dry_run:
-        for host, pids in hosts:
-            print(shlex.join(host.argv(pids, args.native, args.timeout)))
+        print("\n".join(dry_run(places, pids, args)))
         return 0
     started = time.monotonic()
-    processes = [p for host, pids in hosts for p in read(host, pids, args.native, args.timeout)]
+    hosts = [choose(candidates) for candidates in places]
+    processes = [p for host in hosts for p in read(host, pids, args.native, args.timeout)]
     if args.json:
         print(json.dumps(report.to_json(processes), indent=2))
     else:
@@ -50,43 +51,60 @@ def run(args: argparse.Namespace) -> int:
     return 0 if any(p.threads for p in processes) else 1
 
 
-def resolve(args: argparse.Namespace) -> list[tuple[Host, list[int]]]:
-    """The hosts (pods, containers) named by the target, each with the PID to start from."""
+def dry_run(places: list[list[Host]], pids: list[int], args: argparse.Namespace) -> list[str]:
+    """Each command that would run; where two may, the check that picks one, commented."""
+    lines = []
+    for candidates in places:
+        if len(candidates) > 1:
+            lines.append(
+                f"# {candidates[0].label}: the first when its image has py-spy, else the second"
+            )
+        lines += [shlex.join(h.argv(pids, args.native, args.timeout)) for h in candidates]
+    return lines
+
+
+def choose(candidates: list[Host]) -> Host:
+    """The first place, or the debug container when the job's image has no py-spy."""
+    if len(candidates) == 1 or remote.spy_in_image(candidates[0]):
+        return candidates[0]
+    return candidates[1]
+
+
+def resolve(args: argparse.Namespace) -> list[list[Host]]:
+    """For each pod or container the target names: where to run the probe, in order."""
     kind, _, name = args.target.replace(":", "/", 1).partition("/")
     if kind == "container":
-        return [(docker_host(name, args), [1])]
+        return [docker_hosts(name, args)]
     if kind == "compose":
-        return [(docker_host(c, args), [1]) for c in remote.compose_containers(name)]
+        return [docker_hosts(c, args) for c in remote.compose_containers(name)]
     if kind == "pod":
-        return [(pod_host(name, args.container, args), [1])]
+        return [pod_hosts(name, args.container, args)]
     pods = remote.job_pods(name, args.namespace)
-    return [(pod_host(p["metadata"]["name"], first_container(p, args), args), [1]) for p in pods]
+    return [pod_hosts(p["metadata"]["name"], first_container(p, args), args) for p in pods]
 
 
 def first_container(pod: dict[str, Any], args: argparse.Namespace) -> str:
     return str(args.container or pod["spec"]["containers"][0]["name"])
 
 
-def pod_host(pod: str, container: str | None, args: argparse.Namespace) -> Host:
-    exec_host = remote.kubectl_exec(pod, args.namespace, container)
-    if args.via == "exec" or (args.via == "auto" and not args.image):
-        return exec_host
-    if container is None:
-        raise StacksError(f"pod/{pod}: an ephemeral container needs --container (its target)")
-    debug_host = remote.kubectl_debug(pod, args.namespace, container, args.image)
-    if args.via == "debug" or args.dry_run:
-        return debug_host
-    return exec_host if remote.spy_in_image(exec_host) else debug_host
+def pod_hosts(pod: str, container: str | None, args: argparse.Namespace) -> list[Host]:
+    hosts = [remote.kubectl_exec(pod, args.namespace, container)]
+    if args.via != "exec" and args.image:
+        if container is None:
+            raise StacksError(f"pod/{pod}: a debug container needs --container (its target)")
+        hosts.append(remote.kubectl_debug(pod, args.namespace, container, args.image))
+    elif args.via == "debug":
+        raise StacksError("--via debug needs --image: an image with python3 and py-spy")
+    return hosts[-1:] if args.via == "debug" else hosts
 
 
-def docker_host(container: str, args: argparse.Namespace) -> Host:
-    exec_host = remote.docker_exec(container)
-    if args.via == "exec" or (args.via == "auto" and not args.image):
-        return exec_host
-    run_host = remote.docker_run(container, args.image)
-    if args.via == "debug" or args.dry_run:
-        return run_host
-    return exec_host if remote.spy_in_image(exec_host) else run_host
+def docker_hosts(container: str, args: argparse.Namespace) -> list[Host]:
+    hosts = [remote.docker_exec(container)]
+    if args.via != "exec" and args.image:
+        hosts.append(remote.docker_run(container, args.image))
+    elif args.via == "debug":
+        raise StacksError("--via debug needs --image: an image with python3 and py-spy")
+    return hosts[-1:] if args.via == "debug" else hosts
 
 
 def read(host: Host, pids: Sequence[int], native: bool, timeout: float) -> list[report.Process]:
