@@ -1,0 +1,84 @@
+"""Two ranks under torchrun (gloo, CPU), debug mode and no breakpod line: a rank that hangs
+in its step is named the culprit, with its frame; a breakpoint() on one rank holds the
+whole job past its process group's timeout, and one `c` resumes it."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.frameworks.jobs import Torchrun, free_ports
+
+CULPRIT = r"^culprit: (.*)$"
+
+
+@pytest.fixture
+def torchrun(tmp_path: Path) -> Iterator[Any]:
+    jobs: list[Torchrun] = []
+
+    def start(name: str, **env: str) -> Torchrun:
+        jobs.append(Torchrun(tmp_path, name, 2, ENABLE_REMOTE_DEBUG="1", **env))
+        return jobs[-1]
+
+    yield start
+    for job in jobs:
+        job.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("name", ["plain", "lightning_fit"])
+def test_a_rank_hanging_in_its_step_is_named_with_its_frame(torchrun: Any, name: str) -> None:
+    """Lightning DDP gave no stall report at all: its loop never calls breakpod.step()."""
+    job = torchrun(name, HANG_RANK="1", HANG_AT="3", BREAKPOD_STALL_AFTER="5", STEPS="8")
+    job.wait_for(r"rank 1 hangs at step 3", timeout=100)
+    match, _ = job.wait_for(CULPRIT, timeout=30)
+    assert match[1].startswith("rank 1 (step "), job.stderr
+    assert re.search(r"common\.py:\d+ in user_step", match[1]), match[1]
+    assert re.search(r"^rank 0: step \d+, in collective", job.stderr, re.M), job.stderr
+
+
+def pdb_session(port: int, *commands: str, timeout: float = 30.0) -> str:
+    """Attach to a parked rank's pdb, send each command at a prompt, return the dialogue."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        seen = b""
+        for command in commands:
+            while not seen.endswith(b"(Pdb) "):
+                chunk = sock.recv(4096)
+                assert chunk, seen.decode(errors="replace")
+                seen += chunk
+            sock.sendall(command.encode() + b"\n")
+            seen += command.encode() + b"\n"
+        while chunk := sock.recv(4096):
+            seen += chunk
+    return seen.decode(errors="replace")
+
+
+@pytest.mark.slow  # a 25 s park past the plain loop's 20 s process group timeout
+@pytest.mark.timeout(200)
+def test_a_breakpoint_on_one_rank_holds_the_job_past_its_timeout_and_c_resumes_it(
+    torchrun: Any,
+) -> None:
+    base = free_ports(2)
+    job = torchrun(
+        "plain",
+        BREAK_RANK="1",
+        BREAK_AT="2",
+        PYTHONBREAKPOINT="breakpod.set_trace",
+        BREAKPOD_PORT=str(base),
+        BREAKPOD_HOLD_SECONDS="120",
+    )
+    job.wait_for(r"\[rank 1\] breakpoint\(\) at .*waiting up to", timeout=100)
+    job.wait_for(r"^breakpod: \[rank 0\] rank 1 parked at", timeout=15)
+    time.sleep(25)  # nobody attaches; the process group's own timeout (20 s) passes
+    assert job.proc.poll() is None, job.stderr
+    dialogue = pdb_session(base + 1, "p step", "c")
+    assert "\n2\n" in dialogue, dialogue
+    assert job.wait(timeout=90) == 0, job.stderr
+    assert job.stderr.count("finished rank") == 2 and "stall:" not in job.stderr, job.stderr
