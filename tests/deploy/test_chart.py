@@ -13,12 +13,21 @@ import yaml
 
 pytest.importorskip("helm_python", reason="pip install -r requirements-dev.txt")
 
-from tests.deploy.conftest import CHART, documents, find, helm, render
+from tests.deploy.conftest import (
+    CHART,
+    REQUIRED,
+    documents,
+    find,
+    helm,
+    merged,
+    render,
+    render_scenario,
+)
 
 kv = pytest.importorskip("kubernetes_validate.utils", reason="pip install kubernetes-validate")
 
 SCENARIOS = sorted((CHART / "ci").glob("*-values.yaml"))
-CRD_GROUPS = ("cert-manager.io/",)
+CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
 OLDEST_KUBE = "1.27.0"  # Chart.yaml kubeVersion  # no official schema; checked by shape below
 
 
@@ -38,14 +47,14 @@ def test_lint_is_clean() -> None:
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
 def test_scenario_lints(path: Path) -> None:
-    report = helm.lint(str(CHART), scenario(path), strict=True)
+    report = helm.lint(str(CHART), merged(REQUIRED, scenario(path)), strict=True)
     assert not report["errors"], report
     assert all(m["severity"] < 2 for m in report["messages"]), report
 
 
 @pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
 def test_scenario_renders_valid_manifests(path: Path) -> None:
-    docs = documents(render(scenario(path)))
+    docs = documents(render_scenario(path))
     for doc in docs:
         if doc["apiVersion"].startswith(CRD_GROUPS):
             assert doc["spec"] and doc["metadata"]["name"], doc
@@ -110,8 +119,10 @@ def test_overlay_options() -> None:
 
 def test_broker_pod_is_hardened_and_probed() -> None:
     docs = documents(render({"webhook": {"enabled": True}}))
-    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
-    broker, webhook = pod["containers"]
+    [broker] = find(docs, "Deployment", "bp-breakpod")["spec"]["template"]["spec"]["containers"]
+    [webhook] = find(docs, "Deployment", "bp-breakpod-webhook")["spec"]["template"]["spec"][
+        "containers"
+    ]
     assert broker["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert broker["readinessProbe"]["httpGet"]["path"] == "/readyz"
     for c in (broker, webhook):
@@ -129,7 +140,7 @@ def test_broker_pod_is_hardened_and_probed() -> None:
 @pytest.mark.parametrize(
     ("values", "named"),
     [
-        ({"broker": {"replicaCount": 0}, "webhook": {"enabled": True}}, "broker.replicaCount"),
+        ({"webhook": {"enabled": True, "replicaCount": 0}}, "/webhook/replicaCount"),
         ({"redis": {"enabled": False}}, "redis.url"),
         ({"redis": {"url": "redis://r:6379/0"}}, "redis.enabled"),
         (

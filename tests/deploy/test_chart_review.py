@@ -13,7 +13,7 @@ import yaml
 
 pytest.importorskip("helm_python", reason="pip install -r requirements-dev.txt")
 
-from tests.deploy.conftest import CHART, documents, find, render
+from tests.deploy.conftest import CHART, documents, find, render, render_scenario
 
 SCENARIOS = sorted((CHART / "ci").glob("*-values.yaml"))
 WORKLOADS = ("Deployment", "StatefulSet")
@@ -21,7 +21,7 @@ CHECKSUMS = ("checksum/overlay", "checksum/auth", "checksum/redis", "checksum/tl
 
 
 def scenario(path: Path) -> list[dict[str, Any]]:
-    return documents(render(yaml.safe_load(path.read_text()) or {}))
+    return documents(render_scenario(path))
 
 
 def secret_values(docs: list[dict[str, Any]]) -> set[str]:
@@ -59,9 +59,13 @@ def test_no_secret_on_a_command_line_or_in_a_plain_env_value(docs) -> None:
 
 
 def test_a_pdb_and_anti_affinity_exactly_when_there_are_replicas(docs) -> None:
-    deployment = find(docs, "Deployment")
+    deployment = find(docs, "Deployment", "bp-breakpod")
     replicas = deployment["spec"]["replicas"]
-    pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+    pdbs = [
+        d
+        for d in docs
+        if d["kind"] == "PodDisruptionBudget" and d["metadata"]["name"] == "bp-breakpod"
+    ]
     affinity = deployment["spec"]["template"]["spec"].get("affinity", {})
     if replicas > 1:
         [pdb] = pdbs
@@ -74,7 +78,9 @@ def test_a_pdb_and_anti_affinity_exactly_when_there_are_replicas(docs) -> None:
 
 
 def test_checksum_annotations_roll_the_broker(docs) -> None:
-    annotations = find(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    annotations = find(docs, "Deployment", "bp-breakpod")["spec"]["template"]["metadata"][
+        "annotations"
+    ]
     assert set(CHECKSUMS) <= set(annotations)
 
 
@@ -111,7 +117,7 @@ def test_redis_has_maxmemory_under_its_limit() -> None:
 
 def test_broker_tls_serves_https_and_agents_verify_it() -> None:
     docs = scenario(CHART / "ci" / "broker-tls-values.yaml")
-    broker = find(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    broker = find(docs, "Deployment", "bp-breakpod")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in broker["env"]}
     assert env["BREAKPOD_TLS_CERT_FILE"]["value"].endswith("tls.crt")
     assert broker["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"

@@ -187,8 +187,9 @@ def test_an_external_redis_url_with_a_password_comes_from_a_secret() -> None:
 def test_network_policies_by_default(docs: list[dict[str, Any]]) -> None:
     broker = find(docs, "NetworkPolicy", "bp-breakpod")["spec"]
     api, *others = broker["ingress"]
-    assert not others  # no webhook port without the webhook
-    assert api["from"] == [{"podSelector": {}}, {"namespaceSelector": {}}]
+    assert not others  # no webhook port: the webhook has pods of its own
+    opted_in = {"matchLabels": {"breakpod.dev/inject": "enabled"}}  # the webhook's label
+    assert api["from"] == [{"podSelector": {}}, {"namespaceSelector": opted_in}]
     assert api["ports"] == [{"port": "http", "protocol": "TCP"}]
     redis_policy = find(docs, "NetworkPolicy", "bp-breakpod-redis")["spec"]
     assert redis_policy["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "redis"

@@ -41,8 +41,53 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 {{- end }}
 
+{{/* The broker image (broker, webhook, helm test pod): no registry holds a
+default, so an empty repository fails the render with the value to set. */}}
 {{- define "breakpod.image" -}}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- $i := .Values.image }}
+{{- if not $i.repository }}
+{{- fail "image.repository is empty: no public registry holds the breakpod-broker image. Build it with `make images`, push it to a registry your nodes pull from, and set image.repository (e.g. registry.example.com/ml/breakpod-broker)." }}
+{{- end }}
+{{- $ref := printf "%s:%s" $i.repository ($i.tag | default .Chart.AppVersion) }}
+{{- if $i.digest }}{{ $ref = printf "%s@%s" $ref $i.digest }}{{ end }}
+{{- $ref }}
+{{- end }}
+
+{{/* Redis by digest (the tag stays for the reader), or by tag on explicit opt-in. */}}
+{{- define "breakpod.redisImage" -}}
+{{- $i := .Values.redis.image }}
+{{- if $i.digest }}
+{{- printf "%s:%s@%s" $i.repository $i.tag $i.digest }}
+{{- else if $i.allowTag }}
+{{- printf "%s:%s" $i.repository $i.tag }}
+{{- else }}
+{{- fail (printf "redis.image.digest is empty: the chart pins Redis by digest. Set redis.image.digest to the sha256 digest of %s:%s (`docker buildx imagetools inspect %s:%s` or `crane digest %s:%s`), or redis.image.allowTag=true to pull by tag." $i.repository $i.tag $i.repository $i.tag $i.repository $i.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* The webhook's own Deployment and Service. */}}
+{{- define "breakpod.webhookName" -}}
+{{- printf "%s-webhook" (include "breakpod.fullname" . | trunc 55 | trimSuffix "-") }}
+{{- end }}
+
+{{/* Whether the webhook certificate comes from cert-manager: asked for, and the
+cluster serves its API (helm template: --api-versions cert-manager.io/v1). */}}
+{{- define "breakpod.webhookCertManager" -}}
+{{- if and .Values.webhook.tls.certManager.enabled (.Capabilities.APIVersions.Has "cert-manager.io/v1") }}true{{ end }}
+{{- end }}
+
+{{/* The Secret holding the broker's tokens file of per-namespace agent tokens; empty: none. */}}
+{{- define "breakpod.agentTokensFile" -}}
+{{- if .Values.agentTokens.existingSecret }}
+{{- .Values.agentTokens.existingSecret }}
+{{- else if .Values.agentTokens.namespaces }}
+{{- printf "%s-agent-tokens" (include "breakpod.fullname" . | trunc 50 | trimSuffix "-") }}
+{{- end }}
+{{- end }}
+
+{{/* The namespaces a namespaced feature's Role goes in: the list, or the release's. */}}
+{{- define "breakpod.namespacesOr" -}}
+{{- toJson (.list | default (list .root.Release.Namespace)) }}
 {{- end }}
 
 {{- define "breakpod.tokenSecretName" -}}
@@ -98,7 +143,7 @@ first entry of that role from it. */}}
 
 {{- define "breakpod.webhookTlsSecret" -}}
 {{- if .Values.webhook.tls.certManager.enabled }}
-{{- printf "%s-webhook-tls" (include "breakpod.fullname" .) }}
+{{- printf "%s-tls" (include "breakpod.webhookName" .) }}
 {{- else }}
 {{- .Values.webhook.tls.secretName }}
 {{- end }}
@@ -110,8 +155,40 @@ Values that make no sense fail the render with the value to fix.
 */}}
 {{- define "breakpod.validate" -}}
 {{- $v := .Values }}
-{{- if and $v.webhook.enabled (lt (int $v.broker.replicaCount) 1) }}
-{{- fail "broker.replicaCount is 0 while webhook.enabled is true: the API server would find no webhook pod and debugged pods would start without the overlay. Set broker.replicaCount to 1 or more, or webhook.enabled=false." }}
+{{- $_ := include "breakpod.image" . }}
+{{- if $v.redis.enabled }}{{ $_ = include "breakpod.redisImage" . }}{{ end }}
+{{- $cm := .Capabilities.APIVersions.Has "cert-manager.io/v1" }}
+{{- if and $v.webhook.enabled $v.webhook.tls.certManager.enabled (not $cm) (not $v.webhook.tls.selfSignedFallback) }}
+{{- fail "webhook.tls.certManager.enabled is true but this cluster does not serve cert-manager.io/v1 (cert-manager is not installed) and webhook.tls.selfSignedFallback is false. Install cert-manager, set webhook.tls.selfSignedFallback=true, or give webhook.tls.secretName and caBundle with certManager.enabled=false." }}
+{{- end }}
+{{- if and $v.broker.tls.enabled $v.broker.tls.certManager.enabled (not $cm) }}
+{{- fail "broker.tls.certManager.enabled is true but this cluster does not serve cert-manager.io/v1 (cert-manager is not installed; `helm template` needs --api-versions cert-manager.io/v1). Install cert-manager, or set broker.tls.secretName with broker.tls.certManager.enabled=false." }}
+{{- end }}
+{{- if and $v.ingress.enabled (not $v.ingress.host) }}
+{{- fail "ingress.enabled is true but ingress.host is empty: set the host name the Ingress serves." }}
+{{- end }}
+{{- if and $v.ingress.enabled (not $v.broker.trustedProxies) }}
+{{- fail "ingress.enabled is true but broker.trustedProxies is empty: behind the Ingress the broker would take the controller for the client and leave the dashboard cookie without Secure. Set broker.trustedProxies to the Ingress controller pods' CIDR." }}
+{{- end }}
+{{- if and $v.redis.password $v.redis.existingSecret }}
+{{- fail "redis.password and redis.existingSecret are both set: pick one (the Secret is preferred)." }}
+{{- end }}
+{{- if and $v.redis.password (not $v.redis.enabled) }}
+{{- fail "redis.password is set while redis.enabled is false: it is the in-release Redis password. Put an external Redis password in a Secret (redis.urlSecret)." }}
+{{- end }}
+{{- if and $v.agentTokens.existingSecret (or $v.agentTokens.namespaces $v.agentTokens.tokens) }}
+{{- fail "agentTokens.existingSecret is set together with agentTokens.namespaces/tokens: with the Secret, the chart writes no token into the training namespaces. Pick one." }}
+{{- end }}
+{{- if and $v.agentTokens.namespaces (not $v.overlay.tokenSecret.name) }}
+{{- fail "agentTokens.namespaces is set but overlay.tokenSecret.name is empty: the chart writes each namespace's token into that Secret. Set overlay.tokenSecret.name." }}
+{{- end }}
+{{- range $ns, $_ := $v.agentTokens.tokens }}
+{{- if not (has $ns $v.agentTokens.namespaces) }}
+{{- fail (printf "agentTokens.tokens has a token for %s, which is not in agentTokens.namespaces: add the namespace, or drop the token." $ns) }}
+{{- end }}
+{{- end }}
+{{- if and $v.serviceMonitor.enabled (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") $v.auth.existingSecret (not $v.serviceMonitor.tokenSecret.name) }}
+{{- fail "serviceMonitor.tokenSecret.name is empty while auth.existingSecret is set: Prometheus needs a Secret holding a bare viewer token. Set serviceMonitor.tokenSecret.name (and .key), or serviceMonitor.enabled=false." }}
 {{- end }}
 {{- if regexMatch "://[^/@]*:[^/@]+@" $v.redis.url }}
 {{- fail "redis.url holds a password: it would be a plain env value in the broker pod. Put the URL in a Secret and set redis.urlSecret.name (and .key) instead." }}
@@ -143,12 +220,6 @@ Values that make no sense fail the render with the value to fix.
 {{- if regexMatch "[?&]password=" $v.redis.url }}
 {{- fail "redis.url holds a password (?password=): it would be a plain env value in the broker pod. Put the URL in a Secret and set redis.urlSecret.name (and .key) instead." }}
 {{- end }}
-{{- if and $v.webhook.enabled (eq (int $v.webhook.port) (int $v.broker.port)) }}
-{{- fail "webhook.port equals broker.port: both listen in the broker pod. Pick another webhook.port (default 8443)." }}
-{{- end }}
-{{- if and $v.webhook.enabled (eq (int $v.service.port) 443) }}
-{{- fail "service.port is 443, the port the Service gives the webhook: pick another service.port (default 8765)." }}
-{{- end }}
 {{- if and (gt (int $v.broker.replicaCount) 1) (ge (int $v.broker.pdbMinAvailable) (int $v.broker.replicaCount)) }}
 {{- fail (printf "broker.pdbMinAvailable (%v) is not below broker.replicaCount (%v): no broker pod could ever be evicted, and node drains would hang. Lower it." $v.broker.pdbMinAvailable $v.broker.replicaCount) }}
 {{- end }}
@@ -165,4 +236,10 @@ Values that make no sense fail the render with the value to fix.
 StatefulSet's controller-revision-hash label (its name, "-" and 10 characters). */}}
 {{- define "breakpod.redisName" -}}
 {{- printf "%s-redis" (include "breakpod.fullname" . | trunc 46 | trimSuffix "-") }}
+{{- end }}
+
+{{/* The external Redis's port, from redis.url; 6379 when it names none or sits in urlSecret. */}}
+{{- define "breakpod.externalRedisPort" -}}
+{{- $m := regexFind "^rediss?://[^/]*:[0-9]+" .Values.redis.url }}
+{{- if $m }}{{ regexReplaceAll "^.*:" $m "" }}{{ else }}6379{{ end }}
 {{- end }}
