@@ -135,3 +135,44 @@ def test_the_readme_training_loop_parks_on_nan_and_continues(spawn):
     assert "7" in attached.stdout
     assert child.wait(timeout=60) == 0
     assert "done 19" in child.stdout()
+
+
+def test_the_culprit_line_reads_as_the_docs_write_it():
+    from breakpod._job.stall_report import culprits
+
+    level = {"state": "collective", "entered": 5, "step": 5}
+    behind = {"state": "user", "entered": 4, "step": 5}
+    _, three = culprits({0: level, 1: level, 2: behind})
+    _, two = culprits({0: level, 1: behind})
+    assert three == "not in collective #5 that ranks 0, 1 wait in"
+    assert two == "not in collective #5 that rank 0 waits in"
+    guide = (ROOT / "docs" / "many-ranks.md").read_text()
+    assert f"culprit: rank 2 (step 5, {three})" in guide and "that rank 0 waits in" in guide
+
+
+STALLED_ONCE = """
+    import time
+    import breakpod
+    for i in range(12):
+        breakpod.step(i)
+        time.sleep(2.0 if i == 5 else 0.02)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_stall_over_line_of_a_process_is_the_docs_line(spawn):
+    child = spawn(STALLED_ONCE, env={"BREAKPOD_STALL_AFTER": "0.5"})
+    assert child.wait(timeout=30) == 0, child.stderr
+    said = re.search(r"stall over: stepping again at step \d+", child.stderr)
+    assert said is not None, child.stderr
+    guide = " ".join((ROOT / "docs" / "many-ranks.md").read_text().split())
+    assert "`stall over: stepping again at step N`" in guide
+    assert "`stall over: every rank is stepping again`" in guide
+
+
+def test_the_docs_say_what_registers_a_process_without_a_park():
+    readme = " ".join(README.read_text().split())
+    monitors = " ".join((ROOT / "docs" / "monitors.md").read_text().split())
+    for text in (readme, monitors):
+        assert "without a park" in text and "first `breakpod.step()`" in text
+        assert "`breakpod.watch(model)`" in text

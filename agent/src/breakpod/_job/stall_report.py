@@ -52,14 +52,21 @@ def culprits(records: Mapping[int, Record]) -> tuple[list[int], str]:
         target = max(rec["entered"] for rec in waiting.values())
         behind = sorted(r for r, rec in records.items() if rec["entered"] < target)
         if behind:
-            others = ",".join(str(r) for r in sorted(waiting) if r not in behind)
-            return behind, f"not in collective #{target} that ranks {others} wait in"
+            others = [r for r in sorted(waiting) if r not in behind]
+            return behind, f"not in collective #{target} that {who_waits(others)} in"
         return [], f"every rank is inside collective #{target}"
     steps = {rec["step"] for rec in records.values()}
     if len(steps) > 1:
         low = min(steps)
         return sorted(r for r, rec in records.items() if rec["step"] == low), "slowest step counter"
     return [], "every rank is at the same step and none is in a collective"
+
+
+def who_waits(ranks: list[int]) -> str:
+    """``rank 0 waits`` / ``ranks 0, 2 wait``: the culprit line's grammar."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} waits"
+    return f"ranks {', '.join(map(str, ranks))} wait"
 
 
 def state_text(record: Record) -> str:

@@ -107,7 +107,7 @@ class Watchdog:
         if self._stalled:
             self._stalled = False
             self._recovered = True
-            announce(f"steps resumed at step {self.step}; the stall is over")
+            announce(f"stall over: stepping again at step {self.step}")
             events.emit(protocol.RESUMED, step=self.step, why="heartbeat resumed after a stall")
 
     def stop(self, wait: float = 0.0) -> None:
