@@ -12,7 +12,7 @@ TOOLS  := $(VENV)/.installed-tools
 TORCH  := torch==2.13.0
 
 .PHONY: install test lint demo bench clean chaos scale
-.PHONY: deploy-test helm-lint e2e-kind e2e-docker gpu-check screenshots
+.PHONY: deploy-test helm-lint e2e-kind e2e-docker gpu-check screenshots images e2e-cluster
 
 # The runtime: what the demo and a training job need.
 $(STAMP): agent/pyproject.toml agent/src/breakpod_autostart.pth broker/pyproject.toml
@@ -73,9 +73,21 @@ helm-lint: $(TOOLS)
 e2e-docker: $(TOOLS)
 	PY=$(PY) scripts/e2e-docker.sh
 
-# Needs docker, kind, kubectl, openssl and image downloads: not run in CI.
+# Needs docker, kind, kubectl and image downloads: not run in CI. A kind
+# cluster, the images loaded into it, then the e2e-cluster checks.
 e2e-kind: $(TOOLS)
 	PY=$(PY) scripts/e2e-kind.sh
+
+# Against the cluster in KUBECONFIG (IMAGE_REPOSITORY, TRAIN_IMAGE, REDIS_DIGEST:
+# scripts/e2e-cluster.sh); one line and exit 0 where no cluster is reachable.
+e2e-cluster: $(TOOLS)
+	PY=$(PY) scripts/e2e-cluster.sh
+
+# The broker image and the debug layer, tagged locally as
+# $(REGISTRY)/breakpod-{broker,debug}:VERSION, to push to your registry
+# (LOCAL=1: on scripts/base-images.sh's local bases).
+images:
+	scripts/images.sh
 
 # On a machine with a CUDA device and its own torch: the gpu-marked tests.
 gpu-check:
