@@ -1,8 +1,8 @@
-"""A fresh venv built by the README's own install lines: the ``sh`` block of its
-Install section that runs ``pip wheel``, read from README.md at test time (so the
-lines cannot drift from what users copy) and run by bash in a folder whose
-``agent`` and ``broker`` are this checkout's, with the venv's ``pip`` first on PATH.
-No torch: the agent and the broker never need it."""
+"""A fresh venv built by the README's own install lines: in the ``sh`` block of its
+Install section, the lines from ``pip wheel`` to the block's end, read from README.md
+at test time (so they cannot drift from what users copy) and run by bash in a folder
+whose ``agent`` and ``broker`` are this checkout's, with the venv's ``pip`` first on
+PATH. No torch: the agent and the broker never need it."""
 
 from __future__ import annotations
 
@@ -19,12 +19,13 @@ SH_BLOCK = re.compile(r"^```sh\n(.*?)^```", re.MULTILINE | re.DOTALL)
 
 
 def readme_wheel_lines(readme: Path = ROOT / "README.md") -> str:
-    """The Install section's ``sh`` block that builds and installs the wheels."""
+    """The Install section's lines that build and install the wheels: from ``pip
+    wheel`` to the end of its ``sh`` block."""
     text = readme.read_text()
     section = text.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
-    blocks = [b for b in SH_BLOCK.findall(section) if "pip wheel" in b]
+    blocks = [b for b in SH_BLOCK.findall(section) if "\npip wheel" in f"\n{b}"]
     assert len(blocks) == 1, f"README.md's Install section: {len(blocks)} pip wheel blocks"
-    return blocks[0]
+    return "pip wheel" + f"\n{blocks[0]}".split("\npip wheel", 1)[1]
 
 
 def run(*argv: str | Path, **kwargs: object) -> subprocess.CompletedProcess[str]:
