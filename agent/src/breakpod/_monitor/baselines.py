@@ -4,7 +4,9 @@ A model of hundreds of modules has hundreds of groups (a module's parameters,
 by default); judging each in Python every step cost more than the norms
 themselves. Here a step's norms become one vector: group norms by one
 ``index_add_``, the absolute limits, the warm-up (the median of the first
-``warmup_steps`` norms, once positive) and the baseline (an EMA of log norms
+``warmup_steps`` norms, once positive, and only when they stay within
+``explode_factor`` of each other: a warm-up that already explodes gives no
+baseline, and one that goes non-finite starts again) and the baseline (an EMA of log norms
 over about ``window`` steps, moved only by healthy steps) are all vector
 operations, and Python sees only the groups that are out of range.
 """
@@ -15,6 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from breakpod._core.announce import announce
 from breakpod._monitor.rules import Rule
 
 EXPLODING, VANISHING = "exploding", "vanishing"
@@ -49,6 +52,7 @@ class NormBaselines:
         self._warm = torch.full((rule["warmup_steps"], size), math.nan, dtype=f64)
         self._warmed = torch.zeros(size, dtype=torch.long)  # norms seen during warm-up
         self._alpha = 2 / (rule["window"] + 1)
+        self._said = False  # an exploding warm-up was announced
 
     def judge(self, grads: dict[int, float]) -> Judgement:
         """This step's groups out of range and the groups it saw; the others warm up or
@@ -67,6 +71,7 @@ class NormBaselines:
         absolute = self._absolute(norm, judged, out)
         relative = judged & ~absolute
         based = ~torch.isnan(self._log_base)
+        self._restart(seen & ~judged & ~based)  # a warm-up that went non-finite says nothing
         self._warm_up(norm, relative & ~based)
         self._relative(norm, relative & based, out)
         return Judgement(out, seen.tolist())
@@ -103,9 +108,45 @@ class NormBaselines:
         self._warmed[groups] += 1
         full = groups[self._warmed[groups] >= len(self._warm)]
         if len(full):
-            median = torch.quantile(self._warm[:, full], 0.5, dim=0)  # the mean of two middles
-            ready = full[median > 0]
-            self._log_base[ready] = median[median > 0].log()
+            window = self._warm[:, full]
+            median = torch.quantile(window, 0.5, dim=0)  # the mean of two middles
+            calm = self._calm(window)
+            ready = full[(median > 0) & calm]
+            self._log_base[ready] = median[(median > 0) & calm].log()
+            self._say_exploding(full[~calm], window[:, ~calm])
+
+    def _restart(self, groups: Any) -> None:
+        """Groups whose norm went non-finite before they had a baseline warm up afresh."""
+        if bool(groups.any()):
+            self._warm[:, groups] = math.nan
+            self._warmed[groups] = 0
+
+    def _calm(self, window: Any) -> Any:
+        """Per group: did the warm-up's positive norms stay within ``explode_factor`` of each
+        other? One already exploding (lr too high from the start) would make a baseline
+        orders of magnitude too high, and every later step look like "vanishing"."""
+        import torch
+
+        positive = window > 0
+        high = torch.where(positive, window, 0.0).amax(dim=0)
+        low = torch.where(positive, window, math.inf).amin(dim=0)
+        return ~positive.any(dim=0) | (high <= self.rule["explode_factor"] * low)
+
+    def _say_exploding(self, groups: Any, window: Any) -> None:
+        """Once per rule: a warm-up was refused, so there is no baseline yet."""
+        if self._said or not len(groups):
+            return
+        self._said = True
+        positive = window[window > 0]
+        names = [self.names[g] for g in groups.tolist()]
+        shown = ", ".join(names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
+        announce(
+            f"grad_norm rule {self.rule.name!r}: no baseline yet for {shown}: the gradient norms "
+            f"of the warm-up already explode ({float(positive.min()):.3g} to "
+            f"{float(positive.max()):.3g} over {len(self._warm)} steps, more than explode_factor "
+            f"{self.rule['explode_factor']:g} apart); a baseline is taken once "
+            f"{len(self._warm)} steps in a row stay within it (max_norm/min_norm judge meanwhile)"
+        )
 
     def _relative(self, norm: Any, judged: Any, out: dict[int, tuple[str, float, str]]) -> None:
         """Against the baseline: out of range, or a healthy step that moves it."""
