@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-BENCHMARKS = ["pdb_latency", "monitors", "health", "timetravel", "stall", "broker", "scale"]
+BENCHMARKS = ["pdb_latency", "monitors", "health", "timetravel", "stall", "stacks", "broker", "scale"]
 
 
 def main() -> int:

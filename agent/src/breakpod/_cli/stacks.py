@@ -108,23 +108,37 @@ def docker_hosts(container: str, args: argparse.Namespace) -> list[Host]:
 
 
 def read(host: Host, pids: Sequence[int], native: bool, timeout: float) -> list[report.Process]:
-    """The processes under ``pids`` on ``host``; those in backward again with native frames."""
+    """The processes under ``pids`` on ``host``; of the ranks in backward, one per place
+    is read again with native frames, and what it waits in holds for its place."""
     processes = [process(r) for r in remote.collect(host, pids, native, timeout)]
     if native:
         return processes
-    again = [p.pid for p in processes if report.place(p).state == report.BACKWARD]
-    if again:
-        deeper = {r["pid"]: r for r in remote.collect(host, again, True, timeout)}
-        processes = [_deeper(p, deeper.get(p.pid)) for p in processes]
-    return processes
+    places: dict[str, list[report.Process]] = {}
+    for p in processes:
+        where = report.place(p)
+        if where.state == report.BACKWARD:
+            places.setdefault(where.frame, []).append(p)
+    if not places:
+        return processes
+    firsts = [members[0].pid for members in places.values()]
+    deeper = {r["pid"]: r for r in remote.collect(host, firsts, True, timeout)}
+    found = {}
+    for members in places.values():
+        found.update(_seen_natively(members, deeper.get(members[0].pid)))
+    return [found.get(p.pid, p) for p in processes]
 
 
-def _deeper(first: report.Process, record: dict[str, Any] | None) -> report.Process:
-    """The native read where it worked; the launcher is the first read's (a PID alone
-    is read as itself)."""
+def _seen_natively(
+    members: list[report.Process], record: dict[str, Any] | None
+) -> dict[int, report.Process]:
+    """The first member read natively, and what it waits in told to the others."""
     if record is None or "threads" not in record:
-        return first
-    return dataclasses.replace(process(record), launcher=first.launcher)
+        return {}
+    first = dataclasses.replace(process(record), launcher=members[0].launcher)
+    thread = report.main_thread(first.threads)
+    op = report.collective_op(thread.frames) if thread else ""
+    rest = {p.pid: dataclasses.replace(p, seen_natively=op) for p in members[1:] if op}
+    return {first.pid: first, **rest}
 
 
 def process(record: dict[str, Any]) -> report.Process:

@@ -42,6 +42,9 @@ class Process:
     launcher: int | None = None
     error: str | None = None  # why its stacks could not be read, one line
     host: str = ""  # the pod or container it runs in, when not this machine
+    # the collective that native frames showed on another rank at the same place in
+    # backward (one rank of each place is read natively: seconds each)
+    seen_natively: str = ""
 
     @property
     def label(self) -> str:
@@ -71,6 +74,8 @@ def place(process: Process) -> Place:
     if op:
         return Place(COLLECTIVE, op, where)
     if any(_AUTOGRAD in f.filename for f in thread.frames if not f.native):
+        if process.seen_natively:
+            return Place(COLLECTIVE, process.seen_natively, where)
         return Place(BACKWARD, "", where)
     return Place(USER, "", where)
 
