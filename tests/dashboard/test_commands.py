@@ -1,6 +1,7 @@
-"""The command buttons in real chromium: drawn for admin tokens only, each one
-confirmed before it is sent, its acknowledgement shown as it arrives; the break
-button parks a real agent and the resume button lets it go."""
+"""The command buttons in real chromium: drawn for admin tokens only, the ones that
+fit the rank's state, each one confirmed before it is sent, its acknowledgement
+shown as it arrives; the break button parks a real agent and the resume button
+lets it go."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def test_the_admin_buttons_dump_stacks_park_and_resume_a_real_agent(broker, spaw
     page.wait_for_selector(f"{cell}[data-state=running]")
     page.click(cell)
     page.wait_for_selector("#detail .actions button.action[data-command=break]")
+    # the buttons that fit a running rank (nothing to resume)
     assert page.locator("#detail button.action").all_text_contents() == [
         "break",
-        "resume",
         "dump-stacks",
         "dump-flight",
     ]
@@ -62,6 +63,13 @@ def test_the_admin_buttons_dump_stacks_park_and_resume_a_real_agent(broker, spaw
     child.wait_for("break requested through the broker", timeout=30)
     page.wait_for_selector(f"{cell}[data-state=parked]")
     assert "park" in ack.locator(".ack-detail").text_content()
+    page.wait_for_selector("#detail button.action[data-command=resume]")
+    # a parked rank is not broken again
+    assert page.locator("#detail button.action").all_text_contents() == [
+        "resume",
+        "dump-stacks",
+        "dump-flight",
+    ]
 
     confirm(page, "resume")
     until(page, f"['running', 'finished'].includes(document.querySelector(`{cell}`).dataset.state)")

@@ -53,7 +53,8 @@ def test_the_page_and_its_assets_carry_no_data_and_a_strict_csp(broker):
         assert c.get("/v1/dashboard").status_code == 403
     with broker.client(VIEWER) as c:
         config = c.get("/v1/dashboard").json()
-    assert config["states"][:2] == config["urgent"] == ["stalled", "parked"]
+    urgent = ["stalled", "parked", "killed", "failed", "lost"]
+    assert config["states"][:5] == config["urgent"] == urgent
     assert "lost" in config["states"] and config["state_of_kind"]["parked"] == "parked"
 
 
@@ -207,7 +208,7 @@ def _check_states_it_does_not_know(page, session_id):
         )
         assert shown == state and state in title
         colours[state] = colour
-    assert colours == {"waiting": "rgb(161, 98, 7)", "teleported": "rgb(139, 92, 246)"}
+    assert colours == {"waiting": "rgb(161, 98, 7)", "teleported": "rgb(15, 118, 110)"}
 
 
 def test_the_broker_serves_the_page_it_ships(broker):

@@ -22,7 +22,7 @@ def open_session(page: Any, broker: Any, session_id: str) -> None:
 
     login(page, broker)
     page.click(f".rank[data-session='{session_id}']")
-    page.wait_for_selector("#detail:not([hidden]) .timeline li")
+    page.wait_for_selector("#detail:not([hidden]) .timeline li", state="attached")
 
 
 def test_an_anomaly_shows_its_rule_module_step_and_summary_as_text(broker, page):
@@ -182,7 +182,7 @@ def test_a_job_stall_names_the_culprit_and_folds_the_stacks(broker, page):
     assert "q.get()" in stacks.locator("pre").inner_text()
     # a live re-render keeps the fold open
     post_events(broker, event("stall-0", 2, "log", message="still stuck"))
-    page.wait_for_selector("#detail .timeline li[data-kind=log]")
+    page.wait_for_selector("#detail .timeline li[data-kind=log]", state="attached")  # folded
     assert stacks.get_attribute("open") is not None
     # these events carry no per-step values: the plots say so
     assert "no per-step values" in page.locator("#detail .plots p").text_content()

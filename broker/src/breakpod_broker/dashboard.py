@@ -63,10 +63,14 @@ FILES = {
     "app.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
-# Drawn first: the states of the kinds notifiers alert on (a stall, a park); the
-# rest follow in protocol order, then states this broker does not know of.
-URGENT = tuple(
-    protocol.STATE_OF_KIND[k] for k in protocol.NOTIFIED_KINDS if k in protocol.STATE_OF_KIND
+# Drawn first, in this order: what burns time now (a stall, a park waiting for a
+# debugger), then the processes that died (the runtime's kill, a non-zero exit, silence);
+# the rest follow in protocol order, then states this broker does not know of.
+URGENT = (
+    *(protocol.STATE_OF_KIND[k] for k in protocol.NOTIFIED_KINDS if k in protocol.STATE_OF_KIND),
+    protocol.KILLED_STATE,
+    protocol.FAILED,
+    protocol.LOST,
 )
 
 
@@ -91,11 +95,13 @@ def _asset(name: str) -> Response:
 @router.get(CONFIG)
 async def config(who: Viewer) -> dict[str, Any]:
     """What the page needs to read sessions and events; a viewer token is needed."""
-    states = [*URGENT, *(s for s in protocol.STATES if s not in URGENT), protocol.LOST]
+    states = [*URGENT, *(s for s in protocol.STATES if s not in URGENT)]
     return {
         "states": states,
         "urgent": list(URGENT),
-        "state_of_kind": protocol.STATE_OF_KIND,
+        # a lost event marks the session lost at once (the broker computes the state)
+        "state_of_kind": {**protocol.STATE_OF_KIND, protocol.LOST_KIND: protocol.LOST},
+        "final_states": sorted(protocol.FINAL_STATES),
         "event_kinds": sorted(protocol.EVENT_KINDS),
         "listener_kinds": sorted(protocol.LISTENER_KINDS),
         "commands": [protocol.BREAK, protocol.RESUME, protocol.DUMP_STACKS, protocol.DUMP_FLIGHT],
@@ -106,6 +112,7 @@ async def config(who: Viewer) -> dict[str, Any]:
             "stream": protocol.EVENTS_STREAM,
             "attach": protocol.attach_path("{id}"),
             "commands": protocol.commands_path("{id}"),
+            "job_commands": protocol.job_commands_path("{job}"),
         },
     }
 

@@ -1,6 +1,12 @@
 // breakpod dashboard: jobs and their ranks, live over the broker's SSE event stream.
 // Plain JS, no dependencies. Everything from the API is put in the page as text
 // (textContent, setAttribute): agents choose pod names, reasons and fields.
+//
+// The page stays put while data flows: each job card is redrawn only when what it
+// shows changed (and the focused control is focused again), cards are moved rather
+// than rebuilt, the open panel redraws only the parts whose data changed (detail.js),
+// and relative times tick in place. The URL names what is open (#/job/NAME/rank/N,
+// #/session/ID), so a reload or a shared link opens it again.
 "use strict";
 
 const CONFIG_PATH = "/v1/dashboard";
@@ -8,6 +14,7 @@ const LOGIN_PATH = "/v1/login"; // a token in, an HttpOnly cookie and a CSRF tok
 const LOGOUT_PATH = "/v1/logout";
 const CSRF_HEADER = "X-CSRF-Token";
 const RELOAD_DEBOUNCE_MS = 250; // events in a burst cost one re-read of the sessions
+const REFRESH_MS = 5000; // new sessions and heartbeat-only changes carry no event
 const RETRY_MS = [1000, 2000, 5000, 10000];
 
 const app = {
@@ -18,9 +25,12 @@ const app = {
   timeline: [],
   cursor: null, // the last event seen: the stream resumes after it
   reloadTimer: null,
-  confirming: null, // {session, command} while an admin confirms a command
+  confirming: null, // {session, command} or {job, command} while an admin confirms
   renderQueued: false,
   abort: null,
+  cards: new Map(), // job key -> {node, sig}
+  stats: { renders: 0, cards: 0, panel: 0 }, // redraw counts (tests read them)
+  offlineSince: null, // when the broker stopped answering (the data is dimmed)
 };
 
 const $ = (id) => document.getElementById(id);
@@ -42,12 +52,25 @@ function el(tag, props, ...children) {
   return node;
 }
 
-function age(seconds) {
-  const s = Math.max(0, Math.floor(Date.now() / 1000 - seconds));
+function duration(s) {
+  s = Math.max(0, Math.floor(s));
   if (s < 60) return `${s}s`;
   if (s < 3600) return `${Math.floor(s / 60)}m${String(s % 60).padStart(2, "0")}s`;
   if (s < 86400) return `${Math.floor(s / 3600)}h${String(Math.floor((s % 3600) / 60)).padStart(2, "0")}m`;
   return `${Math.floor(s / 86400)}d`;
+}
+
+function age(seconds) {
+  return duration(Date.now() / 1000 - seconds);
+}
+
+// A relative time that ticks: "for 1m05s" since a moment, "4m12s" left until one.
+function since(seconds) {
+  return el("span", { class: "tick", "data-since": seconds, text: age(seconds) });
+}
+
+function until(seconds) {
+  return el("span", { class: "tick", "data-until": seconds, text: duration(seconds - Date.now() / 1000) });
 }
 
 function where(s) {
@@ -88,6 +111,7 @@ function showLogin(message) {
   if (app.abort) app.abort.abort();
   app.csrf = null;
   app.sessions.clear();
+  app.cards.clear();
   $("jobs").replaceChildren();
   $("main").hidden = true;
   $("logout").hidden = true;
@@ -142,6 +166,7 @@ async function start(csrf) {
   setupFilters();
   render();
   document.documentElement.dataset.firstDataMs = String(Math.round(performance.now()));
+  followRoute();
   stream();
 }
 
@@ -160,16 +185,20 @@ async function loadSessions() {
   app.sessions = found;
 }
 
+async function reload() {
+  try {
+    await loadSessions();
+    setOnline(true);
+    renderSoon();
+  } catch (error) {
+    if (error instanceof Unauthorized) showLogin(`login refused (${error.message})`);
+    else setOnline(false);
+  }
+}
+
 function scheduleReload() {
   clearTimeout(app.reloadTimer);
-  app.reloadTimer = setTimeout(async () => {
-    try {
-      await loadSessions();
-      renderSoon();
-    } catch (error) {
-      if (error instanceof Unauthorized) showLogin(`login refused (${error.message})`);
-    }
-  }, RELOAD_DEBOUNCE_MS);
+  app.reloadTimer = setTimeout(reload, RELOAD_DEBOUNCE_MS);
 }
 
 // An event moves its session's state at once (the protocol's table); the
@@ -179,8 +208,8 @@ function onEvent(event) {
   noteCommandEvent(event);
   const session = app.sessions.get(event.session);
   const next = app.config.state_of_kind[event.kind];
-  if (session && next) {
-    session.state = next;
+  if (session && next && !isFinal(session.state)) {
+    session.state = finalState(event) || next;
     const reason = event.fields && (event.fields.reason || event.fields.why);
     if (reason) session.reason = String(reason);
     session.updated = event.received || session.updated;
@@ -188,7 +217,6 @@ function onEvent(event) {
   if (app.selected === event.session) {
     app.timeline.push(event);
     if (app.config.listener_kinds.includes(event.kind)) refreshAttach(event.session);
-    renderDetail();
   }
   if (!session || next) scheduleReload();
   renderSoon();
@@ -199,6 +227,16 @@ function onEvent(event) {
 function setLive(value, text) {
   $("live").dataset.live = value;
   $("live").textContent = text;
+}
+
+// While the broker does not answer, what the page shows is dimmed and says since when.
+function setOnline(online) {
+  if (online === (app.offlineSince === null)) return;
+  app.offlineSince = online ? null : Date.now() / 1000;
+  $("main").classList.toggle("stale", !online);
+  const banner = $("stale");
+  banner.hidden = online;
+  if (!online) banner.replaceChildren("the broker does not answer: what is shown may be out of date (for ", since(app.offlineSince), ")");
 }
 
 async function stream() {
@@ -219,11 +257,13 @@ async function stream() {
       if (attempt > 0) scheduleReload(); // what changed while the stream was down
       attempt = 0;
       setLive("on", "live");
+      setOnline(true);
       await readEvents(response.body, onEvent);
     } catch (error) {
       if (controller.signal.aborted) return;
     }
     setLive("retry", "reconnecting");
+    setOnline(false);
     await new Promise((done) => setTimeout(done, RETRY_MS[Math.min(attempt, RETRY_MS.length - 1)]));
     attempt += 1;
   }
@@ -277,14 +317,16 @@ function filters() {
 
 function syncNamespaces() {
   const select = $("f-namespace");
+  const names = [...new Set([...app.sessions.values()].map((s) => s.namespace || ""))].filter(Boolean).sort();
+  const key = names.join("\n");
+  if (select.dataset.names === key) return; // unchanged: an open menu stays open
+  select.dataset.names = key;
   const chosen = select.value;
-  const names = [...new Set([...app.sessions.values()].map((s) => s.namespace || ""))].sort();
-  select.replaceChildren(el("option", { value: "", text: "all" }));
-  for (const n of names) if (n) select.append(el("option", { value: n, text: n }));
+  select.replaceChildren(el("option", { value: "", text: "all" }), ...names.map((n) => el("option", { value: n, text: n })));
   select.value = names.includes(chosen) ? chosen : "";
 }
 
-// -- jobs view ----------------------------------------------------------------
+// -- jobs ---------------------------------------------------------------------
 
 function jobKey(s) {
   return JSON.stringify([s.namespace || "", s.job || s.id]);
@@ -294,7 +336,7 @@ function groupJobs() {
   const jobs = new Map();
   for (const s of app.sessions.values()) {
     const key = jobKey(s);
-    if (!jobs.has(key)) jobs.set(key, { key, job: s.job || s.id, namespace: s.namespace || "", ranks: [] });
+    if (!jobs.has(key)) jobs.set(key, { key, job: s.job || s.id, named: Boolean(s.job), namespace: s.namespace || "", ranks: [] });
     jobs.get(key).ranks.push(s);
   }
   for (const job of jobs.values()) {
@@ -302,13 +344,25 @@ function groupJobs() {
     job.urgency = Math.min(...job.ranks.map(urgency));
     job.updated = Math.max(...job.ranks.map((r) => r.updated || 0));
   }
-  return [...jobs.values()].sort((a, b) => a.urgency - b.urgency || b.updated - a.updated);
+  return [...jobs.values()].sort((a, b) => a.urgency - b.urgency || b.updated - a.updated || a.key.localeCompare(b.key));
 }
 
 // 0.. for the urgent states in the config's order, then everything else alike
 function urgency(session) {
   const i = app.config.urgent.indexOf(session.state);
   return i >= 0 ? i : app.config.urgent.length;
+}
+
+// How a final event ends its session, as the broker reads it (protocol.final_state).
+function finalState(event) {
+  const f = event.fields || {};
+  if (event.kind === "killed" || Number.isInteger(f.signal)) return "killed";
+  if (event.kind === "finished" && Number.isInteger(f.exit) && f.exit !== 0) return "failed";
+  return null;
+}
+
+function isFinal(state) {
+  return app.config.final_states.includes(state);
 }
 
 function visibleJobs() {
@@ -330,15 +384,94 @@ function renderSoon() {
   });
 }
 
+// -- what a session's incident is, in one line ----------------------------------
+
+// Parts of a line: text and ticking times. The same words as `breakpod sessions`.
+function incident(s) {
+  const parts = [];
+  const state = s.state;
+  if (state === "stalled") {
+    parts.push(s.culprit ? `culprit ${s.culprit}` : s.reason || "no progress");
+    parts.push(" · stalled for ", since(s.since || s.updated));
+  } else if (state === "parked") {
+    if (s.reason) parts.push(s.reason);
+    if (s.hold_until) parts.push(" · holds ", until(s.hold_until), " more");
+    else parts.push(" · holds until someone attaches");
+  } else if (state === "attached") {
+    if (s.reason) parts.push(s.reason);
+    parts.push(` · attached${s.attached_by ? `: ${s.attached_by}` : ""}`);
+  } else if (state === "lost") {
+    parts.push(s.reason || "no heartbeat", " · silent for ", since(s.last_seen));
+  } else if (s.reason) {
+    parts.push(s.reason);
+  }
+  return parts;
+}
+
+function rankName(s) {
+  return s.rank !== null && s.rank !== undefined ? `rank ${s.rank}` : s.id;
+}
+
+// What needs attention first, for the job's most urgent ranks.
+function headline(job) {
+  const worst = job.ranks.filter((r) => urgency(r) === job.urgency && app.config.urgent.includes(r.state));
+  if (!worst.length) return null;
+  const first = worst[0];
+  const who = worst.length === 1 ? rankName(first) : `${worst.length} ranks`;
+  return el("p", { class: "incident", "data-state": first.state }, el("strong", { text: `${who} ${first.state}` }), ": ", ...incident(first));
+}
+
+// A card's signature: what it shows, but for the times that tick in place.
+function cardSignature(job) {
+  const ranks = job.ranks.map((s) => [s.id, s.state, s.reason, s.culprit, s.hold_until, s.attached_by, s.since, s.pod, s.host, s.rank, s.state === "lost" ? s.last_seen : 0]);
+  const confirming = app.confirming && app.confirming.job === job.key ? app.confirming.command : "";
+  return JSON.stringify([ranks, app.selected, confirming, jobSent.get(job.key) || null, job.urgency]);
+}
+
 function render() {
   if (!app.config) return;
+  app.stats.renders += 1;
   syncNamespaces();
   const jobs = visibleJobs();
-  $("jobs").replaceChildren(
-    ...(jobs.length ? jobs.map(jobCard) : [el("p", { class: "empty", text: "no jobs match" })]),
-  );
+  const focus = focusKey();
+  const container = $("jobs");
+  const wanted = new Set(jobs.map((j) => j.key));
+  for (const [key, card] of app.cards) {
+    if (!wanted.has(key)) {
+      card.node.remove();
+      app.cards.delete(key);
+    }
+  }
+  jobs.forEach((job, i) => {
+    const sig = cardSignature(job);
+    let card = app.cards.get(job.key);
+    if (!card || card.sig !== sig) {
+      const node = jobCard(job);
+      if (card) card.node.replaceWith(node);
+      card = { node, sig };
+      app.cards.set(job.key, card);
+      app.stats.cards += 1;
+    }
+    if (container.children[i] !== card.node) container.insertBefore(card.node, container.children[i] || null);
+  });
+  let empty = container.querySelector("p.empty");
+  if (!jobs.length && !empty) container.append(el("p", { class: "empty", text: "no jobs match" }));
+  else if (jobs.length && empty) empty.remove();
   $("counts").textContent = countsText();
-  if (app.selected) renderDetail();
+  renderDetail();
+  refocus(focus);
+}
+
+// The focused control, by a key that survives its card's redraw.
+function focusKey() {
+  const active = document.activeElement;
+  return active && active.dataset && active.dataset.focus ? active.dataset.focus : null;
+}
+
+function refocus(key) {
+  if (!key || (document.activeElement && document.activeElement.dataset.focus === key)) return;
+  const again = [...document.querySelectorAll("[data-focus]")].find((n) => n.dataset.focus === key);
+  if (again) again.focus({ preventScroll: true });
 }
 
 function countsText() {
@@ -354,51 +487,102 @@ function jobCard(job) {
   const notable = job.ranks.filter((r) => app.config.urgent.includes(r.state) || r.reason);
   return el(
     "article",
-    { class: "job", "data-job": job.job, "data-namespace": job.namespace, "data-state": worst.state },
+    { class: "job", "data-job": job.job, "data-namespace": job.namespace, "data-state": worst.state, "data-key": job.key },
     el(
       "h2",
       {},
-      el("span", { class: "job-name", text: job.job }),
+      el("a", { class: "job-name", href: job.named ? `#/job/${encodeURIComponent(job.job)}` : `#/session/${encodeURIComponent(job.job)}`, text: job.job }),
       job.namespace ? el("span", { class: "ns", text: job.namespace }) : null,
-      el("span", { class: "meta", text: `${job.ranks.length} rank(s) · updated ${age(job.updated)} ago` }),
+      el("span", { class: "meta" }, `${job.ranks.length} rank(s) · updated `, since(job.updated), " ago"),
     ),
-    el("div", { class: "grid" }, ...job.ranks.map(rankCell)),
+    headline(job),
+    el("div", { class: "grid", role: "group", "aria-label": `ranks of ${job.job}` }, ...job.ranks.map(rankCell)),
     notable.length ? rankTable(notable) : null,
+    jobActions(job),
   );
 }
 
 function rankCell(s) {
   const label = s.rank ?? "·";
-  const title = `rank ${s.rank ?? "?"} · ${s.state}${s.reason ? ` · ${s.reason}` : ""} · ${where(s)}`;
+  const title = `${rankName(s)} · ${s.state}${s.reason ? ` · ${s.reason}` : ""} · ${where(s)}`;
   return el("button", {
     type: "button",
     class: "rank",
     "data-session": s.id,
     "data-state": s.state,
+    "data-focus": `rank:${s.id}`,
     "aria-pressed": app.selected === s.id ? "true" : "false",
+    "aria-label": `${rankName(s)}: ${s.state}`,
     title,
     text: label,
-    onclick: () => select(s.id),
+    onclick: () => openSession(s.id),
   });
 }
 
+// Each rank that needs a look: its incident, where it runs, and how long since it beat.
 function rankTable(ranks) {
   return el(
     "table",
     { class: "ranks" },
-    el("tr", {}, ...["rank", "state", "reason", "pod / host", "age"].map((h) => el("th", { text: h }))),
+    el("tr", {}, ...["rank", "state", "reason", "pod / host", "heartbeat"].map((h) => el("th", { text: h }))),
     ...ranks.map((s) =>
       el(
         "tr",
-        { "data-session": s.id, onclick: () => select(s.id) },
+        { "data-session": s.id, onclick: () => openSession(s.id) },
         el("td", { text: s.rank ?? "-" }),
         el("td", {}, el("span", { class: "chip", "data-state": s.state, text: s.state })),
-        el("td", { class: "reason", text: s.reason || "" }),
+        el("td", { class: "reason" }, ...incident(s)),
         el("td", { text: where(s) }),
-        el("td", { class: "age", "data-since": s.updated, text: age(s.updated) }),
+        el("td", { class: "age" }, isFinal(s.state) ? "-" : since(s.last_seen), isFinal(s.state) ? null : " ago"),
       ),
     ),
   );
+}
+
+// -- routes: #/job/NAME, #/job/NAME/rank/N, #/session/ID ---------------------------
+
+function routeOf(id) {
+  const s = app.sessions.get(id);
+  if (!s) return "";
+  if (s.job && s.rank !== null && s.rank !== undefined) return `#/job/${encodeURIComponent(s.job)}/rank/${s.rank}`;
+  return `#/session/${encodeURIComponent(id)}`;
+}
+
+function sessionOfRoute(hash) {
+  const parts = hash.replace(/^#\/?/, "").split("/").map(decodeURIComponent);
+  if (parts[0] === "session" && parts[1]) return { session: parts[1] };
+  if (parts[0] !== "job" || !parts[1]) return {};
+  const ranks = [...app.sessions.values()].filter((s) => s.job === parts[1]);
+  if (parts[2] === "rank" && parts[3] !== undefined) {
+    const hit = ranks.find((s) => String(s.rank) === parts[3]);
+    return { job: parts[1], session: hit ? hit.id : null };
+  }
+  return { job: parts[1] };
+}
+
+function followRoute() {
+  const route = sessionOfRoute(location.hash);
+  if (route.session && route.session !== app.selected && app.sessions.has(route.session)) select(route.session);
+  else if (!route.session && app.selected) closePanel(false);
+  if (route.job) {
+    const card = [...app.cards.values()].find((c) => c.node.dataset.job === route.job);
+    if (card) card.node.scrollIntoView({ block: "nearest" });
+  }
+}
+
+function openSession(id) {
+  const route = routeOf(id);
+  if (route && location.hash !== route) location.hash = route; // hashchange selects it
+  else select(id);
+}
+
+function closePanel(updateUrl = true) {
+  const was = app.selected;
+  app.selected = null;
+  app.confirming = null;
+  if (updateUrl && location.hash) history.pushState(null, "", location.pathname + location.search);
+  renderSoon();
+  if (was) requestAnimationFrame(() => refocus(`rank:${was}`));
 }
 
 // -- one session --------------------------------------------------------------
@@ -408,7 +592,9 @@ async function select(id) {
   app.timeline = [];
   app.attach = null;
   app.confirming = null;
-  renderSoon();
+  render();
+  const heading = document.querySelector("#detail h2 [tabindex]");
+  if (heading) heading.focus({ preventScroll: true });
   try {
     // the latest 1000: the plots want the history, the timeline shows the last 200
     const path = `${app.config.paths.events}?session=${encodeURIComponent(id)}&limit=1000`;
@@ -417,7 +603,7 @@ async function select(id) {
     const read = new Set(page.events.map((e) => e.cursor));
     app.timeline = [...page.events, ...app.timeline.filter((e) => !read.has(e.cursor))]; // + what streamed in meanwhile
     app.attach = attach;
-    renderDetail();
+    renderSoon();
   } catch (error) {
     if (error instanceof Unauthorized) showLogin(`login refused (${error.message})`);
   }
@@ -442,103 +628,21 @@ async function attachInfo(id) {
   }
 }
 
-function renderDetail() {
-  const panel = $("detail");
-  const s = app.sessions.get(app.selected);
-  if (!s) {
-    panel.hidden = true;
-    return;
-  }
-  panel.hidden = false;
-  const facts = [
-    ["session", s.id], ["state", s.state], ["reason", s.reason], ["job", s.job],
-    ["namespace", s.namespace], ["pod", s.pod], ["node", s.node], ["host", s.host],
-    ["pid", s.pid], ["rank", s.rank !== undefined && s.rank !== null ? `${s.rank} / ${s.world_size ?? "?"}` : null],
-    ["runtime", s.runtime], ["listener", s.listener], ["address", s.address],
-    ["created", `${age(s.created)} ago`], ["last seen", `${age(s.last_seen)} ago`],
-  ].filter(([, v]) => v !== null && v !== undefined && v !== "");
-  const open = openFolds(panel);
-  const parts = [
-    el("h2", {}, el("span", { text: s.job || s.id }), el("button", { type: "button", class: "close", text: "×", onclick: () => { app.selected = null; panel.hidden = true; renderSoon(); } })),
-    el("dl", { class: "facts" }, ...facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v })])),
-    actionsSection(s),
-    anomalySection(app.timeline),
-    stallSection(app.timeline),
-    flightSection(app.timeline),
-    plotsSection(app.timeline),
-    attachBlock(app.attach),
-    el("h3", { text: "timeline" }),
-    el("ol", { class: "timeline" }, ...app.timeline.slice(-200).reverse().map(eventItem)),
-  ];
-  panel.replaceChildren(...parts.filter(Boolean)); // (replaceChildren would write a null as "null")
-  reopenFolds(panel, open);
+// -- relative times tick without touching the network ------------------------------
+
+function tick() {
+  const now = Date.now() / 1000;
+  for (const node of document.querySelectorAll("[data-since]")) node.textContent = duration(now - Number(node.dataset.since));
+  for (const node of document.querySelectorAll("[data-until]")) node.textContent = duration(Number(node.dataset.until) - now);
 }
 
-// A live re-render keeps the folds the reader opened (stacks, long fields) open.
-function openFolds(panel) {
-  return new Set([...panel.querySelectorAll("details[open] > summary")].map(foldKey));
-}
-
-function reopenFolds(panel, open) {
-  for (const summary of panel.querySelectorAll("details > summary")) {
-    if (open.has(foldKey(summary))) summary.parentElement.open = true;
-  }
-}
-
-function foldKey(summary) {
-  const section = summary.closest("section, li");
-  return `${section ? section.className : ""}/${summary.textContent}`;
-}
-
-function copyable(label, text) {
-  const button = el("button", { type: "button", class: "copy", text: "copy" });
-  button.addEventListener("click", async () => {
-    try {
-      await navigator.clipboard.writeText(text);
-      button.textContent = "copied";
-    } catch {
-      button.textContent = "select and copy";
-    }
-  });
-  return el("div", { class: "command" }, el("span", { class: "label", text: label }), el("pre", { text }), button);
-}
-
-function attachBlock(info) {
-  if (!info) return el("p", { class: "muted", text: "no listener yet: nothing to attach to" });
-  return el(
-    "section",
-    { class: "attach" },
-    el("h3", { text: "attach" }),
-    info.port_forward ? copyable("1. forward the port", info.port_forward) : null,
-    copyable(info.port_forward ? "2. attach" : "attach", info.attach_command),
-    copyable("or directly", info.direct_command),
-    info.vscode_launch ? copyable("VS Code launch.json", JSON.stringify(info.vscode_launch, null, 2)) : null,
-  );
-}
-
-// the first few fields of an event in one line; long text (stack dumps) folded
-function eventItem(event) {
-  const fields = event.fields || {};
-  const long = Object.entries(fields).filter(([, v]) => typeof v === "string" && v.includes("\n"));
-  const short = Object.entries(fields).filter(([k]) => !long.some(([l]) => l === k));
-  const summary = short
-    .map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`)
-    .join("  ");
-  return el(
-    "li",
-    { "data-kind": event.kind },
-    el("time", { text: new Date(event.time * 1000).toLocaleTimeString() }),
-    el("span", { class: "chip", "data-kind": event.kind, text: event.kind }),
-    el("span", { class: "fields", text: summary }),
-    ...long.map(([k, v]) => el("details", {}, el("summary", { text: k }), el("pre", { text: v }))),
-  );
-}
-
-// -- ages tick without touching the network ---------------------------------------
-
-function tickAges() {
-  for (const cell of document.querySelectorAll("td.age[data-since]")) {
-    cell.textContent = age(Number(cell.dataset.since));
+function onKey(event) {
+  if (event.key !== "Escape") return;
+  if (app.confirming) {
+    app.confirming = null;
+    renderSoon();
+  } else if (app.selected) {
+    closePanel();
   }
 }
 
@@ -547,6 +651,12 @@ document.addEventListener("DOMContentLoaded", () => {
   $("logout").addEventListener("click", logout);
   for (const id of ["f-namespace", "f-state"]) $(id).addEventListener("change", render);
   $("f-job").addEventListener("input", render);
-  setInterval(tickAges, 1000);
+  document.addEventListener("keydown", onKey);
+  window.addEventListener("hashchange", followRoute);
+  window.addEventListener("popstate", followRoute);
+  setInterval(tick, 1000);
+  setInterval(() => {
+    if (app.config && !$("main").hidden) reload();
+  }, REFRESH_MS);
   resume();
 });

@@ -199,17 +199,34 @@ function noteCommandEvent(event) {
   if (!entry.states.some(([state]) => state === f.state)) entry.states.push([shown(f.state), f.detail]);
 }
 
-// A finished session takes no more commands: no buttons, but the acknowledgements stay.
+// The commands that make sense in each state (a parked rank is not broken again; a
+// running one has nothing to resume); a session that ended or is lost takes none.
+const COMMANDS_FOR = {
+  running: ["break", "dump-stacks", "dump-flight"],
+  stalled: ["dump-stacks", "dump-flight", "break"],
+  waiting: ["dump-stacks", "dump-flight", "resume"],
+  parked: ["resume", "dump-stacks", "dump-flight"],
+  attached: ["resume", "dump-stacks", "dump-flight"],
+};
+
+function commandsFor(state) {
+  const fitting = COMMANDS_FOR[state];
+  if (!fitting) return app.config.final_states.includes(state) || state === "lost" ? [] : app.config.commands;
+  return fitting.filter((name) => app.config.commands.includes(name));
+}
+
+// Buttons, but no more for a session that ended; the acknowledgements stay.
 function actionsSection(session) {
   if (!app.config || app.config.role !== "admin") return null;
   const mine = [...sent.entries()].filter(([, c]) => c.session === session.id);
-  const open = session.state !== "finished";
+  const names = commandsFor(session.state);
+  const why = session.state === "lost" ? "lost: nothing answers commands" : `${session.state}: it takes no more commands`;
   return el(
     "section",
     { class: "actions" },
     el("h3", { text: "commands (admin)" }),
-    open ? el("div", { class: "buttons" }, ...app.config.commands.map((name) => actionButton(session, name))) : el("p", { class: "muted", text: "finished: it takes no more commands" }),
-    open && app.confirming && app.confirming.session === session.id ? confirmation(session, app.confirming.command) : null,
+    names.length ? el("div", { class: "buttons" }, ...names.map((name) => actionButton(session, name))) : el("p", { class: "muted", text: why }),
+    names.length && app.confirming && app.confirming.session === session.id ? confirmation(session, app.confirming.command) : null,
     ...mine.reverse().map(([id, c]) => ackLine(id, c)),
   );
 }
@@ -219,24 +236,92 @@ function actionButton(session, name) {
     type: "button",
     class: "action",
     "data-command": name,
+    "data-focus": `action:${session.id}:${name}`,
     title: ACTION_HELP[name] || name,
     text: name,
     onclick: () => {
       app.confirming = { session: session.id, command: name };
       renderDetail();
+      focusFirst("#detail .confirm .yes");
     },
   });
+}
+
+function focusFirst(selector) {
+  const node = document.querySelector(selector);
+  if (node) node.focus();
 }
 
 function confirmation(session, name) {
   const who = session.rank !== null && session.rank !== undefined ? `rank ${session.rank} of ${session.job || session.id}` : session.id;
   return el(
     "div",
-    { class: "confirm", role: "alertdialog", "data-command": name },
+    { class: "confirm", role: "alertdialog", "aria-label": `confirm ${name}`, "data-command": name },
     el("span", { text: `send ${name} to ${who}? ${ACTION_HELP[name] || ""}` }),
-    el("button", { type: "button", class: "yes", text: `send ${name}`, onclick: () => sendCommand(session.id, name) }),
+    el("button", { type: "button", class: "yes", "data-focus": `yes:${session.id}`, text: `send ${name}`, onclick: () => sendCommand(session.id, name) }),
     el("button", { type: "button", class: "no", text: "cancel", onclick: () => { app.confirming = null; renderDetail(); } }),
   );
+}
+
+// -- job-wide commands: one command for every rank of the job ----------------------
+
+const JOB_HELP = {
+  break: "park every rank at its next step boundary",
+  resume: "let every parked or waiting rank go on",
+  "dump-stacks": "every rank sends every thread's stack back",
+  "dump-flight": "every rank sends its flight recorder back",
+};
+const jobSent = new Map(); // job key -> [command, state, detail]
+
+function jobActions(job) {
+  if (!app.config || app.config.role !== "admin" || !job.named) return null;
+  const live = job.ranks.filter((r) => !app.config.final_states.includes(r.state) && r.state !== "lost");
+  if (!live.length) return null;
+  const states = new Set(live.map((r) => r.state));
+  const names = app.config.commands.filter((name) => (name === "break" ? states.has("running") || states.has("stalled") : name === "resume" ? states.has("parked") || states.has("attached") || states.has("waiting") : true));
+  const asked = app.confirming && app.confirming.job === job.key ? app.confirming.command : null;
+  const said = jobSent.get(job.key);
+  return el(
+    "div",
+    { class: "job-actions", role: "group", "aria-label": `commands for every rank of ${job.job}` },
+    el("span", { class: "muted", text: "every rank:" }),
+    ...names.map((name) =>
+      el("button", {
+        type: "button",
+        class: "job-action",
+        "data-command": name,
+        "data-focus": `job:${job.key}:${name}`,
+        title: JOB_HELP[name] || name,
+        text: name,
+        onclick: () => {
+          app.confirming = { job: job.key, command: name };
+          render();
+          focusFirst(`article.job[data-key='${CSS.escape(job.key)}'] .confirm .yes`);
+        },
+      }),
+    ),
+    asked
+      ? el(
+          "span",
+          { class: "confirm", role: "alertdialog", "aria-label": `confirm ${asked} for every rank`, "data-command": asked },
+          el("span", { text: `send ${asked} to all ${live.length} live rank(s) of ${job.job}? ${JOB_HELP[asked] || ""}` }),
+          el("button", { type: "button", class: "yes", "data-focus": `jobyes:${job.key}`, text: `send ${asked}`, onclick: () => sendJobCommand(job, asked) }),
+          el("button", { type: "button", class: "no", text: "cancel", onclick: () => { app.confirming = null; render(); } }),
+        )
+      : null,
+    said ? el("span", { class: "ack", "data-state": said[1], text: `${said[0]}: ${said[1]}${said[2] ? ` (${said[2]})` : ""}` }) : null,
+  );
+}
+
+async function sendJobCommand(job, name) {
+  app.confirming = null;
+  jobSent.set(job.key, [name, "sending", null]);
+  render();
+  const path = app.config.paths.job_commands.replace("{job}", encodeURIComponent(job.job));
+  const body = { command: name, reason: "from the dashboard", namespace: job.namespace || null };
+  const response = await post(path, body);
+  jobSent.set(job.key, response.ok ? [name, "queued for every rank", null] : [name, "refused", `${response.status}: ${response.body.detail || "no reason given"}`]);
+  render();
 }
 
 async function sendCommand(id, name) {
@@ -271,5 +356,183 @@ function ackLine(id, c) {
     el("span", { class: "states", text: c.states.map(([s]) => s).join(" → ") }),
     detail && !long ? el("span", { class: "ack-detail", text: shown(detail) }) : null,
     long ? folded("detail", detail) : null,
+  );
+}
+
+// -- the panel: redrawn part by part, each only when its own data changed ---------------
+
+// The panel's parts in order: [name, signature(session), build(session)]. A part whose
+// signature is unchanged keeps its nodes (a selection in the attach command, an open
+// fold, the focused button all stay); a new session draws them all.
+const PANEL_PARTS = [
+  ["head", (s) => [s.id, s.job], headPart],
+  ["incident", (s) => [s.state, s.reason, s.culprit, s.hold_until, s.attached_by, s.since, s.state === "lost" ? s.last_seen : 0], incidentPart],
+  ["facts", (s) => [s.id, s.state, s.reason, s.job, s.namespace, s.pod, s.node, s.host, s.pid, s.rank, s.world_size, s.runtime, s.listener, s.address, s.created], factsPart],
+  ["actions", (s) => [s.state, app.config.role, app.confirming, [...sent.entries()].filter(([, c]) => c.session === s.id)], actionsSection],
+  ["anomaly", () => eventsSeen("anomaly"), () => anomalySection(app.timeline)],
+  ["stall", () => eventsSeen("stall"), () => stallSection(app.timeline)],
+  ["flight", () => eventsSeen(null), () => flightSection(app.timeline)],
+  ["plots", () => eventsSeen(null), () => plotsSection(app.timeline)],
+  ["attach", (s) => [s.state, app.attach, s.attached_by], attachPart],
+  ["timeline", () => [app.timeline.length ? app.timeline[0].cursor : null], timelinePart],
+];
+const panel = { session: null, parts: new Map() }; // name -> {sig, node}
+
+// A signature of the events a part reads: their count and the newest one's cursor.
+function eventsSeen(kind) {
+  const events = kind ? app.timeline.filter((e) => e.kind === kind) : app.timeline;
+  return [events.length, events.length ? events[events.length - 1].cursor : null];
+}
+
+function renderDetail() {
+  const aside = $("detail");
+  const s = app.sessions.get(app.selected);
+  if (!s) {
+    aside.hidden = true;
+    panel.session = null;
+    return;
+  }
+  aside.hidden = false;
+  if (panel.session !== s.id) {
+    panel.session = s.id;
+    panel.parts.clear();
+    aside.replaceChildren();
+  }
+  let drawn = false;
+  let previous = null;
+  for (const [name, signature, build] of PANEL_PARTS) {
+    const sig = JSON.stringify(signature(s));
+    let part = panel.parts.get(name);
+    if (!part || part.sig !== sig) {
+      const node = build(s) || el("div", { hidden: "", "data-part": name });
+      node.dataset.part = name;
+      if (part) {
+        keepFolds(part.node, node);
+        part.node.replaceWith(node);
+      }
+      part = { sig, node };
+      panel.parts.set(name, part);
+      drawn = true;
+    }
+    if (name === "timeline") appendEvents(part.node);
+    if (part.node.parentNode !== aside || part.node.previousSibling !== previous) aside.insertBefore(part.node, previous ? previous.nextSibling : aside.firstChild);
+    previous = part.node;
+  }
+  if (drawn) app.stats.panel += 1;
+}
+
+// A redrawn part keeps the folds the reader opened (stacks, long fields) open.
+function keepFolds(before, after) {
+  const open = new Set([...before.querySelectorAll("details[open] > summary")].map((n) => n.textContent));
+  for (const summary of after.querySelectorAll("details > summary")) if (open.has(summary.textContent)) summary.parentElement.open = true;
+}
+
+function headPart(s) {
+  return el(
+    "h2",
+    {},
+    el("span", { tabindex: "-1", text: s.job ? `${s.job} · ${rankName(s)}` : s.id }),
+    el("button", { type: "button", class: "close", "aria-label": "close (Escape)", title: "close (Escape)", text: "×", onclick: () => closePanel() }),
+  );
+}
+
+function incidentPart(s) {
+  const parts = incident(s);
+  return el("p", { class: "incident", "data-state": s.state }, el("span", { class: "chip", "data-state": s.state, text: s.state }), " ", ...(parts.length ? parts : ["nothing to report"]));
+}
+
+function factsPart(s) {
+  const facts = [
+    ["session", s.id], ["reason", s.reason], ["job", s.job], ["namespace", s.namespace],
+    ["pod", s.pod], ["node", s.node], ["host", s.host], ["pid", s.pid],
+    ["rank", s.rank !== undefined && s.rank !== null ? `${s.rank} / ${s.world_size ?? "?"}` : null],
+    ["runtime", s.runtime], ["listener", s.listener], ["address", s.address],
+  ].filter(([, v]) => v !== null && v !== undefined && v !== "");
+  return el(
+    "dl",
+    { class: "facts" },
+    ...facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { "data-fact": k, text: v })]),
+    el("dt", { text: "created" }), el("dd", {}, since(s.created), " ago"),
+    el("dt", { text: "last heartbeat" }), el("dd", { "data-fact": "last heartbeat" }, since(s.last_seen), " ago"),
+  );
+}
+
+function copyable(label, text) {
+  const button = el("button", { type: "button", class: "copy", text: "copy", "aria-label": `copy: ${label}` });
+  button.addEventListener("click", async () => {
+    try {
+      await navigator.clipboard.writeText(text);
+      button.textContent = "copied";
+    } catch {
+      button.textContent = "select and copy";
+    }
+  });
+  return el("div", { class: "command" }, el("span", { class: "label", text: label }), el("pre", { text }), button);
+}
+
+// The commands that work for this runtime, and what they need. Hidden where nothing
+// listens: an ended or lost session, or one with no listener yet.
+function attachPart(s) {
+  if (app.config.final_states.includes(s.state) || s.state === "lost") return null;
+  const info = app.attach;
+  if (!info) return el("p", { class: "muted attach-none", text: "no listener yet: nothing to attach to" });
+  const kube = info.runtime === "kubernetes";
+  const env = `export BREAKPOD_BROKER_URL=${location.origin}\nexport BREAKPOD_BROKER_TOKEN=<your viewer or admin token>`;
+  const busy = s.state === "attached" ? el("p", { class: "muted", text: `a debugger is attached${s.attached_by ? ` (${s.attached_by})` : ""}: the listener takes one client at a time` }) : null;
+  return el(
+    "section",
+    { class: "attach", "data-runtime": info.runtime },
+    el("h3", { text: "attach" }),
+    busy,
+    copyable("1. once, in your shell: the broker and a token (the CLI finds the session through them)", env),
+    copyable(kube ? "2. attach (it runs kubectl port-forward itself)" : "2. attach", info.attach_command),
+    kube && info.port_forward
+      ? copyable("or, with kubectl and no broker: forward the port (leave it running), then attach", `${info.port_forward}\n${info.direct_command}`)
+      : copyable(info.runtime === "local" ? "or, on the same machine, without the broker" : "or, on the host, through its published port", info.direct_command),
+    info.vscode_launch ? copyable("VS Code launch.json", JSON.stringify(info.vscode_launch, null, 2)) : null,
+  );
+}
+
+// The timeline: newest first, log lines folded away unless asked for (they bury
+// the events that matter); new events are added at the top, nothing is redrawn.
+function timelinePart() {
+  const box = el("input", { type: "checkbox", class: "show-logs" });
+  box.addEventListener("change", () => part.classList.toggle("with-logs", box.checked));
+  const part = el(
+    "section",
+    { class: "timeline-part" },
+    el("h3", {}, "timeline ", el("label", { class: "muted" }, box, " log lines")),
+    el("ol", { class: "timeline" }),
+  );
+  part.dataset.shown = "0";
+  return part;
+}
+
+function appendEvents(part) {
+  const list = part.querySelector("ol.timeline");
+  const shown = Number(part.dataset.shown || 0);
+  if (!list || app.timeline.length <= shown) return;
+  const fresh = app.timeline.slice(Math.max(shown, app.timeline.length - 200));
+  for (const event of fresh) list.prepend(eventItem(event));
+  while (list.children.length > 200) list.lastChild.remove();
+  part.dataset.shown = String(app.timeline.length);
+}
+
+// the first few fields of an event in one line; long text (stack dumps) folded
+function eventItem(event) {
+  const fields = event.fields || {};
+  const long = Object.entries(fields).filter(([, v]) => typeof v === "string" && v.includes("\n"));
+  const short = Object.entries(fields).filter(([k]) => !long.some(([l]) => l === k));
+  const summary = short
+    .map(([k, v]) => `${k}=${typeof v === "object" ? JSON.stringify(v) : v}`)
+    .join("  ");
+  const at = new Date(event.time * 1000);
+  return el(
+    "li",
+    { "data-kind": event.kind },
+    el("time", { datetime: at.toISOString(), title: at.toISOString(), text: at.toLocaleString(undefined, { dateStyle: "short", timeStyle: "medium" }) }),
+    el("span", { class: "chip", "data-kind": event.kind, text: event.kind }),
+    el("span", { class: "fields", text: summary }),
+    ...long.map(([k, v]) => el("details", {}, el("summary", { text: k }), el("pre", { text: v }))),
   );
 }
