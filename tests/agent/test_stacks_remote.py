@@ -144,3 +144,33 @@ def test_the_shipped_probe_runs_as_python3_c(tmp_path: Path) -> None:
         target.wait(timeout=10)
     assert record["pid"] == target.pid and record["host"] == "here"
     assert record["threads"][0]["frames"][0]["filename"] == "<string>"
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 14), reason="this interpreter has sys.remote_exec")
+def test_attach_pid_before_python_3_14_is_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "breakpod._cli.main", "attach", "--pid", "4242"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    assert done.stderr == (
+        "breakpod: error: attach --pid needs sys.remote_exec (PEP 768, Python 3.14+) in this "
+        f"interpreter and the job's; this is Python {version}: read its stacks with "
+        "`breakpod stacks --pid 4242`, or start the job under `breakpod run -- ...` to attach "
+        "to it later\n"
+    )
+
+
+@pytest.mark.skipif(
+    sys.version_info < (3, 14),
+    reason="no Python 3.14 on these machines: sys.remote_exec cannot be tried against a job",
+)
+def test_attach_pid_on_python_3_14_says_it_does_not_inject() -> None:
+    from breakpod._cli import remote_exec
+
+    with pytest.raises(remote_exec.AttachError, match="injecting breakpod into a running"):
+        remote_exec.attach_pid(4242)

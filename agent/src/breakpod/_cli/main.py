@@ -67,7 +67,13 @@ def add_attach(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "target",
         metavar="HOST:PORT|SESSION_ID",
+        nargs="?",
         help="listener address, e.g. 127.0.0.1:5678, or a session id known to the broker",
+    )
+    p.add_argument(
+        "--pid",
+        type=int,
+        help="a running process with no breakpod in it (Python 3.14+: sys.remote_exec)",
     )
     p.add_argument(
         "--listener-token",
@@ -96,8 +102,13 @@ def add_attach(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run_attach(args: argparse.Namespace) -> int:
-    from breakpod._cli import attach
+    from breakpod._cli import attach, remote_exec
     from breakpod._core import net
+
+    if args.pid is not None:
+        return remote_exec.attach_pid(args.pid)
+    if not args.target:
+        raise BreakpodError("attach: give HOST:PORT, a SESSION_ID, or --pid PID")
 
     if args.rank is not None or (":" not in args.target and not args.target.isdigit()):
         from breakpod._cli.broker import attach_session
