@@ -27,9 +27,12 @@ def run(spawn: Any, name: str, mode: str, **env: str) -> Any:
     return spawn(script(name), env=full, stdin="closed")
 
 
-# zero code under HF and a plain loop: the attached tests below
+# zero code under HF and a plain loop: the attached tests below; explicit watch() in a
+# plain loop and with accelerate: tests/agent/test_anomaly_before_update.py and
+# test_wrapped_optimizers.py, in-process
 CASES = [
-    *[("explicit", name) for name in FRAMEWORKS],
+    ("explicit", "hf_trainer"),  # watch(optimizer=...) from TrainerCallback.on_train_begin
+    ("explicit", "lightning_fit"),
     ("zero", "accelerate_loop"),
     ("zero", "lightning_fit"),
 ]

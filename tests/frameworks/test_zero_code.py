@@ -1,0 +1,94 @@
+"""Debug mode with no breakpod line (the autostart .pth): what it installs, how it counts
+steps, what each switch turns off, and that it costs nothing when off."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.frameworks.jobs import ROOT, script
+
+
+def probe(spawn: Any, debug: bool = True, **env: str) -> tuple[str, str]:
+    full = {"PYTHONPATH": ROOT, **({"ENABLE_REMOTE_DEBUG": "1"} if debug else {}), **env}
+    child = spawn(script("probe"), env=full, stdin="closed")
+    assert child.wait(timeout=90) == 0, child.stderr
+    return child.stdout(), child.stderr
+
+
+@pytest.mark.timeout(100)
+def test_debug_mode_off_installs_nothing_and_loads_nothing(spawn: Any) -> None:
+    out, err = probe(spawn, debug=False, NAN_AT="4")
+    assert "before pre=0 post=0 forward=0 unloaded" in out
+    assert "after pre=0 post=0 forward=0 steps=None watched=[]" in out
+    assert "breakpod" not in err
+
+
+@pytest.mark.timeout(100)
+def test_the_models_are_found_at_the_first_step_and_count_one_step_per_iteration(
+    spawn: Any,
+) -> None:
+    """Two optimizers (a GAN's pair) and three forwards per step (gradient accumulation):
+    eight iterations are eight steps; the global forward hook is gone after the first."""
+    out, err = probe(spawn, OPTIMIZERS="2", ACCUMULATE="3")
+    assert "before pre=1 post=1 forward=1 loaded" in out
+    assert "after pre=1 post=1 forward=0 steps=8 watched=['Net', 'Linear']" in out
+    assert err.count("debug mode: watching Net for anomalies") == 1, err
+
+
+@pytest.mark.timeout(100)
+@pytest.mark.parametrize(
+    ("switches", "installed"),
+    [
+        ({"BREAKPOD_AUTO_WATCH": "0"}, "after pre=1 post=1 forward=0 steps=8 watched=[]"),
+        ({"BREAKPOD_AUTO_STEPS": "0"}, "before pre=1 post=0 forward=1"),
+        (
+            {"BREAKPOD_AUTO_WATCH": "0", "BREAKPOD_AUTO_STEPS": "0"},
+            "after pre=0 post=0 forward=0 steps=None watched=[]",
+        ),
+    ],
+    ids=["no-watch", "no-steps", "neither"],
+)
+def test_each_capability_switches_off_on_its_own(
+    spawn: Any, switches: dict[str, str], installed: str
+) -> None:
+    out, err = probe(spawn, NAN_AT="4", BREAKPOD_HOLD_SECONDS="0.2", **switches)
+    assert installed in out, out
+    watching = switches.get("BREAKPOD_AUTO_WATCH") != "0"
+    assert ("anomaly: step 4 forward block" in err) == watching, err
+
+
+@pytest.mark.timeout(100)
+def test_a_hang_is_a_stall_and_a_long_evaluation_is_not(spawn: Any) -> None:
+    """The model's forwards (an evaluation under no_grad, with no optimizer step) keep the
+    stall clock from running; a loop that does nothing for as long is a stall."""
+    _, err = probe(spawn, BREAKPOD_STALL_AFTER="2", HANG_SECONDS="4")
+    assert re.search(r"stall: no heartbeat for \ds \(last step 3\)", err), err
+    _, err = probe(spawn, BREAKPOD_STALL_AFTER="2", EVAL_SECONDS="4")
+    assert "stall" not in err, err
+
+
+@pytest.mark.timeout(100)
+def test_a_rules_file_replaces_the_default_park(spawn: Any, tmp_path: Path) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("- {name: nonfinite, check: nonfinite, action: [log, skip]}\n")
+    out, err = probe(spawn, NAN_AT="4", BREAKPOD_RULES=str(rules))
+    assert "anomaly: step 4 forward block: [nonfinite]" in err
+    assert "step 4: update skipped" in err and "waiting up to" not in err, err
+    assert "finished rank 0 finite=True" in out
+
+
+@pytest.mark.timeout(100)
+def test_an_unreadable_rules_file_is_one_line_and_training_goes_on(
+    spawn: Any, tmp_path: Path
+) -> None:
+    missing = tmp_path / "nope.yaml"
+    env = {"BREAKPOD_HOLD_SECONDS": "0.2", "BREAKPOD_ON_EXPIRE": "skip"}
+    out, err = probe(spawn, NAN_AT="4", BREAKPOD_RULES=str(missing), **env)
+    said = [line for line in err.splitlines() if "BREAKPOD_RULES" in line]
+    assert len(said) == 1 and "cannot read it" in said[0], err
+    assert "anomaly: step 4 forward block: [nonfinite]" in err  # the defaults still watch
+    assert "finished rank 0 finite=True" in out
