@@ -356,6 +356,9 @@ def test_the_broker_api_admits_only_opted_in_namespaces() -> None:
     assert {"namespaceSelector": {"matchExpressions": [by_name]}} in api["from"]
     ingress_nginx = {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}
     assert {"namespaceSelector": ingress_nginx} in api["from"]
+    # every namespace, as before, takes an explicit null (Helm merges an empty map)
+    everyone = docs_of({"networkPolicy": {"apiNamespaceSelector": {"matchLabels": None}}})
+    assert {"namespaceSelector": {}} in policy(everyone, "bp-breakpod")["ingress"][0]["from"]
 
 
 def test_egress_dns_redis_and_the_api_server_only_when_watching() -> None:
