@@ -68,7 +68,7 @@ def do_detach() -> Result:
 def do_dump_stacks() -> Result:
     text = watchdog.format_stacks()
     events.emit(protocol.FALLBACK_KIND, message="stacks of every thread", stacks=text)
-    return True, text[-MAX_DETAIL:]
+    return True, text[:MAX_DETAIL]  # the user's threads lead, breakpod's are folded last
 
 
 def do_dump_flight() -> Result:

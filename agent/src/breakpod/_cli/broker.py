@@ -17,6 +17,7 @@ from typing import Any
 
 from breakpod import protocol
 from breakpod._broker.client import ENV_TOKEN, ENV_URL, BrokerClient
+from breakpod._cli import stacks_report
 from breakpod._core import net
 from breakpod._core.config import token_value
 from breakpod._core.errors import AttachError, BrokerError
@@ -70,9 +71,11 @@ def job_lines(sessions: list[dict[str, Any]]) -> list[str]:
 def run_stacks(args: argparse.Namespace) -> int:
     """``breakpod stacks SESSION|JOB``: every thread's stack of one rank or of each rank."""
     broker = client(args)
-    for session in job_sessions(broker.sessions(), args.target):
+    sessions = job_sessions(broker.sessions(), args.target)
+    answers = [_ask(broker, s, protocol.DUMP_STACKS, args.timeout) for s in sessions]
+    print(stacks_report.agent_summary(sessions, answers, args.timeout), flush=True)
+    for session, answer in zip(sessions, answers, strict=True):
         print(_heading(session), flush=True)
-        answer = _ask(broker, session, protocol.DUMP_STACKS, args.timeout)
         print(answer if answer is not None else _no_answer(args.timeout), flush=True)
     return 0
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from breakpod._job.thread_stacks import Frame, Thread, format_threads
+from breakpod._job.thread_stacks import Frame, Thread, format_threads, parse
 
 COLLECTIVE = "collective"
 BACKWARD = "backward"
@@ -112,11 +112,23 @@ def culprits(places: dict[str, Place]) -> tuple[list[str], str]:
     behind = [k for k in read if k not in inside]
     if not behind:
         return [], f"every rank is inside {op}"
-    return behind, f"not in {op}, which {_names(list(inside))} wait in"
+    verb = "waits" if len(inside) == 1 else "wait"
+    return behind, f"not in {op}, which {_names(list(inside))} {verb} in"
 
 
 def report(processes: Sequence[Process], heading: str) -> tuple[str, list[Process]]:
-    """The text report and the blamed processes."""
+    """The text report and the blamed processes: the summary, then the stacks of each
+    place once (the culprit's first)."""
+    processes = sorted(processes, key=_order)
+    lines, blamed = summary(processes, heading)
+    places = {p.label: place(p) for p in processes}
+    for members in sorted(_groups(processes, places), key=lambda m: m[0] not in blamed):
+        lines.append(_stacks_block(members))
+    return "\n".join(lines), blamed
+
+
+def summary(processes: Sequence[Process], heading: str) -> tuple[list[str], list[Process]]:
+    """The heading, the culprit line and one line per place (ranks grouped)."""
     processes = sorted(processes, key=_order)
     places = {p.label: place(p) for p in processes}
     blamed_labels, why = culprits(places)
@@ -129,9 +141,26 @@ def report(processes: Sequence[Process], heading: str) -> tuple[str, list[Proces
         lines.append(f"culprit: none found ({why})")
     groups = _groups(processes, places)
     lines += [_group_line(members, places[members[0].label]) for members in groups]
-    for members in sorted(groups, key=lambda m: m[0] not in blamed):
-        lines.append(_stacks_block(members))
-    return "\n".join(lines), blamed
+    return lines, blamed
+
+
+def agent_summary(
+    sessions: Sequence[Mapping[str, Any]], answers: Sequence[str | None], timeout: float
+) -> str:
+    """``breakpod stacks SESSION|JOB``: the same summary over the agents' own dumps."""
+    processes = [
+        Process(
+            pid=int(s.get("pid") or 0),
+            threads=parse(answer or ""),
+            rank=s.get("rank"),
+            error=None if answer else f"no answer within {timeout:g}s",
+            host=str(s.get("pod") or s.get("host") or ""),
+        )
+        for s, answer in zip(sessions, answers, strict=True)
+    ]
+    job = sessions[0].get("job") if sessions else None
+    what = f"{len(processes)} ranks of job {job}" if job and len(processes) > 1 else "1 process"
+    return "\n".join(summary(processes, f"stacks: {what}, from their agents")[0])
 
 
 def to_json(processes: Sequence[Process]) -> dict[str, Any]:
