@@ -14,7 +14,7 @@ import dataclasses
 import math
 import statistics
 from collections import defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from breakpod._monitor.anomaly import Anomaly
@@ -87,6 +87,7 @@ class Sample:
     tensor: Any = None
     units: int = 0  # for dead_units: values[-1] is then the count of dead units
     consumer: str = ""  # for the batch (phase "input"): the first watched module that ran
+    extremes: tuple[float, float] | None = None  # (min, max), from the flight columns
 
     @property
     def nonfinite(self) -> bool:
@@ -118,15 +119,24 @@ class StepData:
 
 
 Found = tuple[Anomaly, Rule]
+OVERFLOW = "overflow"  # details["kind"]: finite values whose L2 norm or sum exceeds float32
+# (phase "param" or "backward", step, parameter index) -> the tensor whose norm that was, or
+# None once it is gone (a gradient read after its step)
+Values = Callable[[str, int, int], Any]
 
 
 class Detector:
     def __init__(
-        self, rules: list[Rule], params: list[ParamInfo], batchnorm: dict[str, frozenset[str]]
+        self,
+        rules: list[Rule],
+        params: list[ParamInfo],
+        batchnorm: dict[str, frozenset[str]],
+        values: Values | None = None,
     ) -> None:
         self.rules = rules
         self.params = params
         self.batchnorm = batchnorm  # BatchNorm module -> names of the rules that watch it
+        self.values = values
         self._streak: dict[tuple[Any, ...], int] = defaultdict(int)
         self._active: set[tuple[Any, ...]] = set()
         self._baselines: dict[str, NormBaselines] = {}  # per grad_norm rule
@@ -162,16 +172,48 @@ class Detector:
 
     # nonfinite: the first producer in execution order, once per outbreak
     def _nonfinite(self, rule: Rule, data: StepData) -> Iterator[Found]:
-        first = next((a for a in self._nonfinite_sites(rule, data) if a is not None), None)
+        first = self._first_site(rule, data)
         if data.partial and first is None:
             return  # a late finite loss says nothing about the step's other tensors
         if self._fires((rule.name,), first is not None, rule) and first is not None:
-            params = [
-                self.params[i].name for i, n in (data.params or {}).items() if not math.isfinite(n)
-            ]
-            if params and first.phase != "param":  # a corrupt parameter may be the cause
-                first.details["nonfinite_params"] = params[:10]
+            self._add_params(first, data)
             yield first, rule
+
+    def _first_site(self, rule: Rule, data: StepData) -> Anomaly | None:
+        """The first site with NaN/Inf values; only without one, the first overflow."""
+        overflow = None
+        for site in self._nonfinite_sites(rule, data):
+            if site is None:
+                continue
+            if site.details.get("kind") != OVERFLOW:
+                return site
+            overflow = overflow or site
+        return overflow
+
+    def _add_params(self, first: Anomaly, data: StepData) -> None:
+        """Parameters that may be the cause: non-finite ones, and apart, finite ones whose
+        norm overflowed."""
+        bad: dict[str, list[str]] = {"nonfinite_params": [], "overflow_params": []}
+        for i, norm in (data.params or {}).items():
+            if not math.isfinite(norm):
+                over = self._kind(("param", data.step, i), norm).get("kind") == OVERFLOW
+                bad["overflow_params" if over else "nonfinite_params"].append(self.params[i].name)
+        for key, names in bad.items():
+            if names and first.phase != "param":  # a corrupt parameter may be the cause
+                first.details[key] = names[:10]
+
+    def _kind(self, where: tuple[str, int, int], norm: float) -> dict[str, Any]:
+        """What a non-finite L2 norm hides: exact NaN/Inf counts, or an overflow of finite
+        values (a host read of the tensor: anomalies only); ``{}`` once it is gone."""
+        tensor = self.values(*where) if self.values is not None else None
+        if tensor is None:
+            return {"nan": "yes"} if math.isnan(norm) else {}
+        from breakpod._monitor.summaries import nonfinite_counts
+
+        counts = nonfinite_counts(tensor)
+        if any(counts.values()):
+            return dict(counts)
+        return {"kind": OVERFLOW, "max_abs": float(tensor.detach().abs().max())}
 
     def _nonfinite_sites(self, rule: Rule, data: StepData) -> Iterator[Anomaly | None]:
         where = rule["where"]
@@ -203,10 +245,10 @@ class Detector:
         for index, norm in norms.items():
             info = self.params[index]
             if rule.name in info.rules and not math.isfinite(norm):
-                summary = f"{what} {info.name} has non-finite values (L2 norm {norm})"
-                yield _anomaly(
-                    rule, data, info.module, phase, summary, norm, details={"param": info.name}
-                )
+                kind = self._kind((phase, data.step, index), norm)
+                summary = _norm_summary(f"{what} {info.name}", norm, kind)
+                details = {"param": info.name, **kind}
+                yield _anomaly(rule, data, info.module, phase, summary, norm, details=details)
 
     def _activation(self, rule: Rule, data: StepData) -> Iterator[Found]:
         if not data.stats:
@@ -309,18 +351,35 @@ def _watched(rule: Rule, sample: Sample) -> bool:
     return rule.name in sample.slot.rules
 
 
+def _norm_summary(what: str, norm: float, kind: dict[str, Any]) -> str:
+    if kind.get("kind") == OVERFLOW:
+        return (
+            f"{what}: every value is finite, but its L2 norm overflows float32 "
+            f"(overflow; largest |x| {kind['max_abs']:.3g})"
+        )
+    if not kind:  # read after its step: the values are gone
+        return f"{what}: L2 norm {norm} (NaN/Inf values or an overflow; read too late to tell)"
+    return f"{what} has non-finite values (L2 norm {norm})"
+
+
 def _nonfinite_sample(rule: Rule, step: int, s: Sample) -> Anomaly | None:
     if not s.nonfinite:
         return None
     details = _nonfinite_kinds(s)
-    counts = " ".join(f"{k}={v}" for k, v in details.items())
-    value = float(sum(details.values())) if s.tensor is not None else math.nan
     module = s.consumer if s.slot.phase == "input" else s.slot.module
     what = {
         "input": f"input of {module or '<model>'} (the batch)",
         "forward": f"output of {module or '<model>'}",
     }.get(s.slot.phase, f"gradient w.r.t. the input of {module or '<model>'}")
-    summary = f"{what} has non-finite values ({counts})"
+    if details.get("kind") == OVERFLOW:
+        summary = f"{what}: every value is finite, but their sum overflows float32 (overflow)"
+        value = math.inf
+    else:
+        counts = " ".join(f"{k}={v}" for k, v in details.items())
+        if "yes" in details.values() and "nan" not in details:  # an infinite sum, unread
+            counts += ", or finite values whose sum overflows float32"
+        summary = f"{what} has non-finite values ({counts})"
+        value = float(sum(details.values())) if s.tensor is not None else math.nan
     if s.slot.phase == "input":
         details["batch"] = True
     return Anomaly(
@@ -329,11 +388,15 @@ def _nonfinite_sample(rule: Rule, step: int, s: Sample) -> Anomaly | None:
 
 
 def _nonfinite_kinds(s: Sample) -> dict[str, Any]:
-    """Exact counts when the tensor was kept, else which kinds are present (from min/max)."""
+    """Exact counts when the tensor was kept, else which kinds are present (from min/max);
+    an overflow when every value is finite (the sum of values near float32's limit)."""
     if s.tensor is not None:
         from breakpod._monitor.summaries import nonfinite_counts
 
-        return nonfinite_counts(s.tensor)
+        counts = nonfinite_counts(s.tensor)
+        return dict(counts) if any(counts.values()) else {"kind": OVERFLOW}
+    if s.extremes is not None and all(math.isfinite(v) for v in s.extremes):
+        return {"kind": OVERFLOW}
     total = s.values[0]
     if math.isnan(total):
         return {"nan": "yes"}  # or +Inf and -Inf together: exact counts need the tensor

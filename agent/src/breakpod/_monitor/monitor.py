@@ -320,7 +320,9 @@ class Monitor:
             hook = self._guarded("optimizer step hook", self._before_update)
             self._handles.append(optimizer.register_step_pre_hook(hook))
         self._batchnorm = batchnorm
-        self._detector = Detector(self.rules, [info for info, _ in self._params], batchnorm)
+        self._detector = Detector(
+            self.rules, [info for info, _ in self._params], batchnorm, self._norm_source
+        )
 
     def _plan_params(self) -> None:
         """The watched parameters and how their norms, and their gradients', are taken."""
@@ -358,7 +360,17 @@ class Monitor:
         self._plan_params()
         infos = [info for info, _ in self._params]
         if infos != before:
-            self._detector = Detector(self.rules, infos, self._batchnorm)
+            self._detector = Detector(self.rules, infos, self._batchnorm, self._norm_source)
+
+    def _norm_source(self, phase: str, step: int, index: int) -> Any:
+        """The tensor behind a non-finite norm, to tell NaN/Inf from an overflow: the
+        parameter, or its gradient while it is still that step's (judged at its own
+        boundary, before another backward)."""
+        _, param = self._params[index]
+        if phase == "param":
+            return param
+        fresh = step == self.step_count - 1 and not self._current.grads_done
+        return param.grad if fresh else None
 
     def _watched_params(self) -> list[tuple[ParamInfo, Any]]:
         """Parameters whose owning module some gradient or parameter rule watches."""

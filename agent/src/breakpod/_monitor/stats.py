@@ -23,7 +23,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
-from breakpod._monitor.detect import MEAN_ABS, TOTAL, ZEROS, Sample, Slot, StepData
+from breakpod._monitor.detect import HIGH, LOW, MEAN_ABS, TOTAL, ZEROS, Sample, Slot, StepData
 
 
 @dataclasses.dataclass
@@ -133,6 +133,9 @@ class SlotTable:
             for pos, row, numel, n_units in self._flagged(ran, values, hot, units, data.stats):
                 slot = self.slots[order[pos]]
                 sample = Sample(slot, row, numel, kept.get(slot.index), n_units)
+                if slot.flight and sample.nonfinite:  # min and max tell an overflow apart
+                    low, high = values[slot.cell(LOW)], values[slot.cell(HIGH)]
+                    sample.extremes = (float(low), float(high))
                 if slot.phase == "input":  # the batch: named after the first module that ran
                     sample.consumer = self._first_module(order[pos + 1 :])
                 (data.backward if slot.phase == "backward" else data.forward).append(sample)
