@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "e2e-cluster.sh"
@@ -88,3 +89,39 @@ def test_no_kubectl_skips_in_one_line(tmp_path: Path) -> None:
     result = run({"PATH": str(bin_dir), "HOME": str(tmp_path)})
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["e2e-cluster: skipped: kubectl is not installed"]
+
+
+IMAGES = ROOT / "scripts" / "images.sh"
+
+
+def test_make_images_builds_and_tags_both_images(tmp_path: Path) -> None:
+    """scripts/images.sh's docker argv, recorded by a stand-in docker (no
+    Docker engine runs on these machines; the Dockerfiles are linted and
+    built for real by the compose tests where one does)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "docker.log"
+    (bin_dir / "docker").write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    (bin_dir / "docker").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    result = subprocess.run(
+        [BASH, str(IMAGES)],
+        env={**env, "REGISTRY": "registry.example.com/ml/"},
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    version = yaml.safe_load((ROOT / "helm/breakpod/Chart.yaml").read_text())["appVersion"]
+    broker, debug = log.read_text().replace(version, "VERSION").splitlines()
+    assert broker == (
+        "build -q --build-arg PYTHON_IMAGE=python:3.11-slim-bookworm "
+        "-t registry.example.com/ml/breakpod-broker:VERSION -f docker/broker.Dockerfile ."
+    )
+    assert debug == (
+        "build -q --build-arg BASE_IMAGE=pytorch/pytorch:2.5.1-cuda12.4-cudnn9-runtime "
+        "-t registry.example.com/ml/breakpod-debug:VERSION -f docker/debug.Dockerfile ."
+    )
+    assert "image.repository=registry.example.com/ml/breakpod-broker" in result.stdout
