@@ -411,3 +411,23 @@ def test_readyz_says_why_when_redis_is_away():
     assert ready.status_code == 503
     assert ready.json()["status"].startswith("redis unavailable: ")
     assert alive.status_code == 200 and alive.json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("namespace", ["team-b", "team-a"])
+def test_a_limited_agent_learns_nothing_of_another_namespaces_session(broker, namespace):
+    """Registering an id another namespace holds answers 404 and names no owner or
+    namespace (it answered 403 "belongs to another token", or 409 naming the namespace)."""
+    register(broker, "theirs", token=AGENT2, namespace=namespace)
+    with broker.client(ADMIN) as admin:
+        limited = admin.post("/v1/tokens", json={"role": "agent", "namespaces": ["team-a"]})
+    token = limited.json()["token"]
+    with broker.client(token) as c:
+        taken = c.put("/v1/sessions/theirs", json={"namespace": "team-a"})
+        beat = c.post("/v1/sessions/theirs/heartbeat", json={})
+    if namespace == "team-b":  # not the token's to see: as if there were none
+        assert taken.status_code == 404 and beat.status_code == 404, taken.text
+        assert "team-b" not in taken.text and "another token" not in taken.text
+    else:  # its own namespace: another token's session, as before
+        assert taken.status_code == 403 and beat.status_code == 403, taken.text
+    with broker.client(ADMIN) as admin:  # the session is untouched
+        assert admin.get("/v1/sessions/theirs").json()["namespace"] == namespace
