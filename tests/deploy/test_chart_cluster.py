@@ -90,6 +90,11 @@ def test_the_broker_webhook_and_test_pods_run_the_image_given() -> None:
     assert len(ours) == 3  # broker, webhook, helm test pod
     assert set(ours) == {f"{repo}:1.2.3@sha256:{'cd' * 32}"}
     fails({"image": {"digest": "sha256:short"}}, "/image/digest")
+    pulled = docs_of(merged(WEBHOOK_SECRET, {"imagePullSecrets": [{"name": "registry"}]}))
+    for d in pulled:  # a private registry: every pod that pulls gets the secret
+        if d["kind"] in ("Deployment", "StatefulSet", "Pod"):
+            spec = d["spec"]["template"]["spec"] if d["kind"] != "Pod" else d["spec"]
+            assert spec["imagePullSecrets"] == [{"name": "registry"}], d["metadata"]["name"]
 
 
 def test_redis_is_pinned_by_digest_or_the_render_fails_naming_it() -> None:
