@@ -1,7 +1,9 @@
 """A cluster reviewer's checklist, run over every scenario in helm/breakpod/ci:
 no secret on a command line or in a plain env value, a PodDisruptionBudget and
 anti-affinity when replicas > 1, checksum annotations that roll the broker when
-its settings change, no forced runtimeClassName, token lengths the broker takes."""
+its settings change, no forced runtimeClassName, token lengths the broker takes,
+a NetworkPolicy both ways for every workload, no image the user did not name or
+a digest pin."""
 
 from __future__ import annotations
 
@@ -13,7 +15,16 @@ import yaml
 
 pytest.importorskip("helm_python", reason="pip install -r requirements-dev.txt")
 
-from tests.deploy.conftest import CHART, documents, find, render, render_scenario
+from tests.deploy.conftest import (
+    CHART,
+    REQUIRED,
+    documents,
+    find,
+    merged,
+    render,
+    render_scenario,
+    scenario_values,
+)
 
 SCENARIOS = sorted((CHART / "ci").glob("*-values.yaml"))
 WORKLOADS = ("Deployment", "StatefulSet")
@@ -127,3 +138,28 @@ def test_broker_tls_serves_https_and_agents_verify_it() -> None:
     assert agent["BREAKPOD_BROKER_URL"]["value"].startswith("https://")
     ca = agent["BREAKPOD_BROKER_CA"]["valueFrom"]["configMapKeyRef"]
     assert ca["name"] == "breakpod-broker-ca"
+
+
+def test_every_workload_has_a_network_policy_both_ways(docs) -> None:
+    """With NetworkPolicies on, no pod of the release is left open: each
+    workload's pods are selected by a policy that limits ingress and egress."""
+    policies = [d["spec"] for d in docs if d["kind"] == "NetworkPolicy"]
+    if not policies:
+        return  # networkPolicy.enabled=false in this scenario
+    for doc in (d for d in docs if d["kind"] in WORKLOADS):
+        labels = doc["spec"]["template"]["metadata"]["labels"]
+        selecting = [
+            p for p in policies if p["podSelector"]["matchLabels"].items() <= labels.items()
+        ]
+        assert len(selecting) == 1, doc["metadata"]["name"]
+        assert set(selecting[0]["policyTypes"]) == {"Ingress", "Egress"}, doc["metadata"]["name"]
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.name.removesuffix("-values.yaml"))
+def test_every_image_is_pinned_or_named_by_the_user(path: Path) -> None:
+    """No image reference the user did not give: the broker's repository is
+    theirs, Redis is pinned by digest."""
+    given = merged(REQUIRED, scenario_values(path))["image"]["repository"]
+    for doc in (d for d in scenario(path) if d["kind"] in WORKLOADS):
+        for c in pod_containers(doc):
+            assert c["image"].startswith(f"{given}:") or "@sha256:" in c["image"], c["image"]
