@@ -9,7 +9,13 @@ from typing import Any
 
 import pytest
 
-from tests.brokerkit import _shared_broker, broker, redis_server, redis_url  # noqa: F401
+from tests.brokerkit import (  # noqa: F401
+    _shared_broker,
+    broker,
+    redis_server,
+    redis_url,
+    start_broker,
+)
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
