@@ -72,6 +72,7 @@ AGENT_LAYERS = (
         *(
             "breakpod._cli.stacks",
             "breakpod._cli.stacks_remote",
+            "breakpod._cli.stacks_kube",
             "breakpod._cli.stacks_report",
             "breakpod._cli.stacks_probe",
             "breakpod._cli.remote_exec",

@@ -95,11 +95,18 @@ def test_compose_services_are_found_by_their_label() -> None:
     ]
 
 
-def test_no_kubectl_is_one_line() -> None:
-    env = {**os.environ, "PATH": "/nonexistent"}
+def test_no_kubectl_and_no_cluster_is_one_line(tmp_path: Path) -> None:
+    """Without kubectl the kubernetes client is used; with no service account and no
+    kubeconfig either, one line says so."""
+    env = {**os.environ, "PATH": "/nonexistent", "HOME": str(tmp_path)}
+    env.pop("KUBECONFIG", None)
+    env.pop("KUBERNETES_SERVICE_HOST", None)
     done = cli("pod/train-0", "-c", "trainer", env=env)
     assert (done.returncode, done.stdout) == (2, "")
-    assert done.stderr.startswith("breakpod: error: kubectl is not installed here")
+    assert done.stderr.startswith(
+        "breakpod: error: no cluster to talk to: not in a pod, and no kubeconfig ("
+    )
+    assert done.stderr.count("\n") == 1
 
 
 def test_job_pods_by_the_labels_of_each_kind() -> None:

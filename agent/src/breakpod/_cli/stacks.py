@@ -14,10 +14,12 @@ import argparse
 import dataclasses
 import json
 import shlex
+import shutil
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from breakpod._cli import stacks_kube
 from breakpod._cli import stacks_remote as remote
 from breakpod._cli import stacks_report as report
 from breakpod._cli.stacks_remote import Host, StacksError
@@ -79,8 +81,17 @@ def resolve(args: argparse.Namespace) -> list[list[Host]]:
         return [docker_hosts(c, args) for c in remote.compose_containers(name)]
     if kind == "pod":
         return [pod_hosts(name, args.container, args)]
-    pods = remote.job_pods(name, args.namespace)
+    if through_client(args):
+        api = stacks_kube.core_api()
+        pods = stacks_kube.job_pods(api, name, stacks_kube.namespace(args.namespace))
+    else:
+        pods = remote.job_pods(name, args.namespace)
     return [pod_hosts(p["metadata"]["name"], first_container(p, args), args) for p in pods]
+
+
+def through_client(args: argparse.Namespace) -> bool:
+    """No kubectl here (a pod of the cluster): the kubernetes client makes the calls."""
+    return shutil.which("kubectl") is None and not args.dry_run
 
 
 def first_container(pod: dict[str, Any], args: argparse.Namespace) -> str:
@@ -95,7 +106,19 @@ def pod_hosts(pod: str, container: str | None, args: argparse.Namespace) -> list
         hosts.append(remote.kubectl_debug(pod, args.namespace, container, args.image))
     elif args.via == "debug":
         raise StacksError("--via debug needs --image: an image with python3 and py-spy")
-    return hosts[-1:] if args.via == "debug" else hosts
+    hosts = hosts[-1:] if args.via == "debug" else hosts
+    return [with_client(h, pod, container, args) for h in hosts] if through_client(args) else hosts
+
+
+def with_client(host: Host, pod: str, container: str | None, args: argparse.Namespace) -> Host:
+    """The same host, its commands made through the kubernetes client's exec or
+    ephemeral container instead of kubectl's."""
+    api, ns = stacks_kube.core_api(), stacks_kube.namespace(args.namespace)
+    if host.prefix[1] == "debug":
+        runner = stacks_kube.debug_probe(api, pod, ns, str(container), args.image, args.timeout)
+    else:
+        runner = stacks_kube.exec_probe(api, pod, ns, container, args.timeout)
+    return dataclasses.replace(host, client=runner)
 
 
 def docker_hosts(container: str, args: argparse.Namespace) -> list[Host]:

@@ -19,7 +19,7 @@ import json
 import subprocess
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from breakpod._cli import stacks_probe
@@ -55,9 +55,16 @@ class Host:
 
     label: str  # pod/NAME, container:ID ('' here)
     prefix: tuple[str, ...] = ()  # the command that enters it, the probe's argv follows
+    # runs a command there through an API instead of the CLI of ``prefix`` (stacks_kube)
+    client: Runner | None = field(default=None, compare=False)
 
     def argv(self, pids: Sequence[int], native: bool, timeout: float) -> list[str]:
         return [*self.prefix, *probe_command(pids, native, timeout)]
+
+    def execute(self, command: Sequence[str], timeout: float, run: Runner) -> str:
+        if self.client is not None:
+            return self.client(command, timeout)
+        return run([*self.prefix, *command], timeout)
 
 
 def kubectl_exec(pod: str, namespace: str | None, container: str | None) -> Host:
@@ -115,7 +122,7 @@ def collect(
     """The probe's records from ``host``; here, in this process (no python3 needed)."""
     if not host.prefix:
         return stacks_probe.probe(list(pids), native, timeout)
-    out = run(host.argv(pids, native, timeout), timeout * 2 + 30)
+    out = host.execute(probe_command(pids, native, timeout), timeout * 2 + 30, run)
     try:
         records = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError) as e:
@@ -149,7 +156,7 @@ def spy_in_image(host: Host, run: Runner = run_cli) -> bool:
         "sys.exit(0 if os.access(b,os.X_OK) or shutil.which('py-spy') else 3)"
     )
     try:
-        run([*host.prefix, "python3", "-c", check], 60.0)
+        host.execute(["python3", "-c", check], 60.0, run)
     except StacksError:
         return False
     return True
