@@ -9,6 +9,13 @@ from __future__ import annotations
 
 import base64
 import datetime
+import os
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa  # noqa: 
 from tests.deploy.conftest import (  # noqa: E402
     CHART,
     REQUIRED,
+    ROOT,
     documents,
     find,
     merged,
@@ -459,3 +467,61 @@ def test_the_env_names_are_the_brokers_settings() -> None:
     if missing and set(missing) <= pending:  # agreed names the broker is being given
         pytest.skip(f"the broker does not read {missing} yet")
     assert not missing
+
+
+def test_the_rendered_webhook_serves_the_generated_certificate_to_a_client_trusting_ca_bundle(
+    tmp_path: Path,
+) -> None:
+    """The webhook pod's own command, run here with the chart-made key pair,
+    answers a TLS client that trusts only the configuration's caBundle and
+    checks the Service's DNS name, as the API server does."""
+    from breakpod_broker.redis_server import free_port
+
+    docs = docs_of({"webhook": {"enabled": True}})
+    data = find(docs, "Secret", "bp-breakpod-webhook-tls")["data"]
+    for key in ("tls.crt", "tls.key"):
+        (tmp_path / key).write_bytes(base64.b64decode(data[key]))
+    (tmp_path / "overlay.json").write_text('{"pod": {}, "container": {}}')
+    [container] = pod_spec(docs, "Deployment", "bp-breakpod-webhook")["containers"]
+    port = free_port()
+    args = [
+        a.replace("/etc/breakpod/tls/", f"{tmp_path}/")
+        .replace("--host=0.0.0.0", "--host=127.0.0.1")
+        .replace("--port=8443", f"--port={port}")
+        for a in container["args"]
+    ]
+    assert container["command"][:1] == ["python3"]
+    env = {**os.environ, "BREAKPOD_OVERLAY_FILE": str(tmp_path / "overlay.json")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "broker" / "src"), env.get("PYTHONPATH", "")])
+    command = [sys.executable, *container["command"][1:], *args]
+    proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env, cwd=tmp_path)
+    hook = find(docs, "MutatingWebhookConfiguration")["webhooks"][0]["clientConfig"]
+    trust = ssl.create_default_context(cadata=base64.b64decode(hook["caBundle"]).decode())
+    try:
+        reply = _get_healthz(port, trust, "bp-breakpod-webhook.breakpod.svc", proc)
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:80]
+        with pytest.raises(ssl.SSLCertVerificationError):  # another name: refused
+            _get_healthz(port, trust, "bp-breakpod.breakpod.svc", proc)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _get_healthz(
+    port: int, trust: ssl.SSLContext, name: str, proc: subprocess.Popen[bytes]
+) -> bytes:
+    deadline = time.monotonic() + 20
+    while True:
+        assert proc.poll() is None, "the webhook exited"
+        try:
+            raw = socket.create_connection(("127.0.0.1", port), timeout=5)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+            continue
+        with trust.wrap_socket(raw, server_hostname=name) as tls:
+            tls.sendall(
+                f"GET /healthz HTTP/1.1\r\nHost: {name}\r\nConnection: close\r\n\r\n".encode()
+            )
+            return tls.recv(4096)
