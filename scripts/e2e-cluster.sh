@@ -63,27 +63,20 @@ kubectl label namespace "$TRAIN_NS" breakpod.dev/inject=enabled
 
 step "helm install (webhook, pod watch, stacks RBAC, a token for $TRAIN_NS)"
 "$PY" - "$RELEASE" "$NS" "$TRAIN_NS" <<'PYTHON'
-import os, sys, helm_python as helm
+import os, sys, yaml, helm_python as helm
 release, ns, train = sys.argv[1:]
-redis = {"persistence": {"enabled": False}, "image": {}}
+# helm/breakpod/ci/e2e-cluster-values.yaml (rendered and validated by the chart
+# tests), pointed at this run's training namespace and images
+values = yaml.safe_load(open("helm/breakpod/ci/e2e-cluster-values.yaml"))
+for feature in (values["agentTokens"], values["podWatch"], values["stacks"]["rbac"]):
+    feature["namespaces"] = [train]
+values["image"] = {"repository": os.environ["IMAGE_REPOSITORY"], "tag": os.environ.get("IMAGE_TAG", ""),
+                   "pullPolicy": os.environ.get("PULL_POLICY", "IfNotPresent")}
+image = values["redis"].setdefault("image", {})
 if os.environ.get("REDIS_DIGEST"):
-    redis["image"]["digest"] = os.environ["REDIS_DIGEST"]
+    image["digest"] = os.environ["REDIS_DIGEST"]
 else:
-    redis["image"]["allowTag"] = True
-values = {
-    "image": {"repository": os.environ["IMAGE_REPOSITORY"], "tag": os.environ.get("IMAGE_TAG", ""),
-              "pullPolicy": os.environ.get("PULL_POLICY", "IfNotPresent")},
-    "broker": {"replicaCount": 1},
-    "redis": redis,
-    "webhook": {"enabled": True, "replicaCount": 1},
-    "agentTokens": {"namespaces": [train]},
-    "podWatch": {"enabled": True, "namespaces": [train]},
-    "stacks": {"rbac": {"enabled": True, "namespaces": [train]}},
-    # tty/stdin off: with a TTY, breakpoint() would open pdb there instead of
-    # parking on the socket this test attaches to
-    "overlay": {"tty": False, "stdin": False,
-                "extraEnv": [{"name": "BREAKPOD_HOLD_SECONDS", "value": "600"}]},
-}
+    image["allowTag"] = True
 with helm.Config(namespace=ns) as cfg:
     print(cfg.install("helm/breakpod", release, values, wait="watcher", timeout=300)["status"])
 PYTHON
