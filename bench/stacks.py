@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         loud, quiet, walls = pauses(flags, args.dumps)
         print(f"  {label:34s} longest gap {ms(loud)}; dump wall {ms(walls)}")
-    print(f"  {'no dump (the machine own noise)':34s} longest gap {ms(quiet)}")
+    noise = "no dump (the machine's own noise)"
+    print(f"  {noise:34s} longest gap {ms(quiet)}")
     times, culprits = report_times(args.ranks, args.runs)
     print(f"time to the report, {args.ranks} local ranks (torchrun, gloo), rank 3 blocked:")
     print(f"  breakpod stacks --pid <torchrun>   {ms(times)}")
