@@ -77,7 +77,10 @@ def listener_cwd(host: str, port: int) -> str | None:
     this machine (attach by address inside the job's container, or on its host): the
     job's own, which the adapter inherits. None when the listener is not a debugpy
     process visible here (a ``kubectl port-forward``'s port is kubectl's)."""
-    if not net.is_loopback(host):
+    try:
+        if not net.is_loopback(host):
+            return None
+    except (OSError, UnicodeError, ValueError):  # not an address this machine resolves
         return None
     inode = _listening_inode(port)
     for proc in Path("/proc").iterdir() if inode else ():

@@ -115,12 +115,11 @@ def run_attach(args: argparse.Namespace) -> int:
 
         return attach_session(args)
     host, port = net.parse_address(args.target)
-    # the job's directory: the debugpy listener's own on this machine, else .
-    remote_root = args.remote_root or attach.listener_cwd(host, port) or "."
-    if args.vscode:
+    if args.vscode:  # the job's directory: the debugpy listener's own on this machine, else .
+        remote_root = args.remote_root or attach.listener_cwd(host, port) or "."
         print(attach.vscode_launch(host, port, remote_root, args.local_root))
         return 0
-    attach.attach(host, port, token=args.listener_token, remote_root=remote_root)
+    attach.attach(host, port, token=args.listener_token, remote_root=args.remote_root)
     return 0
 
 
