@@ -17,9 +17,8 @@ in debug mode (``ENABLE_REMOTE_DEBUG=1``) only:
   closure returns. A park there sees the previous step's weights, with the
   model, the optimizer and the framework's frames reachable (``up``).
 * **Step boundaries** (``BREAKPOD_AUTO_STEPS``): :mod:`breakpod._job.optimizer_steps`;
-  a forward pre-hook on each model (and its direct children: a LightningModule's
-  own ``forward`` may never run) tells the stall watchdog the job is alive while
-  it evaluates.
+  a forward pre-hook on each model found (it ran before the first step, so it runs
+  each step; an evaluation runs it too) tells the stall watchdog the job is alive.
 
 Every failure here is said once; training goes on.
 """
@@ -179,8 +178,7 @@ def _keep_alive(model: Any) -> None:
     """Forwards (an evaluation too) keep the stall clock from counting silence."""
     if not _wanted["steps"]:
         return
-    for module in [model, *unwrap(model).children()]:
-        _handles.append(module.register_forward_pre_hook(_alive))
+    _handles.append(model.register_forward_pre_hook(_alive))  # it ran: it runs each step
 
 
 def _alive(module: Any, args: Any) -> None:
