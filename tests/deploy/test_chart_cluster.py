@@ -95,7 +95,7 @@ def test_the_broker_webhook_and_test_pods_run_the_image_given() -> None:
     docs = docs_of(merged(WEBHOOK_SECRET, values))
     repo = REQUIRED["image"]["repository"]
     ours = [i for i in images(docs) if "redis" not in i]
-    assert len(ours) == 3  # broker, webhook, helm test pod
+    assert len(ours) == 4  # broker, webhook, the helm test pod's two checks
     assert set(ours) == {f"{repo}:1.2.3@sha256:{'cd' * 32}"}
     fails({"image": {"digest": "sha256:short"}}, "/image/digest")
     pulled = docs_of(merged(WEBHOOK_SECRET, {"imagePullSecrets": [{"name": "registry"}]}))
@@ -350,6 +350,8 @@ def test_the_webhook_runs_in_a_deployment_of_its_own() -> None:
     assert not broker_service["selector"].items() <= labels.items()
     pdb = find(docs, "PodDisruptionBudget", "bp-breakpod-webhook")["spec"]
     assert pdb["selector"]["matchLabels"].items() <= labels.items()
+    test_pod = find(docs, "Pod")["spec"]["containers"]  # helm test reaches both Services
+    assert "https://bp-breakpod-webhook:443/healthz" in " ".join(test_pod[1]["command"])
 
 
 # -- network policies ----------------------------------------------------------
