@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -167,3 +168,34 @@ def test_a_process_of_another_user_names_the_cause() -> None:
     finally:
         proc.kill()
         proc.wait(timeout=10)
+
+
+def test_an_mpirun_style_parent_and_a_plain_shell(tmp_path: Path) -> None:
+    """A shell that starts two Python programs: with mpirun's OMPI_COMM_WORLD_* they are
+    ranks; without, the shell's Python children are read by PID."""
+    (tmp_path / "w.py").write_text("import time\ndef work():\n    time.sleep(60)\nwork()\n")
+    ranked = " & ".join(
+        f"OMPI_COMM_WORLD_RANK={r} OMPI_COMM_WORLD_SIZE=2 {sys.executable} w.py" for r in (0, 1)
+    )
+    plain = f"{sys.executable} w.py & {sys.executable} w.py"
+    for script, expect in ((ranked, [(0, 2), (1, 2)]), (plain, [(None, None), (None, None)])):
+        shell = subprocess.Popen(
+            ["sh", "-c", f"{script} & wait"],
+            cwd=tmp_path,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # the shell and its programs: one group to kill
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                doc = report("--pid", str(shell.pid))
+                if len(doc["processes"]) == 2 and all(p["threads"] for p in doc["processes"]):
+                    break
+                assert time.monotonic() < deadline, doc
+                time.sleep(0.5)
+            assert [(p["rank"], p["world_size"]) for p in doc["processes"]] == expect
+            assert {p["frame"] for p in doc["processes"]} == {"w.py:3 in work"}
+            assert doc["culprit"] == [] and doc["why"] == "no rank waits in a collective"
+        finally:
+            os.killpg(shell.pid, signal.SIGKILL)
+            shell.wait(timeout=10)
