@@ -22,11 +22,7 @@ import pytest
 import yaml
 
 pytest.importorskip("helm_python", reason="pip install -r requirements-dev.txt")
-x509 = pytest.importorskip("cryptography.x509", reason="pip install cryptography")
-
-from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa  # noqa: E402
-
-from tests.deploy.conftest import (  # noqa: E402
+from tests.deploy.conftest import (
     CHART,
     REQUIRED,
     ROOT,
@@ -135,6 +131,9 @@ def test_the_webhook_uses_cert_manager_only_where_the_cluster_serves_it() -> Non
 
 
 def test_without_cert_manager_the_chart_makes_a_certificate_the_api_server_trusts() -> None:
+    x509 = pytest.importorskip("cryptography.x509", reason="pip install cryptography")
+    from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+
     docs = docs_of({"webhook": {"enabled": True}})
     secret = find(docs, "Secret", "bp-breakpod-webhook-tls")
     assert secret["type"] == "kubernetes.io/tls"
