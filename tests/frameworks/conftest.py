@@ -6,6 +6,8 @@ import os
 
 import pytest
 
+from tests.brokerkit import _shared_broker, broker, redis_server, redis_url  # noqa: F401
+
 os.environ["HF_HUB_OFFLINE"] = "1"  # a test that tried to download fails at once
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -19,13 +19,17 @@ if common.EXPLICIT:
     import breakpod
 
     monitor = breakpod.watch(model, common.PARK_RULES, optimizer=opt)
+stop = os.environ.get("STOP_FILE")  # one process: it steps until this file exists
 for step in range(common.STEPS):
+    if stop and os.path.exists(stop):
+        break
     x, y = common.batch(step)
     loss = torch.nn.functional.cross_entropy(net(x), y)
     opt.zero_grad()
     loss.backward()
     common.user_step(step)
     opt.step()
+    common.time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
 common.finish(model)
 if distributed:
     dist.destroy_process_group()

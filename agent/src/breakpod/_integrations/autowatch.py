@@ -4,18 +4,19 @@ Installed by :mod:`breakpod._integrations.autostart` once ``import torch`` is do
 in debug mode (``ENABLE_REMOTE_DEBUG=1``) only:
 
 * **Finding the model.** A global forward pre-hook notes every module that runs
-  until the first optimizer step. At that step (a global step pre-hook) the
-  outermost modules that ran and hold parameters are the models; the global
-  forward hook is removed then, and costs nothing more. A wrapper
-  (DistributedDataParallel, Lightning's) is looked through to the model it wraps,
-  so modules keep the names the user gave them.
-* **Anomalies** (``BREAKPOD_AUTO_WATCH``): each model an optimizer steps is
-  ``watch()``-ed with the default rules, a non-finite value parking
+  until the first optimizer step. When that step is done (a global step
+  post-hook) the outermost modules that ran and hold parameters of the optimizer
+  are the models; the global forward hook is removed then, and costs nothing
+  more. A wrapper (DistributedDataParallel, Lightning's) is looked through to the
+  model it wraps, so modules keep the names the user gave them.
+* **Anomalies** (``BREAKPOD_AUTO_WATCH``): each model found is ``watch()``-ed from
+  the next step on with the default rules, a non-finite value parking
   (``BREAKPOD_RULES=rules.yaml`` adds or replaces rules). Its step ends *before
-  the update*: at the optimizer's pre-hook, or, for an optimizer stepped with a
-  closure (Lightning: forward and backward run inside ``step()``), when the
-  closure returns. A park there sees the previous step's weights, with the
-  model, the optimizer and the framework's frames reachable (``up``).
+  the update*: ``watch(optimizer=...)``'s own step pre-hook, or, for an optimizer
+  stepped with a closure (Lightning: forward and backward run inside ``step()``,
+  after any pre-hook), a global pre-hook that has the closure end the step when
+  it returns. A park sees the previous step's weights, with the model, the
+  optimizer and the framework's frames reachable (``up``).
 * **Step boundaries** (``BREAKPOD_AUTO_STEPS``): :mod:`breakpod._job.optimizer_steps`;
   a forward pre-hook on each model found (it ran before the first step, so it runs
   each step; an evaluation runs it too) tells the stall watchdog the job is alive.
@@ -55,7 +56,8 @@ _forward_handle: Any = None
 _roots: list[weakref.ref[Any]] | None = None  # the outermost modules that ran
 _adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers looked at
 _monitors: dict[int, Monitor] = {}  # id(model) -> its monitor
-_auto_optimizer: dict[int, Any] = {}  # id(monitor) -> the optimizer whose steps end its steps
+# id(monitor) -> the optimizer, stepped with a closure, whose steps end the monitor's
+_closure_stepped: dict[int, Any] = {}
 _wanted = {"watch": False, "steps": False}
 _failed: set[str] = set()
 
@@ -67,11 +69,15 @@ def install() -> None:
     if not any(_wanted.values()) or _handles:
         return
     from torch.nn.modules.module import register_module_forward_pre_hook
-    from torch.optim.optimizer import register_optimizer_step_pre_hook
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     global _forward_handle
     _forward_handle = register_module_forward_pre_hook(_note)
     _handles.append(register_optimizer_step_pre_hook(_before_step))
+    _handles.append(register_optimizer_step_post_hook(_after_step))
     if _wanted["steps"]:
         optimizer_steps.install()
 
@@ -88,7 +94,7 @@ def remove() -> None:
     for monitor in _monitors.values():
         monitor.close()
     _monitors.clear()
-    _auto_optimizer.clear()
+    _closure_stepped.clear()
     _ran.clear()
     _roots = None
     _adopted.clear()
@@ -104,29 +110,37 @@ def _note(module: Any, args: Any) -> None:
 
 
 def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Global step pre-hook: a new optimizer finds its models; a watched one's step ends.
-    With a closure (forward and backward run inside ``step()``), both happen after it."""
+    """Global step pre-hook, for the models of an optimizer stepped with a closure: their
+    step ends when the closure returns (forward and backward are done, the update not)."""
+    if not _closure_stepped:
+        return None
     try:
-        closure = kwargs.get("closure", args[0] if args else None)
-        if optimizer not in _adopted:  # its monitors start now: their first step is the next
-            if callable(closure):
-                return _with_closure(args, kwargs, _then(closure, lambda _: _adopt(optimizer)))
-            _adopt(optimizer)
-            return None
-        watched = [m for m in _monitors.values() if _auto_optimizer.get(id(m)) is optimizer]
+        watched = [m for m in _monitors.values() if _closure_stepped.get(id(m)) is optimizer]
         if not watched:
             return None
+        closure = kwargs.get("closure", args[0] if args else None)
         if callable(closure):
             return _with_closure(args, kwargs, _then(closure, lambda x: _end_steps(watched, x)))
         _end_steps(watched, None)
     except AnomalyError:
         raise  # a `stop` rule: training was asked to stop
     except Exception as e:
-        _fail("finding the model", e)
+        _fail("ending the step", e)
     return None
 
 
-def _adopt(optimizer: Any) -> None:
+def _after_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Global step post-hook: a new optimizer's models are found once its step is done."""
+    if optimizer in _adopted:
+        return
+    try:
+        closure = kwargs.get("closure", args[0] if args else None)
+        _adopt(optimizer, closure=callable(closure))
+    except Exception as e:
+        _fail("finding the model", e)
+
+
+def _adopt(optimizer: Any, *, closure: bool) -> None:
     """The models this optimizer steps: found once some module ran (else looked for again
     at its next step)."""
     global _roots
@@ -143,7 +157,7 @@ def _adopt(optimizer: Any) -> None:
         _keep_alive(model)
         inner = unwrap(model)
         if _wanted["watch"] and id(inner) not in _monitors and monitor_of(inner) is None:
-            _watch(inner, optimizer)  # a model the program watches itself is left to it
+            _watch(inner, optimizer, closure)  # a model the program watches itself is left
 
 
 def _stop_noting() -> None:
@@ -185,20 +199,22 @@ def _alive(module: Any, args: Any) -> None:
     optimizer_steps.alive()
 
 
-def _watch(model: Any, optimizer: Any) -> None:
+def _watch(model: Any, optimizer: Any, closure: bool) -> None:
     rules = os.environ.get(RULES_ENV, "").strip()
     config = {"rules": [PARK_ON_NONFINITE]}
+    hooked = None if closure else optimizer  # a closure's forward comes after its pre-hook
     try:
-        monitor = watch(model, rules or None, config=config)
+        monitor = watch(model, rules or None, config=config, optimizer=hooked)
     except Exception as e:  # an unreadable or wrong BREAKPOD_RULES: the defaults watch
         announce(f"{RULES_ENV}={rules}: {e}; the model is watched with the default rules")
-        monitor = watch(model, config=config)
-    _auto_optimizer[id(monitor)] = optimizer
+        monitor = watch(model, config=config, optimizer=hooked)
+    if closure:
+        _closure_stepped[id(monitor)] = optimizer
+    _monitors[id(model)] = monitor
     # watched from the optimizer's second step: numbered as the optimizer's steps
     monitor.step_count = monitor._current.step = 1
-    _monitors[id(model)] = monitor
-    names = type(model).__name__
-    announce(f"debug mode: watching {names} for anomalies; they park before the update")
+    name = type(model).__name__
+    announce(f"debug mode: watching {name} for anomalies; they park before the update")
 
 
 def _end_steps(watched: list[Monitor], loss: Any) -> None:
