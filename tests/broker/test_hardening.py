@@ -431,3 +431,17 @@ def test_a_limited_agent_learns_nothing_of_another_namespaces_session(broker, na
         assert taken.status_code == 403 and beat.status_code == 403, taken.text
     with broker.client(ADMIN) as admin:  # the session is untouched
         assert admin.get("/v1/sessions/theirs").json()["namespace"] == namespace
+
+
+@pytest.mark.parametrize(
+    "since", ["١٧٠٠٠٠٠٠٠٠", "١٧٠٠٠٠٠٠٠٠٠٠٠-٠", "１７００", "1_700_000_000", " 17", "1e9", "+5"]
+)
+def test_since_takes_ascii_digits_only(broker, since):
+    """A cursor or unix seconds in ASCII digits (float() and \\d took Arabic-Indic and
+    full-width digits, and 1_700 or 1e9); anything else is one 422 naming the value."""
+    with broker.client(VIEWER) as c:
+        listed = c.get("/v1/events", params={"since": since})
+        with c.stream("GET", "/v1/events/stream", params={"since": since}) as streamed:
+            status = streamed.status_code  # a stream that opened is not read on
+    assert listed.status_code == 422 and "neither a cursor" in listed.text, listed.text
+    assert status == 422

@@ -59,7 +59,8 @@ TOKEN_RECHECK_SECONDS = 2.0  # an SSE stream ends this long (+ one block) after 
 SCAN_CHUNK = 1000
 SCAN_CHUNKS = 10  # a query reads at most SCAN_CHUNK * SCAN_CHUNKS entries
 MAX_ID = 2**64 - 1
-CURSOR = re.compile(r"^\d{1,20}-\d{1,20}$")
+CURSOR = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")  # ASCII: \d and int() take any script's digits
+SECONDS = re.compile(r"^[0-9]{1,11}(\.[0-9]*)?$")  # float() takes 1_7, 1e9, ' 1', '١٧'
 ADDRESS = re.compile(protocol.ADDRESS_PATTERN)
 
 
@@ -461,10 +462,7 @@ def parse_since(since: str) -> str:
     """A cursor means "after it"; a number of unix seconds means "from then on"."""
     if is_cursor(since) and since != f"{MAX_ID}-{MAX_ID}":  # nothing is after the last id
         return "(" + since
-    try:
-        seconds = float(since)
-    except ValueError:
-        seconds = -1.0
+    seconds = float(since) if SECONDS.match(since) else -1.0
     if not 0 <= seconds < 1e11:
         raise HTTPException(
             422, f"since={since!r} is neither a cursor (e.g. 1700000000000-0) nor unix seconds"
