@@ -1,10 +1,19 @@
 """Op-level instrumentation for a replay: the first op that turned finite into non-finite.
 
+The first bad op is one whose output holds a NaN its inputs did not, or whose
+±Inf (from finite inputs) goes on to a NaN, to the model's output (the loss) or
+to a gradient. An infinity that is consumed harmlessly is intended: the -inf of
+an attention mask (``full``, ``masked_fill``, ``triu``) that ``softmax`` or
+``where`` turns back into finite values is never blamed. So each ±Inf born from
+finite inputs is followed: the tensors holding it (a weak table) carry its
+origin op through the ops that keep it, and the origin is named only when it
+reaches one of those.
+
 Three pieces, all installed only for the replay's duration:
 
 * a ``TorchDispatchMode`` sees every aten op of forward and backward (autograd
-  sits above it), checks outputs for non-finite values and, on the first hit,
-  whether the inputs were all finite;
+  sits above it), checks outputs for non-finite values and, on a hit, whether
+  the inputs were finite or carried a followed infinity;
 * a ``TorchFunctionMode`` (above autograd, where outputs have their
   ``grad_fn``) remembers which module and source line created each autograd
   node, and global module hooks keep the module path;
@@ -64,18 +73,26 @@ class BadOp:
     inputs: list[str]
     output: str
     born: bool
+    index: int = 0  # its position among the replay's ops
+    then: str = ""  # for an infinity: where it went on to do harm
 
     def lines(self) -> list[str]:
-        where = f"module '{self.module}'" if self.module else "the model's root"
-        node = f", autograd node {self.node}" if self.node else ""
         head = (
             "first non-finite op" if self.born else "first non-finite output (inputs already bad)"
         )
         return [
-            f"{head}: {self.op} ({self.phase}{node}) in {where} at {self.source}",
+            f"{head}: {self.where()}",
             *(f"  input {i}: {s}" for i, s in enumerate(self.inputs)),
             f"  output: {self.output}",
+            *([f"  then: {self.then}"] if self.then else []),
         ]
+
+    def where(self) -> str:
+        if not self.source:  # an infinity the step started with (see follow_given)
+            return self.op
+        module = f"module '{self.module}'" if self.module else "the model's root"
+        node = f", autograd node {self.node}" if self.node else ""
+        return f"{self.op} ({self.phase}{node}) in {module} at {self.source}"
 
 
 class OpWatch:
@@ -92,6 +109,7 @@ class OpWatch:
         self.first_any: BadOp | None = None
         self.nondeterministic: list[str] = []
         self.ops = 0
+        self.followed = _weak_table()  # tensor holding a followed ±Inf -> the op that made it
 
     # -- where an op comes from
     def module(self) -> str:
@@ -115,13 +133,24 @@ class OpWatch:
         return module, source if source != "<no user source line>" else forward_source, node
 
     # -- checks, called by the modes
-    def before(self, func: Any, args: Any, kwargs: Any) -> bool | None:
-        """For an op that writes into its inputs, were they finite before it ran?"""
+    def before(self, func: Any, args: Any, kwargs: Any) -> Inputs | None:
+        """For an op that writes into its inputs: what they held before it ran."""
         if self.first is not None or not _mutates(func):
             return None
-        return _all_finite(_floats((args, kwargs)))
+        return self._inputs(_floats((args, kwargs)))
 
-    def saw(self, func: Any, args: Any, kwargs: Any, out: Any, finite_before: bool | None) -> None:
+    def _inputs(self, ins: list[Any]) -> Inputs:
+        import torch
+
+        bad = _nonfinite(ins)
+        origins = [self.followed[t] for t in bad if t in self.followed]
+        nan = any(bool(torch.isnan(t).any()) for t in bad)
+        # non-finite inputs that no followed infinity explains: the batch's, the weights'
+        unexplained = len(origins) < len(bad) or nan
+        first = min(origins, key=lambda op: op.index) if origins else None
+        return Inputs(not bad, unexplained, first)
+
+    def saw(self, func: Any, args: Any, kwargs: Any, out: Any, before: Inputs | None) -> None:
         self.ops += 1
         name = func._schema.name.removeprefix("aten::")
         fresh = name in NONDETERMINISTIC_CUDA and name not in self.nondeterministic
@@ -130,13 +159,78 @@ class OpWatch:
         if self.first is not None or name.startswith(UNINITIALISED):
             return
         outs = _floats(out)
-        if _all_finite(outs):
+        bad = _nonfinite(outs)
+        if not bad:
+            if before is not None and self.followed:  # written finite in place: not followed
+                for t in outs:
+                    self.followed.pop(t, None)
             return
         ins = _floats((args, kwargs))
-        born = _all_finite(ins) if finite_before is None else finite_before
+        inputs = before if before is not None else self._inputs(ins)
+        self._judge(func, ins, bad, inputs, written=before is not None)
+
+    def _judge(
+        self, func: Any, ins: list[Any], bad: list[Any], inputs: Inputs, written: bool
+    ) -> None:
+        """An op with non-finite outputs: born here, an infinity going on, or bad inputs."""
+        import torch
+
+        nan = any(bool(torch.isnan(t).any()) for t in bad)
+        if inputs.unexplained:  # already bad before this op
+            if self.first_any is None:
+                self.first_any = self._bad_op(func, ins, bad, False, written)
+            return
+        if inputs.finite:
+            op = self._bad_op(func, ins, bad, True, written)
+            if nan or self.phase == "backward":  # NaN from finite values, or a gradient
+                self._blame(op, "")
+            else:
+                self._follow(bad, op)  # an infinity: harmless until it does harm
+            return
+        origin = inputs.origin
+        if origin is None:  # not reached: non-finite inputs are followed or unexplained
+            return
+        if nan:
+            self._blame(origin, f"became NaN at {self._here(func)}")
+        elif self.phase == "backward":
+            self._blame(origin, f"reached a gradient at {self._here(func)}")
+        else:
+            self._follow(bad, origin)
+
+    def follow_given(self, what: str, value: Any) -> None:
+        """Infinities the step starts with (a -inf mask passed in or kept as a buffer) are
+        followed like those an op makes: blamed only if they do harm; NaN stays bad."""
+        import torch
+
+        for t in _floats(value):
+            if bool(torch.isinf(t).any()) and not bool(torch.isnan(t).any()):
+                self.followed[t] = BadOp(what, "forward", "", "", "", [], summary(t), True)
+
+    def reached(self, outputs: Any) -> None:
+        """The model's outputs (the loss's inputs): a followed infinity there is blamed."""
+        origins = [self.followed[t] for t in _floats(outputs) if t in self.followed]
+        if origins and self.first is None:
+            self._blame(min(origins, key=lambda op: op.index), "reached the model's output")
+
+    def _blame(self, op: BadOp, then: str) -> None:
+        if self.first is None or op.index < self.first.index:
+            op.then = then
+            self.first = op
+
+    def _follow(self, tensors: list[Any], origin: BadOp) -> None:
+        for t in tensors:
+            self.followed[t] = origin
+
+    def _here(self, func: Any) -> str:
         module, source, node = self.location()
-        shown = "(written in place) " if finite_before is not None else ""
-        bad = BadOp(
+        return BadOp(str(func), self.phase, module, source, node, [], "", True).where()
+
+    def _bad_op(
+        self, func: Any, ins: list[Any], outs: list[Any], born: bool, written: bool
+    ) -> BadOp:
+        module, source, node = self.location()
+        shown = "(written in place) " if written else ""
+        return BadOp(
             str(func),
             self.phase,
             module,
@@ -145,11 +239,8 @@ class OpWatch:
             [shown + summary(t) for t in ins],
             summary(outs[0]),
             born,
+            self.ops,
         )
-        if born:
-            self.first = bad
-        elif self.first_any is None:
-            self.first_any = bad
 
     def remember_nodes(self, args: Any, out: Any) -> None:
         """Forward, above autograd: which module and line created each node."""
@@ -176,6 +267,27 @@ class OpWatch:
         return handles
 
 
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """What an op's floating inputs held (before it ran, for an op writing into them)."""
+
+    finite: bool
+    unexplained: bool  # NaN, or ±Inf that no followed infinity explains
+    origin: BadOp | None  # the earliest followed infinity among them
+
+
+def _weak_table() -> Any:
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    return WeakIdKeyDictionary()
+
+
+def _nonfinite(tensors: list[Any]) -> list[Any]:
+    import torch
+
+    return [t for t in tensors if not bool(torch.isfinite(t).all())]
+
+
 def _entered(watch: OpWatch, info: tuple[str, str, str]) -> Any:
     def prehook(grad_outputs: Any) -> None:
         watch.current_node = info
@@ -185,12 +297,6 @@ def _entered(watch: OpWatch, info: tuple[str, str, str]) -> Any:
 
 def _floats(value: Any) -> list[Any]:
     return [t for t in _tensors(value) if t.is_floating_point() or t.is_complex()]
-
-
-def _all_finite(tensors: list[Any]) -> bool:
-    import torch
-
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _mutates(func: Any) -> bool:
@@ -218,9 +324,9 @@ def modes(watch: OpWatch) -> tuple[Any, Any]:
 
     class Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            finite_before = watch.before(func, args, kwargs or {})
+            before = watch.before(func, args, kwargs or {})
             out = func(*args, **(kwargs or {}))
-            watch.saw(func, args, kwargs or {}, out, finite_before)
+            watch.saw(func, args, kwargs or {}, out, before)
             return out
 
     return Functions(), Ops()  # type: ignore[no-untyped-call]

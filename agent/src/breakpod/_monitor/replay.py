@@ -117,11 +117,16 @@ def _captured(capture: Capture | None) -> StepInputs:
 def _instrumented_run(model: Any, inputs: StepInputs) -> OpWatch:
 
     watch = OpWatch(model, sys._getframe())
+    watch.follow_given("the model's input (the batch)", (inputs.args, inputs.kwargs))
+    for name, buffer in model.named_buffers():
+        watch.follow_given(f"buffer '{name}'", buffer)
     functions, ops = modes(watch)
     hooks = module_tracking(watch)
     try:
         with functions, ops, autocast_as(inputs.autocast):
-            outs = grad_outputs(model(*inputs.args, **inputs.kwargs))
+            result = model(*inputs.args, **inputs.kwargs)
+        watch.reached(result)
+        outs = grad_outputs(result)
         node_hooks = watch.hook_graph([out.grad_fn for out in outs])
         watch.phase = "backward"
         with ops:
