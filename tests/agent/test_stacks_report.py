@@ -49,6 +49,16 @@ def test_ddps_reducer_in_native_frames_is_a_collective() -> None:
     assert report.place(rank(0, backward)).state == report.BACKWARD
 
 
+def test_a_model_running_under_ddps_forward_is_in_user_code() -> None:
+    ddp = Frame("DistributedDataParallel.forward", f"{SITE}/nn/parallel/distributed.py", 1640)
+    call = Frame("Module._call_impl", f"{SITE}/nn/modules/module.py", 1784)
+    model = Frame("Net.forward", "/app/model.py", 21)
+    linear = Frame("Linear.forward", f"{SITE}/nn/modules/linear.py", 134)
+    assert report.place(rank(0, ddp, call, model, call, linear)) == report.Place(
+        report.USER, "", "model.py:21 in Net.forward"
+    )
+
+
 def test_nobody_is_blamed_when_level_mismatched_or_alone() -> None:
     barrier = Frame("barrier", f"{SITE}/distributed/distributed_c10d.py", 4100)
     same = {"rank 0": report.place(rank(0, *all_reduce())), "rank 1": report.place(rank(1))}

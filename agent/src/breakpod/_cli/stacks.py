@@ -164,7 +164,13 @@ def _seen_natively(
     return {first.pid: first, **rest}
 
 
+NO_SPY = "py-spy is not installed here"
+
+
 def process(record: dict[str, Any]) -> report.Process:
+    error, host = record.get("error"), record.get("host", "")
+    if host and error and error.startswith(NO_SPY):  # the job's image: say how else
+        error = f"no py-spy in {host}'s image: pass --image IMAGE (python3 and py-spy)"
     return report.Process(
         pid=record["pid"],
         threads=thread_stacks.from_pyspy(record.get("threads") or []),
@@ -172,8 +178,8 @@ def process(record: dict[str, Any]) -> report.Process:
         local_rank=record.get("local_rank"),
         world_size=record.get("world_size"),
         launcher=record.get("launcher"),
-        error=record.get("error"),
-        host=record.get("host", ""),
+        error=error,
+        host=host,
     )
 
 

@@ -79,12 +79,12 @@ def kubectl_debug(pod: str, namespace: str | None, container: str, image: str) -
 
 
 def docker_exec(container: str) -> Host:
-    return Host(f"container:{container}", ("docker", "exec", container))
+    return Host(f"container:{container[:12]}", ("docker", "exec", container))
 
 
 def docker_run(container: str, image: str) -> Host:
     prefix = ("docker", "run", "--rm", f"--pid=container:{container}", "--cap-add=SYS_PTRACE")
-    return Host(f"container:{container}", (*prefix, image))
+    return Host(f"container:{container[:12]}", (*prefix, image))
 
 
 def _ns(namespace: str | None) -> list[str]:

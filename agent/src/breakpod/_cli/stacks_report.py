@@ -81,12 +81,15 @@ def place(process: Process) -> Place:
 
 
 def collective_op(frames: Sequence[Frame]) -> str:
-    """The collective the frames wait in (innermost first), '' when none."""
+    """The collective the innermost frames wait in, '' when none: the search stops at
+    the first frame of user code (a model's forward called by DDP's is not DDP's)."""
     for f in reversed(frames):
         if f.native and _NATIVE_COLLECTIVE.search(f.function):
             return "DDP's gradient all_reduce" if "Reducer" in f.function else f.function
         if not f.native and _is_dist(f.filename):
             return f.function.rsplit(".", 1)[-1]
+        if not f.library:
+            return ""
     return ""
 
 
