@@ -3,14 +3,16 @@
 
 The container runs the local base image (scripts/base-images.sh) with no breakpod in
 it; this machine's py-spy binary is mounted in, and the container gets SYS_PTRACE, as
-a training image with py-spy would run. Run by ``make e2e-docker``; deselected from
-``make test``.
+a training image with py-spy would run. Without either, ``--image`` runs the probe in a
+container of a debug image (the base image with py-spy) that joins its PID namespace.
+Run by ``make e2e-docker``; deselected from ``make test``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +30,7 @@ JOB = (
     "print('up', flush=True)\nwait_for_data()\n"
 )
 SERVICE = f"stacks-e2e-{os.getpid()}"
+SPY_IMAGE = "breakpod-stacks-spy:local"
 
 
 def docker(*args: str, timeout: float = 120) -> str:
@@ -73,6 +76,35 @@ def test_a_container_is_read_through_docker_exec(container: str) -> None:
     assert lines[1] == "culprit: none found (a single process: nothing to compare it with)"
     where = f"pid 1 in container:{container[:12]}"
     assert lines[2] == f"{where}: in user code, at <string>:3 in wait_for_data"
+
+
+@pytest.fixture(scope="module")
+def spy_image(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A debug image: the base image with py-spy in it (this machine's binary)."""
+    if not SPY.exists():
+        pytest.skip("py-spy is not installed (requirements-dev.txt)")
+    context = tmp_path_factory.mktemp("spy-image")
+    shutil.copy(SPY.resolve(), context / "py-spy")
+    (context / "Dockerfile").write_text(f"FROM {IMAGE}\nCOPY py-spy /usr/local/bin/py-spy\n")
+    docker("build", "-q", "-t", SPY_IMAGE, str(context), timeout=300)
+    return SPY_IMAGE
+
+
+def test_a_debug_container_reads_an_image_without_py_spy(spy_image: str) -> None:
+    """The job's image has neither py-spy nor SYS_PTRACE: with --image, a container of
+    the debug image joins its PID namespace with SYS_PTRACE and reads it."""
+    cid = docker("run", "-d", "--rm", "--network=none", IMAGE, "python3", "-c", JOB)
+    try:
+        deadline = time.monotonic() + 60
+        while "up" not in docker("logs", cid):
+            assert time.monotonic() < deadline, docker("logs", cid)
+            time.sleep(0.2)
+        done = stacks(f"container:{cid}", "--image", spy_image)
+    finally:
+        subprocess.run(["docker", "rm", "-f", cid], capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    where = f"pid 1 in container:{cid[:12]}"
+    assert done.stdout.splitlines()[2] == f"{where}: in user code, at <string>:3 in wait_for_data"
 
 
 def test_an_image_without_py_spy_is_one_line() -> None:
