@@ -42,7 +42,7 @@ def _doing(record: dict[str, Any]) -> str:
     if state == "collective":
         return f"in collective #{record.get('entered')} ({record.get('op') or '?'})"
     if state == protocol.PARKED:
-        return "parked"
+        return protocol.PARKED
     return "waiting for a parked rank" if state == "waiting-for-peer" else "in user code"
 
 

@@ -143,7 +143,8 @@ def _await_ack(broker: BrokerClient, session: str, command_id: str, timeout: flo
     while time.monotonic() < deadline:
         for event in broker.events(session=session, kind=protocol.COMMAND_KIND, limit=100):
             fields = event.get("fields", {})
-            if fields.get("command_id") == command_id and fields.get("state") in ("done", "failed"):
+            ended = ("done", "failed")  # not protocol: a command's delivery states
+            if fields.get("command_id") == command_id and fields.get("state") in ended:
                 return str(fields.get("detail") or fields["state"])
         time.sleep(0.25)
     return None

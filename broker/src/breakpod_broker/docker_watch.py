@@ -1,0 +1,154 @@
+"""Why a container's process died, from the Docker engine's events (``BREAKPOD_DOCKER_WATCH``).
+
+``auto`` (the default): watched when the ``docker`` package is installed
+(``pip install 'breakpod-broker[docker]'``) and the engine answers (``DOCKER_HOST``
+or its socket, as the docker CLI finds it); otherwise one line says why not.
+``on``: the broker does not start without it. ``off``: never.
+
+The engine's ``oom`` and ``die`` events of containers are read in a thread (the
+SDK's stream blocks) and handed to the loop. A ``die`` names the exit code; an
+``oom`` just before it (or the container's ``State.OOMKilled``) makes it
+OOMKilled. The container is matched to its sessions by the 12-digit id the agent
+reports (``container``, or ``host``: a container's hostname is that id unless set).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+from breakpod import protocol
+from breakpod_broker import keys, reasons
+from breakpod_broker.context import Broker
+
+log = logging.getLogger(__name__)
+OOM_SECONDS = 30.0  # an oom event marks its container's next die this long
+
+
+class DockerWatchError(RuntimeError):
+    """BREAKPOD_DOCKER_WATCH=on, and the engine cannot be watched."""
+
+
+class DockerWatch:
+    """The replica's reader of the engine's container events."""
+
+    def __init__(self, broker: Broker, client: Any) -> None:
+        self.broker = broker
+        self.client = client
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self.oom: dict[str, float] = {}  # container id (12) -> when its oom event came
+        self.recorded = 0
+        self.stream: Any = None
+        self.thread = threading.Thread(target=self._read, name="docker-events", daemon=True)
+        self.task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(cls, broker: Broker) -> DockerWatch | None:
+        """Watching, or None (said once) when the mode or the machine does not allow it."""
+        mode = broker.settings.docker_watch
+        if mode == "off":
+            return None
+        try:
+            client = await asyncio.to_thread(_connect)
+        except DockerWatchError as e:
+            if mode == "on":
+                raise
+            log.info("docker watch off: %s", e)
+            return None
+        watch = cls(broker, client)
+        watch.stream = client.events(
+            decode=True, filters={"type": "container", "event": ["die", "oom"]}
+        )
+        watch.thread.start()
+        watch.task = asyncio.create_task(watch._handle_all())
+        log.info("docker watch: reading the engine's container events")
+        return watch
+
+    async def close(self) -> None:
+        if self.stream is not None:
+            with contextlib.suppress(Exception):  # the SDK's stream closes its socket
+                await asyncio.to_thread(self.stream.close)
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.task
+        with contextlib.suppress(Exception):
+            self.client.close()
+
+    def _read(self) -> None:
+        try:
+            for event in self.stream:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except Exception as e:  # closed at shutdown, or the engine went away
+            log.info("docker watch: the engine's event stream ended (%s)", e)
+
+    async def _handle_all(self) -> None:
+        while True:
+            event = await self.queue.get()
+            try:
+                await self.handle(event)
+            except Exception:  # one bad event or a Redis error never stops the watch
+                log.exception("docker watch: cannot record %s", event.get("id"))
+
+    async def handle(self, event: dict[str, Any]) -> None:
+        action = event.get("Action") or event.get("status") or ""
+        container = str(event.get("id") or event.get("Actor", {}).get("ID") or "")[:12]
+        if action == "oom":
+            self.oom = {c: t for c, t in self.oom.items() if time.monotonic() - t < OOM_SECONDS}
+            self.oom[container] = time.monotonic()
+            return
+        if action != "die" or not container:
+            return
+        attributes = event.get("Actor", {}).get("Attributes", {})
+        code = _int(attributes.get("exitCode"))
+        oom = container in self.oom or await asyncio.to_thread(self._oom_killed, container)
+        kind, fields = reasons.of_exit(code, oom=oom)
+        fields.update(source=protocol.DOCKER, container=container)
+        sessions = await reasons.sessions_where(
+            self.broker, keys.SESSIONS, lambda f: _runs_in(f, container)
+        )
+        event_id = f"docker-{container}-{event.get('timeNano') or event.get('time')}"
+        self.recorded += await reasons.record(self.broker, sessions, kind, fields, event_id)
+
+    def _oom_killed(self, container: str) -> bool:
+        """The container's own word (gone already when it ran with --rm: then no)."""
+        try:
+            return bool(self.client.containers.get(container).attrs["State"]["OOMKilled"])
+        except Exception:
+            return False
+
+
+def _runs_in(fields: dict[str, str], container: str) -> bool:
+    return container in (fields.get("container"), fields.get("host"))
+
+
+def _int(value: Any) -> int | None:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _connect() -> Any:
+    """A client of a reachable engine, or DockerWatchError saying why not."""
+    try:
+        import docker  # optional: breakpod-broker[docker]
+    except ImportError:
+        docker = None  # type: ignore[assignment]
+    # (a folder named docker on sys.path imports as an empty namespace: not the SDK)
+    from_env = getattr(docker, "from_env", None)
+    if from_env is None:
+        raise DockerWatchError(
+            "the docker package is not installed (pip install 'breakpod-broker[docker]')"
+        )
+    try:
+        client = from_env(timeout=5)
+        client.ping()
+    except Exception as e:
+        raise DockerWatchError(f"no Docker engine answers ({e})") from e
+    return client
