@@ -36,8 +36,7 @@ BROKER_LAYERS = (
     grimp.Layer("serving"),  # uvicorn: TLS, shutdown
     grimp.Layer("app", "admission"),  # the two ASGI apps
     grimp.Layer("fastpath"),  # heartbeat, command poll and event ingest below FastAPI's routing
-    grimp.Layer("docker_watch", "pod_watch"),  # why a process died, from its runtime
-    grimp.Layer("deaths", "reasons"),  # what the broker records itself: deaths and their reasons
+    grimp.Layer("deaths"),  # what the broker records itself: pushed deaths
     grimp.Layer(
         *("admin", "attach", "commands", "dashboard", "events", "listing", "sessions"),
         "joblog",  # the job-wide command log that sessions and commands share
@@ -52,7 +51,7 @@ BROKER_LAYERS = (
         independent=False,
     ),
     grimp.Layer(
-        *("models", "scripts", "tokens", "settings", "limits", "keys", "errors"),
+        *("models", "scripts", "tokens", "settings", "limits", "keys", "errors", "proxies"),
         independent=False,
     ),
 )

@@ -4,12 +4,16 @@ CSRF token; logging out, revoking the token or the login's expiry ends it."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
 import pytest
 import redis
+from pydantic import ValidationError
 
+from breakpod_broker import proxies
+from breakpod_broker.settings import BrokerSettings
 from tests.brokerkit import ADMIN, AGENT, VIEWER, register, wait_until
 
 CSRF = "X-CSRF-Token"
@@ -121,3 +125,49 @@ def test_an_event_stream_opened_by_a_login_ends_when_the_login_does(broker):
         for _ in stream.iter_bytes():
             pass  # comments and keep-alives until the broker ends it
         assert time.monotonic() - started < 15
+
+
+def login_cookie(broker, source: str, **headers: str) -> str:
+    """The Set-Cookie of a login sent from the local address ``source``."""
+    transport = httpx.HTTPTransport(local_address=source)
+    with httpx.Client(base_url=broker.url, transport=transport, timeout=10) as client:
+        answer = client.post("/v1/login", json={"token": VIEWER}, headers=headers)
+    assert answer.status_code == 200, answer.text
+    return answer.headers["set-cookie"].lower()
+
+
+HTTPS = {"X-Forwarded-Proto": "https", "X-Forwarded-For": "203.0.113.7"}
+
+
+def test_behind_a_trusted_tls_proxy_the_login_cookie_is_secure(start_broker):
+    """The proxy terminates TLS and says so in X-Forwarded-Proto; only a peer listed in
+    BREAKPOD_TRUSTED_PROXIES is believed (a proxy on 127.0.0.2 was not, whatever the
+    setting: the cookie went out without Secure)."""
+    broker = start_broker(BREAKPOD_TRUSTED_PROXIES="10.42.0.0/16, 127.0.0.2")
+    assert "secure" in login_cookie(broker, "127.0.0.2", **HTTPS)
+    assert "secure" not in login_cookie(broker, "127.0.0.2")  # plain http through it
+    assert "secure" not in login_cookie(broker, "127.0.0.1", **HTTPS)  # not a listed proxy
+
+
+def test_without_trusted_proxies_nobody_is_believed(broker):
+    """Empty (the default): forwarded headers are ignored, also from 127.0.0.1 (which
+    the server believed on its own)."""
+    assert "secure" not in login_cookie(broker, "127.0.0.1", **HTTPS)
+
+
+def test_a_trusted_proxy_that_is_not_an_address_stops_the_broker_with_its_name():
+    bad = re.escape("'10.42.0.0/66' is not an IP address or CIDR")
+    with pytest.raises(ValidationError, match=bad):
+        BrokerSettings(trusted_proxies="127.0.0.1,10.42.0.0/66")
+
+
+@pytest.mark.parametrize(
+    ("forwarded", "client"),
+    [
+        ("203.0.113.7", "203.0.113.7"),
+        ("6.6.6.6, 203.0.113.7, 10.42.3.4", "203.0.113.7"),  # the left-most is anyone's word
+        ("10.42.0.9", "10.42.0.9"),
+    ],
+)
+def test_the_client_is_the_right_most_hop_that_is_not_a_trusted_proxy(forwarded, client):
+    assert proxies.client_of(forwarded, proxies.parse("10.42.0.0/16")) == client

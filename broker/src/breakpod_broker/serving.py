@@ -156,6 +156,7 @@ def serve(app: FastAPI, settings: BrokerSettings, log_level: str) -> None:
         access_log=log_level in ACCESS_LOG_LEVELS,
         http=CorkedHttpTools if HttpToolsProtocol is not None else "auto",
         timeout_graceful_shutdown=GRACEFUL_SECONDS,
+        proxy_headers=False,  # the broker's trusted_proxies decide whom to believe (proxies.py)
         **tls,
     )
     Server(config, closing, settings.shutdown_seconds).run()

@@ -8,11 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, HttpUrl
+from pydantic import BaseModel, Field, HttpUrl, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from breakpod import protocol
 from breakpod.protocol import EventKind
+from breakpod_broker import proxies
 
 
 class Notifier(BaseModel):
@@ -75,16 +76,19 @@ class BrokerSettings(BaseSettings):
     # a request body not all received this long after its headers gets 408
     body_seconds: float = Field(default=30.0, gt=0)
     login_seconds: int = Field(default=12 * 3600, ge=60, le=30 * 24 * 3600)  # a dashboard login
+    # peers whose X-Forwarded-Proto/-For the broker believes (proxies.py): IPs/CIDRs
+    trusted_proxies: str = ""
     shutdown_seconds: float = Field(default=20.0, gt=0, le=3600)  # serving.py: then it gives up
     # SSE streams one replica serves (each costs memory: a queue of follower_queue events)
     max_followers: int = Field(default=10_000, ge=1, le=1_000_000)
     # a follower this many events behind is dropped; it resumes with Last-Event-ID
     follower_queue: int = Field(default=10_000, ge=10, le=1_000_000)
-    # why a process died, from its runtime: the Docker engine's events (auto: when the
-    # docker package is installed and an engine answers), the sessions' pods (in-cluster)
-    docker_watch: Literal["auto", "on", "off"] = "auto"
-    pod_watch: bool = False
-    pod_watch_namespaces: str = ""  # comma list; empty: the broker's own namespace
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _addresses(cls, value: str) -> str:
+        proxies.parse(value)  # a typo must not leave the cookie without Secure unnoticed
+        return value
 
 
 # What each setting means, for `docs/settings.md` (generated: docs/gen_settings.py).
@@ -122,14 +126,9 @@ HELP: dict[str, str] = {
     "is dropped, and its stream's place freed",
     "body_seconds": "a request body not all received this long after its headers gets 408",
     "login_seconds": "a dashboard login (its HttpOnly cookie) lasts this long",
-    "docker_watch": "`auto`, `on` or `off`: record why a container's process died (OOMKilled, "
-    "exit code, signal) from the Docker engine's events; auto: when the `docker` package is "
-    "installed and an engine answers (`DOCKER_HOST` or its socket); on: refuse to start without",
-    "pod_watch": "record why a session's pod died (OOMKilled, Evicted, Error (exit 1), node "
-    "lost) from a watch on its pods (the `kubernetes` package, in-cluster; the chart's "
-    "`podWatch.enabled` grants the Role)",
-    "pod_watch_namespaces": "comma list of namespaces whose pods are watched; empty: the "
-    "broker's own",
+    "trusted_proxies": "comma list of proxy IPs/CIDRs (an Ingress controller's pods) whose "
+    "`X-Forwarded-Proto`/`-For` the broker believes: behind one that terminates TLS the "
+    "dashboard cookie is `Secure`; empty: no proxy is believed",
     "shutdown_seconds": "after SIGTERM/SIGINT the broker has this long to stop; then (or at a "
     "second signal) its embedded redis-server is stopped and it exits 1, saying why",
 }
