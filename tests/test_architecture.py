@@ -36,7 +36,8 @@ BROKER_LAYERS = (
     grimp.Layer("serving"),  # uvicorn: TLS, shutdown
     grimp.Layer("app", "admission"),  # the two ASGI apps
     grimp.Layer("fastpath"),  # heartbeat, command poll and event ingest below FastAPI's routing
-    grimp.Layer("deaths"),  # what the broker records itself: pushed deaths
+    grimp.Layer("docker_watch", "pod_watch"),  # why a process died, from its runtime
+    grimp.Layer("deaths", "reasons"),  # what the broker records itself: deaths and their reasons
     grimp.Layer(
         *("admin", "attach", "commands", "dashboard", "events", "listing", "sessions"),
         "joblog",  # the job-wide command log that sessions and commands share

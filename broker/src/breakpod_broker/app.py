@@ -43,6 +43,7 @@ from breakpod_broker import (
 )
 from breakpod_broker.context import Broker
 from breakpod_broker.deaths import Deaths
+from breakpod_broker.docker_watch import DockerWatch
 from breakpod_broker.events import _decode
 from breakpod_broker.fanout import EventFanout, within
 from breakpod_broker.fastpath import (
@@ -58,6 +59,7 @@ from breakpod_broker.limits import unpaired_in_body
 from breakpod_broker.liveness import Liveness
 from breakpod_broker.metrics import Metrics
 from breakpod_broker.notifiers import Dispatcher
+from breakpod_broker.pod_watch import PodWatch
 from breakpod_broker.proxies import TrustedProxies
 from breakpod_broker.redis_server import EmbeddedRedis
 from breakpod_broker.scripts import Scripts
@@ -173,6 +175,9 @@ async def _running(settings: BrokerSettings) -> AsyncIterator[Broker]:
         deaths = Deaths(broker)  # every replica sweeps; one records each death
         stack.push_async_callback(deaths.close)
         deaths.start()
+        for watch in (await DockerWatch.start(broker), await PodWatch.start(broker)):
+            if watch is not None:  # why a process died, where the runtime can tell
+                stack.push_async_callback(watch.close)
         yield broker
 
 

@@ -83,6 +83,11 @@ class BrokerSettings(BaseSettings):
     max_followers: int = Field(default=10_000, ge=1, le=1_000_000)
     # a follower this many events behind is dropped; it resumes with Last-Event-ID
     follower_queue: int = Field(default=10_000, ge=10, le=1_000_000)
+    # why a process died, from its runtime: the Docker engine's events (auto: when the
+    # docker package is installed and an engine answers), the sessions' pods (in-cluster)
+    docker_watch: Literal["auto", "on", "off"] = "auto"
+    pod_watch: bool = False
+    pod_watch_namespaces: str = ""  # comma list; empty: the broker's own namespace
 
     @field_validator("trusted_proxies")
     @classmethod
@@ -129,6 +134,14 @@ HELP: dict[str, str] = {
     "trusted_proxies": "comma list of proxy IPs/CIDRs (an Ingress controller's pods) whose "
     "`X-Forwarded-Proto`/`-For` the broker believes: behind one that terminates TLS the "
     "dashboard cookie is `Secure`; empty: no proxy is believed",
+    "docker_watch": "`auto`, `on` or `off`: record why a container's process died (OOMKilled, "
+    "exit code, signal) from the Docker engine's events; auto: when the `docker` package is "
+    "installed and an engine answers (`DOCKER_HOST` or its socket); on: refuse to start without",
+    "pod_watch": "record why a session's pod died (OOMKilled, Evicted, Error (exit 1), node "
+    "lost) from a watch on its pods (the `kubernetes` package, in-cluster; the chart's "
+    "`podWatch.enabled` grants the Role)",
+    "pod_watch_namespaces": "comma list of namespaces whose pods are watched; empty: the "
+    "broker's own",
     "shutdown_seconds": "after SIGTERM/SIGINT the broker has this long to stop; then (or at a "
     "second signal) its embedded redis-server is stopped and it exits 1, saying why",
 }
