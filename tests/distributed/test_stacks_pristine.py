@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,11 @@ def report(*args: str) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
+Start = Callable[..., Job]
+
+
 @pytest.fixture
-def start(tmp_path: Path):  # type: ignore[no-untyped-def]
+def start(tmp_path: Path) -> Iterator[Start]:
     jobs: list[Job] = []
 
     def run(port: int, *ready: str, **env: str) -> Job:
@@ -61,7 +65,7 @@ def places(doc: dict[str, Any]) -> dict[int, tuple[str, str, str]]:
     return {p["rank"]: (p["state"], p["op"], p["frame"]) for p in doc["processes"]}
 
 
-def test_a_rank_blocked_in_python_is_the_culprit(start) -> None:  # type: ignore[no-untyped-def]
+def test_a_rank_blocked_in_python_is_the_culprit(start: Start) -> None:
     job = start(29631, "rank 1 stalls now", "rank 0 at step 3", "rank 2 at step 3", STALL_RANK="1")
     time.sleep(1.0)  # ranks 0 and 2 reach DDP's all_reduce of step 3
     done = stacks("--pid", str(job.proc.pid))
@@ -74,7 +78,7 @@ def test_a_rank_blocked_in_python_is_the_culprit(start) -> None:  # type: ignore
     assert lines[4].startswith("=== rank 1 (pid ")  # the culprit's stacks first
 
 
-def test_a_spinning_rank_is_the_culprit(start) -> None:  # type: ignore[no-untyped-def]
+def test_a_spinning_rank_is_the_culprit(start: Start) -> None:
     job = start(29632, r"rank 2 stalls now", STALL_RANK="2", STALL_KIND="spin")
     time.sleep(2.0)
     doc = report("--pid", str(job.proc.pid))
@@ -83,7 +87,7 @@ def test_a_spinning_rank_is_the_culprit(start) -> None:  # type: ignore[no-untyp
     assert state == "user code" and frame.endswith("in spin")
 
 
-def test_a_level_job_blames_nobody(start) -> None:  # type: ignore[no-untyped-def]
+def test_a_level_job_blames_nobody(start: Start) -> None:
     job = start(
         29633, "rank 0 waits level", "rank 1 waits level", "rank 2 waits level", LEVEL_AT="2"
     )
@@ -93,7 +97,7 @@ def test_a_level_job_blames_nobody(start) -> None:  # type: ignore[no-untyped-de
     assert {p[0] for p in places(doc).values()} == {"collective"}
 
 
-def test_rank_pids_give_the_launchers_report(start) -> None:  # type: ignore[no-untyped-def]
+def test_rank_pids_give_the_launchers_report(start: Start) -> None:
     job = start(29634, r"rank 0 stalls now", STALL_RANK="0", STALL_AT="2")
     time.sleep(1.0)
     by_launcher = report("--pid", str(job.proc.pid))

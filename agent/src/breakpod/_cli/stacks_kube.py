@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from breakpod._cli.stacks_remote import JOB_SELECTORS, StacksError
+from breakpod._cli.stacks_remote import JOB_SELECTORS, Runner, StacksError
 
 SA_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 STRATEGIC_MERGE = "application/strategic-merge-patch+json"  # merges ephemeralContainers by name
@@ -69,7 +69,7 @@ def job_pods(api: Any, name: str, ns: str) -> list[dict[str, Any]]:
     raise StacksError(f"no pod of a Job, JobSet or PyTorchJob named {name!r} in namespace {ns}")
 
 
-def exec_probe(api: Any, pod: str, ns: str, container: str | None, timeout: float):  # type: ignore[no-untyped-def]
+def exec_probe(api: Any, pod: str, ns: str, container: str | None, timeout: float) -> Runner:
     """A runner (command, timeout) -> stdout that execs in the pod's container."""
 
     def run(command: Sequence[str], _: float) -> str:
@@ -113,7 +113,7 @@ def ephemeral_container(name: str, target: str, image: str, command: Sequence[st
     )
 
 
-def debug_probe(api: Any, pod: str, ns: str, target: str, image: str, timeout: float):  # type: ignore[no-untyped-def]
+def debug_probe(api: Any, pod: str, ns: str, target: str, image: str, timeout: float) -> Runner:
     """A runner that adds an ephemeral container running the command, waits for it to
     end, and returns its log."""
 
