@@ -168,3 +168,62 @@ def test_a_bad_yes_no_value_keeps_the_default_and_watch_works(monkeypatch, capfd
         monitor.close()
     said = [line for line in capfd.readouterr().err.splitlines() if "not a boolean" in line]
     assert len(said) == 1 and var in said[0] and "keeping the default" in said[0], said
+
+
+# The same matrix for the debugpy backend, which has no authentication: where the remote
+# pdb would ask for the token, debugpy may not listen at all (no fallback, one line).
+DEBUGPY_SCRIPT = """
+    import breakpod
+    endpoint = breakpod.init_remote_debugger(port={port}, backend={backend!r}, enable=True)
+    print("endpoint", endpoint, flush=True)
+"""
+TOKEN_POLICY = [
+    (TOKENED, "BREAKPOD_REQUIRE_TOKEN"),  # was: a DAP client without the token ran code
+    (
+        {"BREAKPOD_LISTENER_TOKEN": GOOD_TOKEN, "BREAKPOD_HOST": "0.0.0.0"},
+        "BREAKPOD_LISTENER_TOKEN",
+    ),
+    (
+        {"BREAKPOD_LISTENER_TOKEN": GOOD_TOKEN, "BREAKPOD_HOST": "0.0.0.0"}
+        | {"BREAKPOD_ALLOW_INSECURE": "1"},
+        "BREAKPOD_LISTENER_TOKEN",
+    ),
+]
+AFTER_FALLBACK = [
+    ({**TOKENED, var: bad}, "BREAKPOD_REQUIRE_TOKEN") for var, bad, *_ in BAD_ORDINARY
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("backend", ["debugpy", "auto"])
+@pytest.mark.parametrize(("env", "var"), BAD_SECURITY + TOKEN_POLICY + AFTER_FALLBACK[:3])
+def test_debugpy_under_a_token_policy_or_a_bad_security_value_never_listens(
+    spawn, backend, env, var
+):
+    pytest.importorskip("debugpy")
+    port = free_port()
+    child = spawn(DEBUGPY_SCRIPT.format(port=port, backend=backend), env=env, stdin="closed")
+    assert child.wait() == 0, child.stderr
+    assert "endpoint None" in child.stdout(), child.stderr
+    lines = [line for line in child.stderr.splitlines() if "no debugger listener" in line]
+    assert len(lines) == 1 and var in lines[0], child.stderr
+    assert "debugpy listening" not in child.stderr and "Traceback" not in child.stderr
+    assert GOOD_TOKEN not in child.stderr
+    with pytest.raises(ConnectionRefusedError):  # nothing to send initialize/attach to
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+
+
+@pytest.mark.parametrize("backend", ["debugpy", "auto"])
+def test_debugpy_without_a_token_policy_still_listens_on_loopback(spawn, backend):
+    """A token set but not asked for on loopback (as the remote pdb would not ask)."""
+    pytest.importorskip("debugpy")
+    env = {"BREAKPOD_LISTENER_TOKEN": GOOD_TOKEN}
+    child = spawn(DEBUGPY_SCRIPT.format(port=0, backend=backend), env=env, stdin="closed")
+    assert child.wait() == 0, child.stderr
+    assert "debugpy listening on 127.0.0.1:" in child.stderr
+    assert "no debugger listener" not in child.stderr

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 from breakpod import protocol
 from breakpod._core import events, net, wiring
 from breakpod._core.announce import announce
-from breakpod._core.config import BACKENDS, Settings
+from breakpod._core.config import BACKENDS, ENV, Settings
 from breakpod._core.errors import BreakpodError, ConfigError
 from breakpod._debug.listener import Listener
 
@@ -130,6 +130,9 @@ def start_listener(
         return None
     wiring.connect()  # reports to the broker when BREAKPOD_BROKER_URL is set
     chosen = choose_backend(settings.backend)
+    if chosen == DAP and token_policy(settings):  # never falls back: no listener starts
+        announce(DEBUGPY_HAS_NO_TOKEN)
+        return None
     net.check_bind(
         settings.host, backend=chosen, token=settings.token, allow_insecure=settings.allow_insecure
     )
@@ -140,6 +143,18 @@ def start_listener(
     except (BreakpodError, OSError, RuntimeError) as e:
         announce(f"could not start the {chosen} listener: {e}")
         return None
+
+
+DEBUGPY_HAS_NO_TOKEN = (
+    f"{ENV['require_token']}=1 (or {ENV['token']} on a non-loopback bind) asks every "
+    "client for the token, and debugpy cannot check one (DAP has no authentication): "
+    f"set {ENV['backend']}=pdb for a listener that does; no debugger listener in this process"
+)
+
+
+def token_policy(settings: Settings) -> bool:
+    """Would the remote pdb listener ask for the token? Then debugpy may not listen."""
+    return settings.require_token or bool(settings.token and not net.is_loopback(settings.host))
 
 
 def choose_backend(requested: str) -> str:
