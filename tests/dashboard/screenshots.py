@@ -3,14 +3,17 @@
     python -m tests.dashboard.screenshots [FOLDER]     (default: screenshots/, gitignored)
 
 Starts a real Redis and broker on 127.0.0.1, registers a 4-rank job with one rank
-parked on a NaN (its loss history and anomaly included), a stalled job and a
-running one, then drives Debian's chromium to write jobs.png and session.png.
+parked on a NaN (its loss history and anomaly included, its hold counting down),
+a stalled job whose report names its culprit, a failed job, one killed by its
+memory limit, a parked one whose process was killed (lost), and a running one,
+then drives Debian's chromium to write jobs.png, session.png and narrow.png (390 px).
 """
 
 from __future__ import annotations
 
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +74,45 @@ def sessions() -> list[tuple[str, dict[str, Any]]]:
             },
         )
     ]
-    return job + stalled + running
+    ended = [
+        (
+            f"gpt-pretrain-r{r}",
+            {
+                "job": "gpt-pretrain",
+                "namespace": "research",
+                "rank": r,
+                "world_size": 4,
+                "pod": f"gpt-pretrain-{r}",
+                "runtime": "kubernetes",
+            },
+        )
+        for r in range(4)
+    ]
+    died = [
+        (
+            "vit-probe-r0",
+            {
+                "job": "vit-probe",
+                "namespace": "vision",
+                "rank": 0,
+                "world_size": 1,
+                "pod": "vit-probe-0",
+                "runtime": "kubernetes",
+            },
+        ),
+        (
+            "sd-finetune-r0",
+            {
+                "job": "sd-finetune",
+                "namespace": "vision",
+                "rank": 0,
+                "world_size": 1,
+                "pod": "sd-finetune-0",
+                "runtime": "kubernetes",
+            },
+        ),
+    ]
+    return job + stalled + running + ended + died
 
 
 def events() -> list[dict[str, Any]]:
@@ -115,6 +156,7 @@ def events() -> list[dict[str, Any]]:
             reason="anomaly: nonfinite at step 40",
             address="127.0.0.1:5678",
             backend="pdb",
+            hold_until=time.time() + 1800,
         )
     )
     found += [
@@ -133,6 +175,48 @@ def events() -> list[dict[str, Any]]:
             stacks="Thread MainThread\n  File train.py, line 88, in step\n    dist.all_reduce(t)",
         )
     )
+    found.append(
+        _event(
+            "resnet-sweep-r0",
+            "job-stall",
+            "stall",
+            scope="job",
+            seconds=312.0,
+            culprits=[1],
+            ranks=[
+                {
+                    "rank": 0,
+                    "step": 1181,
+                    "state": "collective",
+                    "entered": 2363,
+                    "op": "allreduce",
+                    "frame": "train.py:88 in step",
+                },
+                {
+                    "rank": 1,
+                    "step": 1180,
+                    "state": "user",
+                    "entered": 2361,
+                    "frame": "data.py:41 in fetch_batch",
+                },
+            ],
+        )
+    )
+    found.append(
+        _event("gpt-pretrain-r3", "end", "finished", exit=1)
+    )  # then torchrun stops the rest
+    found += [_event(f"gpt-pretrain-r{r}", "end", "finished", signal=15) for r in (0, 1, 2)]
+    found.append(_event("vit-probe-r0", "oom", "killed", reason="OOMKilled", exit=137))
+    found.append(
+        _event(
+            "sd-finetune-r0",
+            "park",
+            "parked",
+            reason="breakpoint() at train.py:210",
+            address="127.0.0.1:5678",
+            backend="pdb",
+        )
+    )
     return found
 
 
@@ -147,6 +231,10 @@ def load(broker: BrokerProcess) -> None:
         for sid, doc in sessions():
             c.put(f"/v1/sessions/{sid}", json=doc).raise_for_status()
         c.post("/v1/events", json={"events": events()}).raise_for_status()
+    import redis  # the process that parked was killed: its heartbeats stop
+
+    with redis.Redis.from_url(broker.redis_url) as r:
+        r.delete("breakpod:alive:{sd-finetune-r0}")
 
 
 def shoot(url: str, folder: Path) -> list[Path]:
@@ -169,8 +257,13 @@ def shoot(url: str, folder: Path) -> list[Path]:
         page.wait_for_selector("#detail .attach")
         session = folder / "session.png"
         page.screenshot(path=str(session), full_page=True)
+        page.keyboard.press("Escape")
+        page.set_viewport_size({"width": 390, "height": 844})
+        page.wait_for_selector("#detail", state="hidden")
+        narrow = folder / "narrow.png"
+        page.screenshot(path=str(narrow), full_page=False)
         browser.close()
-    return [jobs, session]
+    return [jobs, session, narrow]
 
 
 def main(argv: list[str]) -> int:
@@ -181,7 +274,9 @@ def main(argv: list[str]) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         redis = EmbeddedRedis(Path(tmp)).start()
-        broker = BrokerProcess(redis.url, Path(tmp) / "broker.log")
+        broker = BrokerProcess(
+            redis.url, Path(tmp) / "broker.log", BREAKPOD_HEARTBEAT_TTL_SECONDS="3600"
+        )
         try:
             broker.start()
             load(broker)

@@ -104,7 +104,9 @@ def test_a_failed_job_and_a_killed_one_are_urgent_with_their_reason(broker, page
     assert order.index("train-oom") < order.index("train-good")
     assert order.index("train-failed") < order.index("train-good")
     failed = card(page, "train-failed")
-    assert failed.get_attribute("data-state") == "killed"  # rank 0's SIGTERM is the worst
+    assert failed.get_attribute("data-state") == "killed"  # rank 0's SIGTERM is the worst state
+    headline = failed.locator(".incident").text_content()  # but rank 1 ended first: the cause
+    assert headline == "rank 1 failed: exit 1 (the first of 2 ranks to end)"
     assert failed.locator("tr[data-session='f1'] td.reason").text_content() == "exit 1"
     assert failed.locator("tr[data-session='f1'] .chip").text_content() == "failed"
     oom = card(page, "train-oom").locator(".incident").text_content()

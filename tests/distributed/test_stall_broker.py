@@ -55,6 +55,9 @@ def test_the_broker_gets_one_job_stall_event_naming_the_culprit(broker, tmp_path
 
         listing = wait_until(lambda: _all_stalled(cli(broker, VIEWER, "sessions", "--job", JOB)))
         assert f"job {JOB}: rank 0 stalled, rank 1 stalled, rank 2 stalled" in listing
+        # every rank's REASON names the culprit the job waits for, and where it is
+        listing = wait_until(lambda: _all_blamed(cli(broker, VIEWER, "sessions", "--job", JOB)))
+        assert "culprit rank 2 at" in listing and "fetch_batch" in listing
 
         stacks = cli(broker, ADMIN, "stacks", JOB)
         blocks = stacks.split("=== ")[1:]
@@ -70,6 +73,10 @@ def test_the_broker_gets_one_job_stall_event_naming_the_culprit(broker, tmp_path
             assert "every watched tensor stayed finite and in range" in block, flight
     finally:
         job.kill()
+
+
+def _all_blamed(listing: str) -> str | None:
+    return listing if listing.count("culprit rank 2 at") >= 3 else None
 
 
 def _all_stalled(listing: str) -> str | None:

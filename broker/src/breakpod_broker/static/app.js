@@ -412,10 +412,18 @@ function rankName(s) {
   return s.rank !== null && s.rank !== undefined ? `rank ${s.rank}` : s.id;
 }
 
-// What needs attention first, for the job's most urgent ranks.
+// What needs attention first, for the job's most urgent ranks. Of ranks that died,
+// the first to end is the likely cause (a launcher sends the others SIGTERM after it).
 function headline(job) {
   const worst = job.ranks.filter((r) => urgency(r) === job.urgency && app.config.urgent.includes(r.state));
   if (!worst.length) return null;
+  const dead = job.ranks.filter((r) => (isFinal(r.state) && r.state !== "finished") || r.state === "lost");
+  if (dead.includes(worst[0])) {
+    dead.sort((a, b) => (a.since || a.last_seen) - (b.since || b.last_seen));
+    const first = dead[0];
+    const more = dead.length > 1 ? ` (the first of ${dead.length} ranks to end)` : "";
+    return el("p", { class: "incident", "data-state": first.state }, el("strong", { text: `${rankName(first)} ${first.state}` }), ": ", ...incident(first), more);
+  }
   const first = worst[0];
   const who = worst.length === 1 ? rankName(first) : `${worst.length} ranks`;
   return el("p", { class: "incident", "data-state": first.state }, el("strong", { text: `${who} ${first.state}` }), ": ", ...incident(first));
