@@ -110,3 +110,36 @@ def test_wait_times_out_and_continues_with_a_warning(spawn):
     assert child.wait() == 0
     assert "nobody attached within 0.5s" in child.stderr
     assert "after wait 5" in child.stdout()
+
+
+@pytest.mark.parametrize("off", ["false", "no", "0", "off", "", " False "])
+def test_enable_as_text_reads_as_the_variable_does(off):
+    """enable="false" started a listener (the text was judged by its truthiness)."""
+    assert breakpod.init_remote_debugger(port=0, backend="pdb", enable=off) is None
+    assert debugger._State.pdb is None
+    endpoint = breakpod.init_remote_debugger(port=0, backend="pdb", enable="yes")
+    assert endpoint is not None and endpoint.backend == "pdb"
+
+
+@pytest.mark.parametrize("bad", ["maybe", 1, 0.0, []])
+def test_enable_that_is_neither_yes_nor_no_is_one_clear_error(bad):
+    with pytest.raises(breakpod.ConfigError, match=r"enable=.* is not a boolean"):
+        breakpod.init_remote_debugger(port=0, backend="pdb", enable=bad)
+    assert debugger._State.pdb is None
+
+
+@pytest.mark.parametrize("bad", [True, False, "x", -1, 70000, 65536, 5678.0, "5678x", b"80"])
+def test_a_port_that_is_not_a_tcp_port_is_one_clear_error(bad):
+    """port="x" raised a bare TypeError, -1 debugpy's ValueError or bind()'s
+    OverflowError, and port=True meant port 1."""
+    for backend in ("pdb", "debugpy"):
+        with pytest.raises(
+            breakpod.ConfigError, match=r"port=.* is not a TCP port: use 0\.\.65535"
+        ):
+            breakpod.init_remote_debugger(port=bad, backend=backend, enable=True)
+    assert debugger._State.pdb is None and debugger._State.debugpy is None
+
+
+def test_a_port_given_as_text_reads_as_the_variable_does():
+    endpoint = breakpod.init_remote_debugger(port="0", backend="pdb", enable=True)
+    assert endpoint is not None and endpoint.port > 0

@@ -12,7 +12,7 @@ from types import FrameType
 
 from breakpod import protocol
 from breakpod._core.announce import announce
-from breakpod._core.config import Settings, format_seconds
+from breakpod._core.config import Settings, enable_argument, format_seconds, port_argument
 from breakpod._core.errors import InsecureBindError
 from breakpod._debug import debugger, shim
 from breakpod._debug.debugger import Endpoint
@@ -35,11 +35,15 @@ def init_remote_debugger(
     ``LOCAL_RANK``. ``wait=True`` blocks until a client attaches, at most
     ``BREAKPOD_WAIT_TIMEOUT`` seconds. Returns where the listener is, or
     ``None`` when disabled or when the listener could not start (logged).
-    Raises :class:`InsecureBindError` for a ``host`` beyond loopback without the
+    Raises :class:`ConfigError` for an ``enable`` that is neither yes nor no (text
+    is read as ``ENABLE_REMOTE_DEBUG`` is) or a ``port`` outside 0..65535, and
+    :class:`InsecureBindError` for a ``host`` beyond loopback without the
     token (pdb) or the opt-in (debugpy) such a bind needs; the same bind asked
     by ``BREAKPOD_HOST`` is announced instead, and no listener starts.
     """
-    settings, fallbacks = Settings.load(port=port, host=host, backend=backend, enabled=enable)
+    settings, fallbacks = Settings.load(
+        port=port_argument(port), host=host, backend=backend, enabled=enable_argument(enable)
+    )
     try:
         endpoint = debugger.start_listener(settings, fallbacks, shim.set_trace)
     except InsecureBindError as e:

@@ -254,12 +254,32 @@ def format_seconds(seconds: float) -> str:
 
 def parse_port(name: str, raw: str) -> int:
     try:
-        port = int(raw)
+        port = int(raw) if raw.strip().isascii() else -1
     except ValueError:
         port = -1
     if not 0 <= port <= 65535:
         raise ConfigError(f"{name}={raw!r} is not a TCP port: use 0..65535 (0 = any free port)")
     return port
+
+
+def enable_argument(value: object) -> bool | None:
+    """``init_remote_debugger(enable=...)``: a bool, or text read as ENABLE_REMOTE_DEBUG is
+    (``"false"`` is off: its truthiness said on)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return parse_bool("enable", value)
+    raise ConfigError(f"enable={value!r} is not a boolean: use True or False")
+
+
+def port_argument(value: object) -> int | None:
+    """``init_remote_debugger(port=...)``: an int or its text, 0..65535 (``True`` is not
+    port 1; ``"x"`` or ``-1`` is this error, not one from the socket or debugpy)."""
+    if value is None or isinstance(value, str):
+        return None if value is None else parse_port("port", value)
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 65535:
+        return value
+    raise ConfigError(f"port={value!r} is not a TCP port: use 0..65535 (0 = any free port)")
 
 
 def parse_int(name: str, raw: str) -> int:
