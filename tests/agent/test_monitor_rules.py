@@ -104,6 +104,10 @@ BAD = [
         "rule 'nonfinite': field 'name': used by two rules",
     ),
     ("- just-a-string", "rule #1: expected a mapping"),
+    (  # accepted, and the rule could never fire
+        "- {name: g, check: grad_norm, explode_factor: .inf}",
+        "rule 'g': field 'explode_factor': expected a finite number >= 0 (an infinite factor",
+    ),
 ]
 
 

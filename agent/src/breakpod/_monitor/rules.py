@@ -320,6 +320,16 @@ def _non_negative(label: str, field: str, value: Any) -> float:
     return _number(label, field, value, lo=0.0)
 
 
+def _finite(label: str, field: str, value: Any) -> float:
+    if not math.isfinite(number := _non_negative(label, field, value)):
+        raise _field(
+            label,
+            field,
+            f"expected a finite number >= 0 (an infinite factor can never fire), got {value!r}",
+        )
+    return number
+
+
 def _fraction(label: str, field: str, value: Any) -> float:
     if not 0 < _number(label, field, value) <= 1:
         raise _field(label, field, f"expected a fraction in (0, 1], got {value!r}")
@@ -372,6 +382,7 @@ _VALIDATORS: dict[str, Callable[[str, str, Any], Any]] = {
     "window": _positive_int,
     "min_history": _positive_int,
     "max_zero_fraction": _fraction,
+    "explode_factor": _finite,
     "pre_relu": _flag,
 }
 
