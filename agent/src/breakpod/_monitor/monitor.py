@@ -278,7 +278,11 @@ class Monitor:
         """Re-run the last captured step under op instrumentation; see ``replay.py``."""
         from breakpod._monitor import replay
 
-        return replay.replay(self.model, self.capture)
+        report = replay.replay(self.model, self.capture)
+        said = [a for a in self.anomalies if a.step == report.step and a.phase == "loss"]
+        if said and not math.isfinite(said[-1].value):  # the loss itself: outside the replay
+            report.loss = f"step {report.step}: {said[-1].summary}"
+        return report
 
     # ------------------------------------------------------------------ setup
     def _rules_for(

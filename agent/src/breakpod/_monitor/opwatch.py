@@ -110,6 +110,7 @@ class OpWatch:
         self.nondeterministic: list[str] = []
         self.ops = 0
         self.followed = _weak_table()  # tensor holding a followed ±Inf -> the op that made it
+        self.outputs: list[str] = []  # the model's outputs (the loss's inputs), summarised
 
     # -- where an op comes from
     def module(self) -> str:
@@ -137,7 +138,7 @@ class OpWatch:
         """For an op that writes into its inputs: what they held before it ran."""
         if self.first is not None or not _mutates(func):
             return None
-        return self._inputs(_floats((args, kwargs)))
+        return self._inputs(floats((args, kwargs)))
 
     def _inputs(self, ins: list[Any]) -> Inputs:
         import torch
@@ -158,14 +159,14 @@ class OpWatch:
             self.nondeterministic.append(name)
         if self.first is not None or name.startswith(UNINITIALISED):
             return
-        outs = _floats(out)
+        outs = floats(out)
         bad = _nonfinite(outs)
         if not bad:
             if before is not None and self.followed:  # written finite in place: not followed
                 for t in outs:
                     self.followed.pop(t, None)
             return
-        ins = _floats((args, kwargs))
+        ins = floats((args, kwargs))
         inputs = before if before is not None else self._inputs(ins)
         self._judge(func, ins, bad, inputs, written=before is not None)
 
@@ -202,13 +203,13 @@ class OpWatch:
         followed like those an op makes: blamed only if they do harm; NaN stays bad."""
         import torch
 
-        for t in _floats(value):
+        for t in floats(value):
             if bool(torch.isinf(t).any()) and not bool(torch.isnan(t).any()):
                 self.followed[t] = BadOp(what, "forward", "", "", "", [], summary(t), True)
 
     def reached(self, outputs: Any) -> None:
         """The model's outputs (the loss's inputs): a followed infinity there is blamed."""
-        origins = [self.followed[t] for t in _floats(outputs) if t in self.followed]
+        origins = [self.followed[t] for t in floats(outputs) if t in self.followed]
         if origins and self.first is None:
             self._blame(min(origins, key=lambda op: op.index), "reached the model's output")
 
@@ -295,7 +296,7 @@ def _entered(watch: OpWatch, info: tuple[str, str, str]) -> Any:
     return prehook
 
 
-def _floats(value: Any) -> list[Any]:
+def floats(value: Any) -> list[Any]:
     return [t for t in _tensors(value) if t.is_floating_point() or t.is_complex()]
 
 
@@ -323,6 +324,14 @@ def modes(watch: OpWatch) -> tuple[Any, Any]:
             return out
 
     class Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            """torch wraps a mode's dispatch to keep dynamo out of it, importing
+            torch._dynamo at the first op: 7-9 s on a loaded CPU, the most of a first
+            replay (46 ops in 6.8 s, 0.3 s without). Without dynamo loaded, nothing
+            compiled can run in the replay, so there is nothing to keep out."""
+            return "torch._dynamo" in sys.modules
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             before = watch.before(func, args, kwargs or {})
             out = func(*args, **(kwargs or {}))

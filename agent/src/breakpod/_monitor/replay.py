@@ -34,9 +34,11 @@ from breakpod._monitor.capture import (
     rng_states,
     set_rng_states,
 )
-from breakpod._monitor.opwatch import BadOp, OpWatch, modes, module_tracking
+from breakpod._monitor.opwatch import BadOp, OpWatch, floats, modes, module_tracking
+from breakpod._monitor.summaries import summary
 
 BUNDLE_VERSION = 2  # 2: every output's gradient, and autocast
+OUTPUTS_SHOWN = 4  # the model's outputs a loss-side report shows
 
 
 class ReplayError(BreakpodError):
@@ -54,6 +56,9 @@ class ReplayReport:
     first_any: BadOp | None
     nondeterministic: list[str]
     forwards: int
+    outputs: list[str] = dataclasses.field(default_factory=list)  # the model's, replayed
+    bad_grad: str = ""  # the output gradient the loss sent, when it was non-finite
+    loss: str = ""  # the monitor's verdict on this step's loss, when it was non-finite
 
     def lines(self) -> list[str]:
         out = []
@@ -71,7 +76,25 @@ class ReplayReport:
             f"{self.seconds:.3f} s: {verdict}"
         )
         bad = self.first or self.first_any
+        if (bad is None or bad.phase == "backward") and (self.loss or self.bad_grad):
+            return out + self._loss_lines(bad)
         out.extend(bad.lines() if bad else ["no op produced a non-finite value"])
+        return out
+
+    def _loss_lines(self, bad: BadOp | None) -> list[str]:
+        """The model's forward was finite: the non-finite value came from the loss function,
+        outside the model (and outside the replay); what it was given."""
+        said = f" ({self.loss})" if self.loss else ""
+        out = [
+            "no op of the model's forward produced a non-finite value: the loss function "
+            f"did, outside the model{said}; its inputs from the model:",
+            *(f"  output {i}: {s}" for i, s in enumerate(self.outputs)),
+        ]
+        if self.bad_grad:
+            out.append(f"  the gradient it sent back into the model's output: {self.bad_grad}")
+        if bad is not None:
+            out.append("  then, in backward from that gradient:")
+            out.extend("  " + line for line in bad.lines())
         return out
 
 
@@ -101,7 +124,16 @@ def run_step(model: Any, inputs: StepInputs, *, compare: bool) -> ReplayReport:
         watch.first_any,
         watch.nondeterministic,
         inputs.forwards,
+        watch.outputs,
+        _bad_grad(inputs.output_grads),
     )
+
+
+def _bad_grad(grads: list[Any]) -> str:
+    import torch
+
+    bad = [g for g in grads if g is not None and not bool(torch.isfinite(g).all())]
+    return summary(bad[0]) if bad else ""
 
 
 def _captured(capture: Capture | None) -> StepInputs:
@@ -126,6 +158,7 @@ def _instrumented_run(model: Any, inputs: StepInputs) -> OpWatch:
         with functions, ops, autocast_as(inputs.autocast):
             result = model(*inputs.args, **inputs.kwargs)
         watch.reached(result)
+        watch.outputs = [summary(t) for t in floats(result)[:OUTPUTS_SHOWN]]
         outs = grad_outputs(result)
         node_hooks = watch.hook_graph([out.grad_fn for out in outs])
         watch.phase = "backward"

@@ -155,7 +155,7 @@ def replay_command(debugger: pdb.Pdb, arg: str) -> None:
         return
     if verb:
         raise ValueError(f"replay: unknown argument {verb!r}; use 'replay' or 'replay save PATH'")
-    for line in replay.replay(monitor.model, monitor.capture).lines():
+    for line in monitor.replay().lines():
         debugger.message(line)
 
 

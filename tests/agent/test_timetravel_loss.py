@@ -1,0 +1,50 @@
+"""replay on a step whose only non-finite value is the loss: the loss function made it,
+outside the model, and the report shows what the model gave it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import breakpod
+from tests.agent.nets import Net, batch
+
+
+@pytest.fixture(autouse=True)
+def _enabled(monkeypatch):
+    monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
+    monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+    torch.manual_seed(0)
+
+
+def _replay_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> list[str]:
+    model = Net()
+    monitor = breakpod.watch(model, [{"check": "nonfinite", "action": "log"}], replay=True)
+    x, y = batch(0)
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    monitor.step(loss)
+    (a,) = monitor.anomalies
+    assert a.phase == "loss", a
+    lines = monitor.replay().lines()
+    monitor.close()
+    return lines
+
+
+def test_a_loss_only_inf_is_the_loss_functions():
+    """The model's output and the gradient it gets back are finite; the loss is -inf."""
+    lines = _replay_loss(lambda out, y: F.cross_entropy(out, y) + torch.log(torch.zeros(())))
+    text = "\n".join(lines)
+    assert "no op produced a non-finite value" not in text, text
+    assert "the loss function did, outside the model (step 0: loss is -inf)" in text, text
+    assert "  output 0: tensor[32,4] f32" in text, text
+
+
+def test_a_loss_that_overflows_and_sends_back_an_inf_gradient():
+    lines = _replay_loss(lambda out, y: ((out * 1e30) ** 2).mean())
+    text = "\n".join(lines)
+    assert "the loss function did, outside the model (step 0: loss is inf)" in text, text
+    assert "the gradient it sent back into the model's output: tensor[32,4]" in text, text
