@@ -98,10 +98,12 @@ def test_a_level_job_blames_nobody(start: Start) -> None:
 
 
 def test_rank_pids_give_the_launchers_report(start: Start) -> None:
-    job = start(29634, r"rank 0 stalls now", STALL_RANK="0", STALL_AT="2")
+    """The ranks' DataLoader workers inherit RANK: they are not ranks of their own."""
+    job = start(29634, r"rank 0 stalls now", STALL_RANK="0", STALL_AT="2", WORKERS="1")
     time.sleep(1.0)
     by_launcher = report("--pid", str(job.proc.pid))
     pids = [str(p["pid"]) for p in by_launcher["processes"]]
+    assert [p["rank"] for p in by_launcher["processes"]] == [0, 1, 2]
     assert all(p["launcher"] == job.proc.pid for p in by_launcher["processes"])
     by_ranks = report("--pid", *pids)
     assert (

@@ -1,14 +1,15 @@
 """Find a job's rank processes and dump each one's stacks with py-spy; JSON out.
 
 Standard library only and importing nothing of breakpod: ``breakpod stacks`` runs
-this file as it is inside a pod or a container (``python3 -c SOURCE PID...``),
+this file, packed into ``python3 -c``, inside a pod or a container,
 where breakpod is not installed, as well as here.
 
 A PID given is a rank when its environment holds ``RANK`` (torchrun,
 ``accelerate launch``, deepspeed) or ``OMPI_COMM_WORLD_RANK`` / ``PMI_RANK``
 (mpirun); otherwise it is a launcher, and its descendants that are ranks are
-dumped; when none is, a Python process is dumped itself (its children may be
-DataLoader workers), any other parent (a shell, a wrapper) its Python descendants.
+dumped (not their children, DataLoader workers, which inherit ``RANK``); when
+none is, a Python process is dumped itself (its children may be DataLoader
+workers), any other parent (a shell, a wrapper) its Python descendants.
 Each dump is py-spy's ``dump --json`` with a timeout of its own, in parallel.
 py-spy pauses the process while it reads (its default): a consistent stack for
 the few milliseconds it takes (see docs/stacks.md for the numbers).
@@ -93,13 +94,16 @@ def is_python(pid: int) -> bool:
 def targets(pids: list[int]) -> list[tuple[int, int | None]]:
     """(pid, the launcher it was found under) for every process to dump."""
     kids = children_map()
+    parents = {kid: parent for parent, children in kids.items() for kid in children}
     out: list[tuple[int, int | None]] = []
     for pid in pids:
         below = descendants(pid, kids)
         if first(environ(pid), RANK_VARS) is not None or not below:
             out.append((pid, None))
             continue
-        ranks = [p for p in below if first(environ(p), RANK_VARS) is not None]
+        ranked = {p for p in below if first(environ(p), RANK_VARS) is not None}
+        # a rank's children (DataLoader workers) inherit RANK: only the topmost are ranks
+        ranks = [p for p in below if p in ranked and parents.get(p) not in ranked]
         if not ranks and not is_python(pid):  # a shell or a wrapper: its Python programs
             ranks = [p for p in below if is_python(p)]
         ranks = ranks or [pid]  # a Python program with workers (a DataLoader's): itself
