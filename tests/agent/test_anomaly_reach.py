@@ -12,6 +12,8 @@ import breakpod
 from breakpod import protocol
 from breakpod._core import events
 from tests.agent.nets import Net, batch
+from tests.agent.test_flight_cli import events_of, flight_cli, session_of
+from tests.brokerkit import AGENT, VIEWER, wait_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -82,3 +84,24 @@ def test_on_expire_continue_keeps_applying_the_update(spawn):
     child = spawn(README_LOOP, env=env, stdin="closed")
     assert child.wait(timeout=60) == 0, child.stderr
     assert "finished False 0 1 True" in child.stdout(), child.stderr
+
+
+@pytest.mark.timeout(180)
+def test_a_log_break_rule_reaches_the_broker_with_its_flight_dump(broker, spawn):
+    """The README's rule, [log, break], nobody attaching: the broker has the anomaly, and
+    `breakpod flight SESSION` reads its dump once the job has ended."""
+    env = {
+        "PYTHONPATH": ROOT,
+        "BREAKPOD_HOLD_SECONDS": "0.2",
+        "BREAKPOD_BROKER_URL": broker.url,
+        "BREAKPOD_AGENT_TOKEN": AGENT,
+    }
+    child = spawn(README_LOOP, env=env, stdin="closed")
+    assert child.wait(timeout=90) == 0, child.stderr
+    session = wait_until(lambda: session_of(broker), timeout=30)
+    (anomaly,) = wait_until(lambda: events_of(broker, session["id"], protocol.ANOMALY), timeout=30)
+    assert anomaly["fields"]["step"] == 7 and anomaly["fields"]["flight"], anomaly
+    ended = flight_cli(broker, session["id"], token=VIEWER)
+    assert ended.returncode == 0, ended.stderr
+    assert "(from its last" in ended.stdout, ended.stdout
+    assert "<batch>  input     step 7  nan" in ended.stdout, ended.stdout
