@@ -88,6 +88,9 @@ def test_a_plain_loop_parks_in_the_users_frame_and_c_resumes(spawn: Any, pdb_cli
     assert client.command("p type(model).__name__, type(opt).__name__").strip() == "('Net', 'SGD')"
     assert client.command("p bool(model.block.weight.isfinite().all())").strip() == "True"
     assert client.command("p anomaly.module").strip() == "'block'"
+    flight = client.command("flight")  # the flight recorder, with no breakpod.step()
+    first = flight.split("first bad step per module")[1].splitlines()[1].split()
+    assert first[:4] == ["block", "forward", "step", "4"], flight
     client.send("c")
     client.read_all()
     assert child.wait(timeout=60) == 0, child.stderr

@@ -34,17 +34,26 @@ def test_the_models_are_found_at_the_first_step_and_count_one_step_per_iteration
     """Two optimizers (a GAN's pair) and three forwards per step (gradient accumulation):
     eight iterations are eight steps; the global forward hook is gone after the first."""
     out, err = probe(spawn, OPTIMIZERS="2", ACCUMULATE="3")
-    assert "before pre=1 post=1 forward=1 loaded" in out
-    assert "after pre=1 post=1 forward=0 steps=8 watched=['Net', 'Linear']" in out
+    assert "before pre=1 post=2 forward=1 loaded" in out  # post: finding, boundaries
+    assert "after pre=1 post=2 forward=0 steps=8 watched=['Net', 'Linear']" in out
     assert err.count("debug mode: watching Net for anomalies") == 1, err
+
+
+@pytest.mark.timeout(100)
+def test_a_step_a_grad_scaler_skips_is_no_step(spawn: Any) -> None:
+    """Step 3's gradients are NaN: the scaler never calls optimizer.step(), so seven of
+    the eight iterations are steps (the model unwatched, so nothing parks)."""
+    out, err = probe(spawn, SCALER="1", NAN_AT="3", BREAKPOD_AUTO_WATCH="0")
+    assert "steps=7 watched=[]" in out, out + err
+    assert "finished rank 0 finite=True" in out
 
 
 @pytest.mark.timeout(100)
 @pytest.mark.parametrize(
     ("switches", "installed"),
     [
-        ({"BREAKPOD_AUTO_WATCH": "0"}, "after pre=1 post=1 forward=0 steps=8 watched=[]"),
-        ({"BREAKPOD_AUTO_STEPS": "0"}, "before pre=1 post=0 forward=1"),
+        ({"BREAKPOD_AUTO_WATCH": "0"}, "after pre=0 post=2 forward=0 steps=8 watched=[]"),
+        ({"BREAKPOD_AUTO_STEPS": "0"}, "before pre=1 post=1 forward=1"),
         (
             {"BREAKPOD_AUTO_WATCH": "0", "BREAKPOD_AUTO_STEPS": "0"},
             "after pre=0 post=0 forward=0 steps=None watched=[]",

@@ -1,7 +1,8 @@
 """A plain loop that reports what debug mode installed and counted (no breakpod line in
 the loop; it only looks at breakpod's state at the end). Env: OPTIMIZERS=2 (a GAN-like
 pair), ACCUMULATE=N (forwards per step), EVAL_SECONDS, HANG_SECONDS (at step 3),
-EXPLICIT_STEP=1 (the loop calls breakpod.step() itself)."""
+EXPLICIT_STEP=1 (the loop calls breakpod.step() itself), SCALER=1 (a GradScaler, which
+skips the step whose gradients are not finite)."""
 
 import os
 import sys
@@ -31,12 +32,13 @@ opts = [torch.optim.SGD(model.parameters(), lr=0.05)]
 if os.environ.get("OPTIMIZERS") == "2":
     opts.append(torch.optim.SGD(critic.parameters(), lr=0.05))
 accumulate = int(os.environ.get("ACCUMULATE", "1"))
+scaler = torch.amp.GradScaler("cpu") if os.environ.get("SCALER") else None  # skips NaN steps
 for step in range(common.STEPS):
     for micro in range(accumulate):
         x, y = common.batch(step * accumulate + micro)
         out = model(x)
         loss = torch.nn.functional.cross_entropy(out, y) + critic(out.detach()).mean()
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
     if step == 3 and os.environ.get("HANG_SECONDS"):
         time.sleep(float(os.environ["HANG_SECONDS"]))
     if step == 3 and os.environ.get("EVAL_SECONDS"):
@@ -48,8 +50,10 @@ for step in range(common.STEPS):
                 time.sleep(0.05)
         model.train()
     for opt in opts:
-        opt.step()
+        scaler.step(opt) if scaler is not None else opt.step()
         opt.zero_grad()
+    if scaler is not None:
+        scaler.update()
     if os.environ.get("EXPLICIT_STEP"):
         import breakpod
 

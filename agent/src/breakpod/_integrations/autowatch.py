@@ -76,8 +76,9 @@ def install() -> None:
 
     global _forward_handle
     _forward_handle = register_module_forward_pre_hook(_note)
-    _handles.append(register_optimizer_step_pre_hook(_before_step))
-    _handles.append(register_optimizer_step_post_hook(_after_step))
+    if _wanted["watch"]:  # a closure-stepped optimizer's monitors end their steps there
+        _handles.append(register_optimizer_step_pre_hook(_before_step))
+    _handles.append(register_optimizer_step_post_hook(_after_step))  # finds the models
     if _wanted["steps"]:
         optimizer_steps.install()
 
