@@ -52,3 +52,14 @@ def test_agents_verify_the_broker_with_its_ca(tls_broker, monkeypatch) -> None:
     monkeypatch.delenv(ENV_CA)  # the system's CAs do not know this one: refused
     refused = _whoami(broker.url)
     assert isinstance(refused, BrokerError) and "CERTIFICATE_VERIFY_FAILED" in str(refused)
+
+
+@pytest.mark.parametrize("ca", ["/nonexistent/ca.pem", "-----BEGIN CERTIFICATE-----\nnot one\n"])
+def test_a_ca_bundle_that_cannot_be_read_is_said_as_such(monkeypatch, ca) -> None:
+    """A missing BREAKPOD_BROKER_CA file read as 'cannot reach the broker ... is it
+    running?': the broker needs no start here, the bundle is what is wrong."""
+    monkeypatch.setenv(ENV_CA, ca)
+    refused = _whoami("https://localhost:9")
+    assert isinstance(refused, BrokerError), refused
+    assert str(refused).startswith(f"{ENV_CA}=") and "cannot be read as a CA bundle" in str(refused)
+    assert "is it running" not in str(refused)

@@ -300,9 +300,17 @@ def _sse_events(
 def _tls_context(ca: str) -> ssl.SSLContext:
     """Verifying with ``ca``: a PEM file's path or the PEM text itself (as a
     ConfigMap reference puts it into the environment); empty: the system's CAs."""
-    if ca.lstrip().startswith("-----BEGIN"):
-        return ssl.create_default_context(cadata=ca)
-    return ssl.create_default_context(cafile=ca or None)
+    try:
+        if ca.lstrip().startswith("-----BEGIN"):
+            return ssl.create_default_context(cadata=ca)
+        return ssl.create_default_context(cafile=ca or None)
+    except (OSError, ssl.SSLError) as e:  # said as itself, not as a broker that is down
+        shown = "the PEM text" if ca.lstrip().startswith("-----BEGIN") else repr(ca)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise BrokerError(
+            f"{ENV_CA}={shown} cannot be read as a CA bundle ({why}): "
+            "give the path of a PEM file, or the PEM text itself"
+        ) from None
 
 
 def _clean_token(token: str | None) -> str | None:
