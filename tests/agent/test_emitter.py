@@ -311,3 +311,34 @@ def test_half_of_a_utf16_pair_travels_as_a_replacement_character():
         "ckpt-\ufffd.pt": "nan",
         "emoji": "\U0001f600",
     }
+
+
+@pytest.mark.parametrize("size", ["0", "-5"])
+def test_a_queue_size_below_one_is_refused_and_said_once(spawn, size):
+    """BREAKPOD_EMIT_QUEUE=0 became a queue of 1 without a word."""
+    child = spawn(
+        """
+        from breakpod._broker import emitter
+        assert emitter.ensure_started() is None and emitter.ensure_started() is None
+        print("ran")
+        """,
+        env={"BREAKPOD_BROKER_URL": DEAD_URL, "BREAKPOD_EMIT_QUEUE": size},
+    )
+    assert child.wait() == 0 and child.stdout().strip() == "ran"
+    lines = [line for line in child.stderr.splitlines() if "BREAKPOD_EMIT_QUEUE" in line]
+    assert len(lines) == 1 and f"={size} is not a positive number" in lines[0], child.stderr
+
+
+def test_a_runtime_that_is_none_of_the_four_is_said_once_and_detected(spawn):
+    """BREAKPOD_RUNTIME=mars was ignored without a word."""
+    child = spawn(
+        """
+        from breakpod._core import identity
+        print(*{identity.describe()["runtime"] for _ in range(3)})
+        """,
+        env={"BREAKPOD_RUNTIME": "mars"},
+    )
+    assert child.wait() == 0, child.stderr
+    assert child.stdout().strip() in ("local", "docker", "kubernetes", "compose")
+    lines = [line for line in child.stderr.splitlines() if "BREAKPOD_RUNTIME" in line]
+    assert len(lines) == 1 and "'mars' is not one of" in lines[0], child.stderr

@@ -38,7 +38,7 @@ from breakpod._broker.client import BrokerClient
 from breakpod._core import events, identity, wiring
 from breakpod._core.announce import announce
 from breakpod._core.config import AGENT_TOKEN_ENV, BROKER_URL_ENV, parse_int, token_value
-from breakpod._core.errors import BreakpodError, BrokerError
+from breakpod._core.errors import BreakpodError, BrokerError, ConfigError
 from breakpod._core.events import pending_break, request_break
 
 log = logging.getLogger(__name__)
@@ -137,6 +137,8 @@ class Emitter:
     @classmethod
     def from_env(cls, on_command: CommandHandler = _no_commands) -> Emitter:
         size = parse_int(ENV_QUEUE, os.environ.get(ENV_QUEUE, "10000"))  # ConfigError: announced
+        if size < 1:  # it became 1 without a word
+            raise ConfigError(f"{ENV_QUEUE}={size} is not a positive number of events")
         url, token = os.environ[BROKER_URL_ENV], token_value(AGENT_TOKEN_ENV)
         return cls(url, token, queue_size=size, on_command=on_command)
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from breakpod import protocol
 from breakpod._core import hosting
+from breakpod._core.announce import announce
 
 RUNTIME_ENV = "BREAKPOD_RUNTIME"
 CONTAINER_RUNTIME = protocol.DOCKER  # any container runtime hosting detects
@@ -72,11 +73,21 @@ def runtime(env: Mapping[str, str]) -> str:
     "kubernetes" needs the downward-API pod and namespace (the port-forward
     names them); any container runtime ``hosting`` detects counts as "docker".
     """
-    if env.get(RUNTIME_ENV) in protocol.RUNTIMES:
-        return env[RUNTIME_ENV]
+    asked = env.get(RUNTIME_ENV, "")
+    if asked in protocol.RUNTIMES:
+        return asked
+    if asked and asked not in _runtimes_said:  # ignored without a word, it was
+        _runtimes_said.add(asked)
+        announce(
+            f"{RUNTIME_ENV}={asked!r} is not one of: {', '.join(protocol.RUNTIMES)}; "
+            "detecting the runtime instead"
+        )
     if env.get("POD_NAME") and env.get("POD_NAMESPACE"):
         return protocol.KUBERNETES
     return CONTAINER_RUNTIME if hosting.container_runtime() else protocol.DEFAULT_RUNTIME
+
+
+_runtimes_said: set[str] = set()
 
 
 def container_id() -> str | None:
