@@ -132,12 +132,10 @@ def final_state(kind: str, fields: dict[str, Any]) -> tuple[str, str, bool] | No
         return KILLED_STATE, how, True
     if signal is not None:
         return KILLED_STATE, f"signal {signal} ({SIGNAL_NAMES.get(signal, 'signal')})", True
-    if code is not None:  # a failure in the runtime's words when it gave some
-        return (
-            (FAILED, said, True)
-            if code and said
-            else ((FINAL_STATE if code == 0 else FAILED), f"exit {code}", True)
-        )
+    if code is not None:  # a failure in the runtime's words when they name it ("Error (exit 1)")
+        if code and f"exit {code}" in said:
+            return FAILED, said, True
+        return (FINAL_STATE if code == 0 else FAILED), f"exit {code}", True
     return FINAL_STATE, said, False
 
 

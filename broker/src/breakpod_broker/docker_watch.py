@@ -36,9 +36,9 @@ class DockerWatchError(RuntimeError):
 class DockerWatch:
     """The replica's reader of the engine's container events."""
 
-    def __init__(self, broker: Broker, client: Any) -> None:
+    def __init__(self, broker: Broker) -> None:
         self.broker = broker
-        self.client = client
+        self.client: Any = None
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         self.oom: dict[str, float] = {}  # container id (12) -> when its oom event came
@@ -49,25 +49,34 @@ class DockerWatch:
 
     @classmethod
     async def start(cls, broker: Broker) -> DockerWatch | None:
-        """Watching, or None (said once) when the mode or the machine does not allow it."""
+        """The watch (None when off). ``on``: connected before the broker serves, or
+        DockerWatchError; ``auto``: it connects in the background (start-up never
+        waits on an engine), or says once why it does not watch."""
         mode = broker.settings.docker_watch
         if mode == "off":
             return None
-        try:
-            client = await asyncio.to_thread(_connect)
-        except DockerWatchError as e:
-            if mode == "on":
-                raise
-            log.info("docker watch off: %s", e)
-            return None
-        watch = cls(broker, client)
-        watch.stream = client.events(
+        watch = cls(broker)
+        if mode == "on":
+            watch._connect(await asyncio.to_thread(_connect))
+        watch.task = asyncio.create_task(watch._run())
+        return watch
+
+    def _connect(self, client: Any) -> None:
+        self.client = client
+        self.stream = client.events(
             decode=True, filters={"type": "container", "event": ["die", "oom"]}
         )
-        watch.thread.start()
-        watch.task = asyncio.create_task(watch._handle_all())
+        self.thread.start()
         log.info("docker watch: reading the engine's container events")
-        return watch
+
+    async def _run(self) -> None:
+        if self.client is None:
+            try:
+                self._connect(await asyncio.to_thread(_connect))
+            except DockerWatchError as e:
+                log.info("docker watch off: %s", e)
+                return
+        await self._handle_all()
 
     async def close(self) -> None:
         if self.stream is not None:
@@ -77,8 +86,9 @@ class DockerWatch:
             self.task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.task
-        with contextlib.suppress(Exception):
-            self.client.close()
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.close()
 
     def _read(self) -> None:
         try:
