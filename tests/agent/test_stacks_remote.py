@@ -170,14 +170,3 @@ def test_attach_pid_before_python_3_14_is_one_line() -> None:
         "`breakpod stacks --pid 4242`, or start the job under `breakpod run -- ...` to attach "
         "to it later\n"
     )
-
-
-@pytest.mark.skipif(
-    sys.version_info < (3, 14),
-    reason="no Python 3.14 on these machines: sys.remote_exec cannot be tried against a job",
-)
-def test_attach_pid_on_python_3_14_says_it_does_not_inject() -> None:
-    from breakpod._cli import remote_exec
-
-    with pytest.raises(remote_exec.AttachError, match="injecting breakpod into a running"):
-        remote_exec.attach_pid(4242)

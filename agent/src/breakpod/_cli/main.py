@@ -106,7 +106,7 @@ def run_attach(args: argparse.Namespace) -> int:
     from breakpod._core import net
 
     if args.pid is not None:
-        return remote_exec.attach_pid(args.pid)
+        return remote_exec.attach_pid(args.pid, token=args.listener_token)
     if not args.target:
         raise BreakpodError("attach: give HOST:PORT, a SESSION_ID, or --pid PID")
 
