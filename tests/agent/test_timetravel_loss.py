@@ -3,6 +3,7 @@ outside the model, and the report shows what the model gave it."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
@@ -48,3 +49,40 @@ def test_a_loss_that_overflows_and_sends_back_an_inf_gradient():
     text = "\n".join(lines)
     assert "the loss function did, outside the model (step 0: loss is inf)" in text, text
     assert "the gradient it sent back into the model's output: tensor[32,4]" in text, text
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+LOSS_JOB = """
+    import torch
+    import breakpod
+    from torch.nn import functional as F
+    from tests.agent.nets import Net, batch
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = breakpod.watch(model, [{"check": "nonfinite", "action": ["log", "break"]}])
+    for step in range(4):
+        x, y = batch(step)
+        out = model(x)
+        loss = F.cross_entropy(out, y) + (torch.log(torch.zeros(())) if step == 2 else 0)
+        opt.zero_grad()
+        loss.backward()
+        monitor.step(loss)
+        opt.step()
+    print("finished")
+"""
+
+
+@pytest.mark.timeout(120)
+def test_replay_at_a_park_shows_the_loss_functions_inputs(spawn, pdb_client):
+    child = spawn(LOSS_JOB, env={"PYTHONPATH": ROOT}, stdin="closed")
+    client = pdb_client(child.park_port(timeout=60))
+    assert "anomaly: step 2 loss" in client.read_until()
+    text = client.command("replay")
+    assert "the loss function did, outside the model (step 2: loss is -inf)" in text, text
+    assert "  output 0: tensor[32,4] f32" in text, text
+    assert "    y: tensor[32] i64" in text and "    out: tensor[32,4]" in text, text
+    client.send("c")
+    client.read_all()
+    assert child.wait(timeout=60) == 0, child.stderr

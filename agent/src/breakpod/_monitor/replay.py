@@ -76,10 +76,15 @@ class ReplayReport:
             f"{self.seconds:.3f} s: {verdict}"
         )
         bad = self.first or self.first_any
-        if (bad is None or bad.phase == "backward") and (self.loss or self.bad_grad):
+        if self.loss_side():
             return out + self._loss_lines(bad)
         out.extend(bad.lines() if bad else ["no op produced a non-finite value"])
         return out
+
+    def loss_side(self) -> bool:
+        """The model's forward was finite, the loss (or the gradient it sent back) not."""
+        bad = self.first or self.first_any
+        return (bad is None or bad.phase == "backward") and bool(self.loss or self.bad_grad)
 
     def _loss_lines(self, bad: BadOp | None) -> list[str]:
         """The model's forward was finite: the non-finite value came from the loss function,

@@ -155,8 +155,28 @@ def replay_command(debugger: pdb.Pdb, arg: str) -> None:
         return
     if verb:
         raise ValueError(f"replay: unknown argument {verb!r}; use 'replay' or 'replay save PATH'")
-    for line in monitor.replay().lines():
+    report = monitor.replay()
+    for line in report.lines():
         debugger.message(line)
+    if report.loss_side():  # the loss's other inputs (the targets) are the loop's
+        for line in _frame_tensors(debugger):
+            debugger.message(line)
+
+
+FRAME_TENSORS = 8  # the parked frame's tensors a loss-side replay lists
+
+
+def _frame_tensors(debugger: pdb.Pdb) -> list[str]:
+    """The parked frame's tensors (but the loss): the loss function's other inputs."""
+    import torch
+
+    found = [
+        f"    {name}: {summary(value)}"
+        for name, value in debugger.curframe_locals.items()
+        if isinstance(value, torch.Tensor) and name != "loss"
+    ]
+    head = "  tensors in the parked frame (the loss's other inputs among them):"
+    return [head, *found[:FRAME_TENSORS]] if found else []
 
 
 @command("whatif")
