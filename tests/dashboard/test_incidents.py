@@ -331,3 +331,15 @@ def test_every_state_chip_meets_wcag_aa_contrast(broker, page):
         light, dark = sorted((_luminance(fg), _luminance(bg)), reverse=True)
         ratio = (light + 0.05) / (dark + 0.05)
         assert ratio >= 4.5, (state, fg, bg, ratio)
+
+
+def test_a_new_session_and_a_state_only_a_heartbeat_carried_appear_without_an_event(broker, page):
+    register(broker, "h0", job="train-hb", rank=0)
+    login(page, broker)
+    page.wait_for_selector(".rank[data-session='h0']")
+    register(broker, "h1", job="train-hb", rank=1)  # no event: only the listing knows
+    with broker.client(AGENT) as c:
+        beat = c.post("/v1/sessions/h0/heartbeat", json={"state": "stalled", "reason": "slow"})
+        assert beat.status_code == 200, beat.text
+    page.wait_for_selector(".rank[data-session='h1']", timeout=10_000)
+    page.wait_for_selector(".rank[data-session='h0'][data-state=stalled]", timeout=10_000)
