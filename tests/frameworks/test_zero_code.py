@@ -40,6 +40,16 @@ def test_the_models_are_found_at_the_first_step_and_count_one_step_per_iteration
 
 
 @pytest.mark.timeout(100)
+def test_a_loop_that_calls_breakpod_step_marks_the_steps_itself(spawn: Any) -> None:
+    """Its boundaries win: the optimizer's stand aside, and no monitor of debug mode's
+    ends steps of its own (a job's step numbers stay the loop's)."""
+    out, err = probe(spawn, EXPLICIT_STEP="1")
+    assert "steps=8 watched=[]" in out, out + err
+    said = [line for line in err.splitlines() if "marks its own steps" in line]
+    assert len(said) == 1 and "breakpod.watch(model, optimizer=...)" in said[0], err
+
+
+@pytest.mark.timeout(100)
 def test_a_step_a_grad_scaler_skips_is_no_step(spawn: Any) -> None:
     """Step 3's gradients are NaN: the scaler never calls optimizer.step(), so seven of
     the eight iterations are steps (the model unwatched, so nothing parks)."""

@@ -7,10 +7,13 @@ in debug mode (``ENABLE_REMOTE_DEBUG=1``) only:
   until the first optimizer step. When that step is done (a global step
   post-hook) the outermost modules that ran and hold parameters of the optimizer
   are the models; the global forward hook is removed then, and costs nothing
-  more. A wrapper (DistributedDataParallel, Lightning's) is looked through to the
-  model it wraps, so modules keep the names the user gave them.
+  more. They are watched once the second step is done, unless the program
+  called ``breakpod.step()`` in between: it marks its own steps, and a monitor's
+  step ends would be boundaries of another count. A wrapper (DistributedDataParallel,
+  Lightning's) is looked through to the model it wraps, so modules keep the names
+  the user gave them.
 * **Anomalies** (``BREAKPOD_AUTO_WATCH``): each model found is ``watch()``-ed from
-  the next step on with the default rules, a non-finite value parking
+  the third step on with the default rules, a non-finite value parking
   (``BREAKPOD_RULES=rules.yaml`` adds or replaces rules). Its step ends *before
   the update*: ``watch(optimizer=...)``'s own step pre-hook, or, for an optimizer
   stepped with a closure (Lightning: forward and backward run inside ``step()``,
@@ -54,7 +57,8 @@ _ran: dict[int, Any] = {}  # modules that ran a forward before the first optimiz
 _handles: list[Any] = []
 _forward_handle: Any = None
 _roots: list[weakref.ref[Any]] | None = None  # the outermost modules that ran
-_adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers looked at
+_adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers done with
+_found: weakref.WeakKeyDictionary[Any, list[weakref.ref[Any]]] = weakref.WeakKeyDictionary()
 _monitors: dict[int, Monitor] = {}  # id(model) -> its monitor
 # id(monitor) -> the optimizer, stepped with a closure, whose steps end the monitor's
 _closure_stepped: dict[int, Any] = {}
@@ -99,6 +103,7 @@ def remove() -> None:
     _ran.clear()
     _roots = None
     _adopted.clear()
+    _found.clear()
     optimizer_steps.remove()
 
 
@@ -131,34 +136,56 @@ def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 
 
 def _after_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Global step post-hook: a new optimizer's models are found once its step is done."""
+    """Global step post-hook: a new optimizer's models are found once its first step is
+    done, and watched once its second is (unless the program marked steps in between)."""
     if optimizer in _adopted:
         return
     try:
-        closure = kwargs.get("closure", args[0] if args else None)
-        _adopt(optimizer, closure=callable(closure))
+        found = _found.get(optimizer)
+        if found is None:
+            _find(optimizer)
+            return
+        _adopted.add(optimizer)
+        del _found[optimizer]
+        if not _wanted["watch"] or _program_marks_steps():
+            return
+        closure = callable(kwargs.get("closure", args[0] if args else None))
+        for model in [ref() for ref in found]:
+            if model is not None and id(model) not in _monitors and monitor_of(model) is None:
+                _watch(model, optimizer, closure)  # a model the program watches is left to it
     except Exception as e:
         _fail("finding the model", e)
 
 
-def _adopt(optimizer: Any, *, closure: bool) -> None:
+def _find(optimizer: Any) -> None:
     """The models this optimizer steps: found once some module ran (else looked for again
-    at its next step)."""
+    at its next step); the stall clock hears their forwards from now."""
     global _roots
     if _roots is None:
-        found = outermost(_ran.values())
-        if not found:
+        ran = outermost(_ran.values())
+        if not ran:
             return
-        _roots = [weakref.ref(m) for m in found]
+        _roots = [weakref.ref(m) for m in ran]
         _stop_noting()
-    _adopted.add(optimizer)
     held = {id(p) for p in optimizers.params_of(optimizer)}
-    ran = [r() for r in _roots]
-    for model in [m for m in ran if m is not None and _holds(m, held)]:
+    models = [m for m in (r() for r in _roots) if m is not None and _holds(m, held)]
+    for model in models:
         _keep_alive(model)
-        inner = unwrap(model)
-        if _wanted["watch"] and id(inner) not in _monitors and monitor_of(inner) is None:
-            _watch(inner, optimizer, closure)  # a model the program watches itself is left
+    _found[optimizer] = [weakref.ref(unwrap(m)) for m in models]
+
+
+def _program_marks_steps() -> bool:
+    """``breakpod.step()`` ran since the first optimizer step: the program marks its steps,
+    and the zero-code monitor (whose step ends would be boundaries too) stays out."""
+    if not optimizer_steps.others_mark_steps():
+        return False
+    if "steps" not in _failed:
+        _failed.add("steps")
+        announce(
+            "debug mode: the program marks its own steps (breakpod.step()); no model is "
+            "watched without code: call breakpod.watch(model, optimizer=...) for anomalies"
+        )
+    return True
 
 
 def _stop_noting() -> None:
@@ -212,8 +239,8 @@ def _watch(model: Any, optimizer: Any, closure: bool) -> None:
     if closure:
         _closure_stepped[id(monitor)] = optimizer
     _monitors[id(model)] = monitor
-    # watched from the optimizer's second step: numbered as the optimizer's steps
-    monitor.step_count = monitor._current.step = 1
+    # watched from the optimizer's third step on: numbered as the optimizer's steps
+    monitor.step_count = monitor._current.step = 2
     name = type(model).__name__
     announce(f"debug mode: watching {name} for anomalies; they park before the update")
 

@@ -9,8 +9,10 @@
   there, in the innermost frame outside torch and breakpod (``up`` walks out
   through the framework's frames to the user's).
 * Where steps are marked otherwise, that wins: ``breakpod.step()``, or a monitor
-  ending its step before the update. A post-hook that finds a boundary it did not
-  make since its own last one stands aside (and looks again at the next step).
+  ending its step before the update. The first step is counted but is no boundary
+  (a loop's own ``breakpod.step()`` shows by the second); a post-hook that finds a
+  boundary it did not make since its own last one stands aside (and looks again at
+  the next step).
 * Gradient accumulation is one optimizer step for several forwards: one boundary.
   A step the optimizer never takes (GradScaler found an inf) calls no hook, so it
   is no step; the model's forwards (:func:`alive`) keep the stall clock from
@@ -66,6 +68,15 @@ def alive() -> None:
         active.alive_at = time.monotonic()
 
 
+def others_mark_steps() -> bool:
+    """Was a step boundary made since this module's last one that it did not make
+    (``breakpod.step()``, a monitor's)? Always when this module makes none."""
+    active = watchdog._active
+    if active is None or active.step is None:
+        return False
+    return not _handles or active.last_beat != _mine
+
+
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     global _failed
     try:
@@ -79,8 +90,11 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 def _boundary(optimizer: Any, frame: FrameType) -> None:
     global _lead, _count, _mine
     lead = _lead() if _lead is not None else None
-    if lead is None:
-        _lead, lead = weakref.ref(optimizer), optimizer
+    if lead is None:  # the first step: counted, and a boundary from the next one on (a
+        _lead, _count = weakref.ref(optimizer), 1  # loop's breakpod.step() shows by then)
+        active = watchdog._active
+        _mine = active.last_beat if active is not None else None
+        return
     if lead is not optimizer:
         alive()
         return
