@@ -1,12 +1,17 @@
 """Exponential delays after failed tokens, so a listener's token cannot be guessed fast.
 
-After the n-th failure in a row the next token is judged no earlier than
-``BASE_DELAY * 2**(n-1)`` seconds after it, capped. Two counters apply, and a
-token waits for both: one overall (every client) and one per peer address.
-Clients behind ``kubectl port-forward`` or ``docker exec`` all come from
-loopback, so loopback peers share the overall counter only, whose cap stays
-short enough for the real engineer to get in within about a second while
-someone else guesses. A quiet period or a right token resets a counter.
+Two counters apply, and a token waits for both. The overall one (every client):
+after a failure, the next token is compared no earlier than ``OVERALL_CAP``
+seconds later. The listener compares one token per opening, right or wrong, so
+this bounds the guesses per second however many connections guess at once: one
+every ``OVERALL_CAP`` seconds (under 2 a second). One per remote peer address:
+after its n-th failure in a row, ``BASE_DELAY * 2**(n-1)`` seconds, up to
+``PEER_CAP``. Clients behind ``kubectl port-forward`` or ``docker exec`` all
+come from loopback, so loopback peers share the overall counter only; the real
+engineer's token then
+waits its turn behind the lines sent before it (about ``OVERALL_CAP`` seconds
+each). A quiet period resets a counter; a right token its peer's (not the
+overall one: the engineer getting in must not restart a guesser's count).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 import ipaddress
 
 BASE_DELAY = 0.05
-OVERALL_CAP = 1.0  # every client waits at most this long, whoever else is guessing
+OVERALL_CAP = 0.6  # one comparison at least this far apart under a flood: < 2 guesses/s
 PEER_CAP = 30.0  # a remote address that keeps guessing waits up to this long
 FORGET_AFTER = 60.0  # seconds without a failure reset a counter
 MAX_PEERS = 1024
@@ -23,16 +28,16 @@ MAX_PEERS = 1024
 class Backoff:
     """Failures in a row and when the last one happened."""
 
-    __slots__ = ("cap", "failures", "last")  # a plain class: every listener imports this cheaply
+    __slots__ = ("base", "cap", "failures", "last")  # a plain class: imported cheaply
 
-    def __init__(self, cap: float, failures: int = 0, last: float = 0.0) -> None:
-        self.cap, self.failures, self.last = cap, failures, last
+    def __init__(self, cap: float, base: float = BASE_DELAY) -> None:
+        self.cap, self.base, self.failures, self.last = cap, base, 0, 0.0
 
     def wait(self, now: float) -> float:
         """Seconds until the next token may be judged (0: now)."""
         if not self.failures or now - self.last > FORGET_AFTER:
             return 0.0
-        delay: float = min(BASE_DELAY * 2.0 ** min(self.failures - 1, 30), self.cap)
+        delay: float = min(self.base * 2.0 ** min(self.failures - 1, 30), self.cap)
         return max(0.0, self.last + delay - now)
 
     def failed(self, now: float) -> None:
@@ -40,15 +45,12 @@ class Backoff:
             self.failures = 0
         self.failures, self.last = self.failures + 1, now
 
-    def reset(self) -> None:
-        self.failures = 0
-
 
 class Throttle:
     """The overall counter plus one per remote (non-loopback) peer."""
 
     def __init__(self) -> None:
-        self.overall = Backoff(OVERALL_CAP)
+        self.overall = Backoff(OVERALL_CAP, base=OVERALL_CAP)  # no ramp: the cap at once
         self._peers: dict[str, Backoff] = {}
 
     def wait(self, peer: str, now: float) -> float:
@@ -61,7 +63,6 @@ class Throttle:
             self._peer(peer, now).failed(now)
 
     def succeeded(self, peer: str) -> None:
-        self.overall.reset()
         self._peers.pop(peer, None)
 
     def _peer(self, peer: str, now: float) -> Backoff:

@@ -7,9 +7,11 @@ single slot and is handed to whoever waits in :meth:`Listener.wait_for_client`;
 any other client gets one line of explanation and is closed. The protocol is
 plain text, so ``nc``, ``socat`` and ``telnet`` work as well as ``breakpod attach``.
 
-Nobody reaching the port can keep the engineer out or hurt the job: wrong
-tokens slow down exponentially (:mod:`breakpod._core.throttle`), silent handshakes
-are evicted when the slots are full, token lines are capped at 1 KiB and pdb
+Nobody reaching the port can guess the token fast or hurt the job: every token
+line, right or wrong, is compared only when the throttle allows
+(:mod:`breakpod._core.throttle`: one comparison per opening, oldest line first),
+so a thousand connections guessing at once guess no faster than one; handshakes
+are evicted when the slots are full (silent ones first), token lines are capped at 1 KiB and pdb
 lines at 1 MiB (both read in linear time), and an attached client that sends
 nothing for BREAKPOD_ATTACH_IDLE is dropped so the hold time applies again.
 """
@@ -27,16 +29,18 @@ import threading
 import time
 
 from breakpod._core import net
+from breakpod._core.config import LISTENER_TOKEN_ENV
 from breakpod._core.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
 REFUSED = "breakpod: refused: "  # the client tells a refusal from a session's end by it
-TOKEN_PROMPT = "breakpod: token required: send BREAKPOD_TOKEN as the first line\n"
+TOKEN_PROMPT = f"breakpod: token required: send {LISTENER_TOKEN_ENV} as the first line\n"
 NOT_PARKED = "breakpod: pid {pid} is not parked yet; the session starts at its next park\n"
 HANDSHAKE_SECONDS = 10.0  # to send the token line, however slowly
 MAX_HANDSHAKES = 16  # pending at once; a new client ends the oldest
 MAX_TOKEN_LINE = 1024
+MAX_ACCEPTS = 64  # connections taken from the backlog per wake-up
 MAX_LINE = 1 << 20  # a longer pdb line is dropped (with a note), never buffered
 RECV_BYTES = 65536
 
@@ -56,6 +60,7 @@ class ClientIO:
         self._buffer = bytearray()
         self._scanned = 0  # no newline before this offset: each byte is searched once
         self._skipping = False  # inside an over-long line, dropping it
+        self._prompt = ""  # the last text written without a newline: pdb's prompt
         self.idle_seconds = idle_seconds
         self.idled = False
 
@@ -65,6 +70,11 @@ class ClientIO:
         self._sock, self.idled = sock, False
 
     def write(self, text: str) -> int:
+        self._prompt = "" if text.endswith("\n") else text
+        self._send(text)
+        return len(text)
+
+    def _send(self, text: str) -> None:
         if self._sock is not None:
             try:
                 self._sock.sendall(text.encode())
@@ -72,7 +82,6 @@ class ClientIO:
                 self._drop_idle()
             except OSError:
                 self.close()
-        return len(text)
 
     def flush(self) -> None:
         """Writes are unbuffered."""
@@ -110,7 +119,9 @@ class ClientIO:
         self._scanned = 0
         if self._skipping:  # the tail of the over-long line
             self._skipping = False
-            self.write(f"*** breakpod: a line longer than {MAX_LINE} bytes was ignored\n")
+            # the prompt again: pdb still waits for a line, and the client for its prompt
+            self._send(f"*** breakpod: a line longer than {MAX_LINE} bytes was ignored\n")
+            self._send(self._prompt)
             return self._next_line()
         return line
 
@@ -137,12 +148,13 @@ class ClientIO:
 class _Handshake:
     """A client that still has to send the token line (a plain class: no import cost)."""
 
-    __slots__ = ("conn", "data", "deadline", "line", "peer")
+    __slots__ = ("conn", "data", "deadline", "line", "lined", "peer")
 
     def __init__(self, conn: socket.socket, peer: str, deadline: float) -> None:
         self.conn, self.peer, self.deadline = conn, peer, deadline
         self.data = bytearray()
         self.line: bytes | None = None  # the complete token line, once it arrived
+        self.lined = 0.0  # when it arrived: the oldest line is compared first
 
 
 class Listener:
@@ -237,13 +249,19 @@ class Listener:
     def _serve(self) -> None:
         try:
             self._sock.setblocking(False)
-            self._selector.register(self._sock, selectors.EVENT_READ)
+            listening = False
             while not self._closed:
+                if self._room() != listening:
+                    listening = not listening
+                    if listening:
+                        self._selector.register(self._sock, selectors.EVENT_READ)
+                    else:
+                        self._selector.unregister(self._sock)
                 for key, _ in self._selector.select(self._next_wakeup()):
                     if key.fileobj is self._sock:
-                        self._accept()
-                    else:
-                        self._read_token(self._pending[key.fileobj])  # type: ignore[index]
+                        self._accept_all()
+                    elif (h := self._pending.get(key.fileobj)) is not None:  # type: ignore[call-overload]
+                        self._read_token(h)  # (one evicted earlier in this batch is gone)
                 self._expire()
                 self._judge()
         except (OSError, ValueError):  # closed (close(), or a fork's child)
@@ -262,17 +280,31 @@ class Listener:
             )
         return max(0.0, min(wakeups))
 
-    def _accept(self) -> None:
+    def _room(self) -> bool:
+        """Take a connection from the backlog? Not while every slot holds a token line
+        waiting its turn: the next connections then wait in the kernel's backlog, in the
+        order they came, each taking a slot as one frees (none is pushed out unheard, so
+        the real client's line is compared after those before it, however many flood)."""
+        return len(self._pending) < MAX_HANDSHAKES or any(
+            h.line is None for h in self._pending.values()
+        )
+
+    def _accept_all(self) -> None:
+        """Take what the backlog holds while there is room (up to a bound, so tokens
+        are still judged on time)."""
+        for _ in range(MAX_ACCEPTS):
+            if not self._room() or not self._accept():
+                return
+
+    def _accept(self) -> bool:
         try:
             conn, addr = self._sock.accept()
         except BlockingIOError:
-            return
+            return False
         if self._token is None:
             conn.setblocking(True)
             self._admit(conn)
-            return
-        if len(self._pending) >= MAX_HANDSHAKES:
-            self._make_room()
+            return True
         handshake = _Handshake(conn, str(addr[0]), time.monotonic() + HANDSHAKE_SECONDS)
         try:
             conn.setblocking(False)
@@ -280,18 +312,29 @@ class Listener:
             self._selector.register(conn, selectors.EVENT_READ)
         except OSError:
             conn.close()
-            return
+            return True
         self._pending[conn] = handshake
+        self._read_token(handshake)  # sent as it connected: then :meth:`_room` knows it
+        if len(self._pending) > MAX_HANDSHAKES:
+            self._make_room()
+        return True
 
     def _make_room(self) -> None:
-        """Close the oldest handshake. A client sends its token line as it connects
-        (``breakpod attach`` does), so it is never the oldest for long: nobody reaching
-        the port can keep it out by holding handshakes open, silent or a byte at a time.
-        A wrong token line closed so still counts against its peer."""
-        oldest = min(self._pending.values(), key=lambda h: h.deadline)
-        if oldest.line is not None:
-            self._throttle.failed(oldest.peer, time.monotonic())
-        self._end_handshake(oldest, "too many clients are authenticating; try again later")
+        """One handshake too many: hear the silent ones first (a line may wait in their
+        buffers), then close the oldest still silent, else the newest line (never
+        compared: its client learns nothing, and those before it keep their turn). A
+        client sends its token line as it connects (``breakpod attach`` does), so
+        handshakes held open, silent or a byte at a time, never keep it out."""
+        for h in [h for h in self._pending.values() if h.line is None]:
+            self._read_token(h)
+        if len(self._pending) <= MAX_HANDSHAKES:
+            return
+        silent = [h for h in self._pending.values() if h.line is None]
+        if silent:
+            closed = min(silent, key=lambda h: h.deadline)
+        else:
+            closed = max(self._pending.values(), key=lambda h: h.lined)
+        self._end_handshake(closed, "too many clients are authenticating; try again later")
 
     def _read_token(self, h: _Handshake) -> None:
         try:
@@ -306,7 +349,7 @@ class Listener:
         h.data += chunk
         line, newline, _ = h.data.partition(b"\n")
         if newline:
-            h.line = bytes(line)
+            h.line, h.lined = bytes(line), time.monotonic()
             self._selector.unregister(h.conn)  # judged when the throttle allows
         elif len(h.data) > MAX_TOKEN_LINE:
             self._end_handshake(h, "token line too long")
@@ -317,29 +360,37 @@ class Listener:
             self._end_handshake(h, f"no token within {HANDSHAKE_SECONDS:g}s")
 
     def _judge(self) -> None:
-        """Compare every token line: a right one is admitted at once; of the wrong ones,
-        one whose wait is over is refused per pass, so each failure delays the next
-        refusal (and with it the next guess), however many connections guess at once."""
+        """Compare one token line, the oldest whose wait is over: a right one is
+        admitted, a wrong one refused and counted. Only a comparison tells a client
+        anything, right or wrong, so one per throttle opening bounds the guesses per
+        second however many connections guess at once (each used to be compared as
+        it came: a right token got in at once, so the delay only slowed refusals)."""
         assert self._token is not None or not self._pending
         now = time.monotonic()
-        due = [h for h in self._pending.values() if h.line is not None]
-        if not due:
-            return
+        due = [
+            h
+            for h in self._pending.values()
+            if h.line is not None and self._throttle.wait(h.peer, now) <= 0
+        ]
+        for h in sorted(due, key=lambda h: h.lined):
+            if alive(h.conn):
+                self._compare(h)
+                return
+            self._end_handshake(h)  # gone before its turn: no comparison spent on it
+
+    def _compare(self, h: _Handshake) -> None:
         import hmac  # only a listener with a token needs it
 
-        refused = False
-        for h in due:
-            assert h.line is not None and self._token is not None
-            if hmac.compare_digest(h.line.strip(), self._token):
-                del self._pending[h.conn]
-                self._throttle.succeeded(h.peer)
-                h.conn.setblocking(True)
-                self._admit(h.conn)
-            elif not refused and self._throttle.wait(h.peer, now) <= 0:
-                del self._pending[h.conn]
-                refused = True
-                self._throttle.failed(h.peer, now)
-                _refuse(h.conn, "wrong or missing token; set BREAKPOD_LISTENER_TOKEN to the job's")
+        assert h.line is not None and self._token is not None
+        now = time.monotonic()
+        del self._pending[h.conn]
+        if hmac.compare_digest(h.line.strip(), self._token):
+            self._throttle.succeeded(h.peer)
+            h.conn.setblocking(True)
+            self._admit(h.conn)
+        else:
+            self._throttle.failed(h.peer, now)
+            _refuse(h.conn, f"wrong or missing token; set {LISTENER_TOKEN_ENV} to the job's")
 
     def _end_handshake(self, h: _Handshake, why: str | None = None) -> None:
         self._pending.pop(h.conn, None)
@@ -378,8 +429,9 @@ def alive(sock: socket.socket) -> bool:
     if sock.fileno() < 0:
         return False
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        if not readable:
+        poller = select.poll()  # not select(): a job may hold more than 1024 files
+        poller.register(sock, select.POLLIN)
+        if not poller.poll(0):
             return True
         return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
     except BlockingIOError:
