@@ -60,8 +60,9 @@ def test_debug_mode_gives_the_group_room_for_a_park_and_watches_the_users_timeou
 
 
 def test_a_hold_with_no_limit_gives_the_group_a_year():
-    """``forever`` (or a negative hold) made init_process_group raise OverflowError."""
-    for hold in ("forever", "-1"):
+    """``forever`` made init_process_group raise OverflowError (a negative hold is now
+    refused: it fell back to the default)."""
+    for hold in ("forever", "inf"):
         found = probe(ENABLE_REMOTE_DEBUG="1", BREAKPOD_HOLD_SECONDS=hold)
         assert found["wrapped"] is True and found["timeout"] == 365 * 24 * 3600, found
 

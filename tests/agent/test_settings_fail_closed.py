@@ -95,7 +95,9 @@ def test_the_issue_reproduction_asks_for_the_token(spawn):
     """BREAKPOD_ON_DETACH=later used to drop the token requirement with the rest."""
     child = spawn(SCRIPT, env={**TOKENED, "BREAKPOD_ON_DETACH": "later"}, stdin="closed")
     with socket.create_connection(("127.0.0.1", child.park_port()), timeout=10) as nc:
-        assert nc.recv(200).startswith(b"breakpod: token required")
+        prompt = nc.recv(200)
+    assert prompt.startswith(b"breakpod: token required")
+    assert b"send BREAKPOD_LISTENER_TOKEN as" in prompt  # it named the deprecated BREAKPOD_TOKEN
 
 
 def test_a_token_read_from_a_file_matches_what_the_cli_sends(spawn, pdb_client):
@@ -146,8 +148,18 @@ def test_a_bad_local_rank_is_one_line_not_a_traceback(spawn, rank):
     assert f"LOCAL_RANK={rank!r} is not a local rank" in child.stderr
 
 
-def test_seconds_past_what_a_clock_can_add_mean_no_limit():
-    settings, lines = Settings.load({**TOKENED, "BREAKPOD_HOLD_SECONDS": "1e308"})
+@pytest.mark.parametrize("bad", ["-1", "1e308", "1e400", "-inf", "2e9"])
+def test_seconds_that_are_negative_or_past_31_years_fall_back_with_a_line(bad):
+    """-1 and 1e400 meant no limit, without a word: 'forever' says that."""
+    settings, lines = Settings.load({**TOKENED, "BREAKPOD_HOLD_SECONDS": bad})
+    assert settings.hold_seconds == 300.0
+    (line,) = lines
+    assert line.startswith(f"BREAKPOD_HOLD_SECONDS={bad!r}") and "'forever'" in line, line
+
+
+@pytest.mark.parametrize("endless", ["forever", "inf", "none", " Infinite "])
+def test_no_limit_is_said_in_words(endless):
+    settings, lines = Settings.load({**TOKENED, "BREAKPOD_HOLD_SECONDS": endless})
     assert settings.hold_seconds == float("inf") and not lines
 
 

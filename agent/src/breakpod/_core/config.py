@@ -231,7 +231,9 @@ _flags_said: set[tuple[str, str]] = set()
 
 
 def parse_seconds(name: str, raw: str) -> float:
-    """Seconds as a number; ``inf``/``forever``/a negative number mean no limit."""
+    """Seconds as a number from 0 to 31 years; ``forever`` (``inf``, ``none``) for no
+    limit. A negative number or one past 31 years (``1e400``) is refused: they read
+    as no limit, which only the word should say."""
     value = raw.strip().lower()
     if value in {"inf", "forever", "infinite", "none"}:
         return math.inf
@@ -239,12 +241,12 @@ def parse_seconds(name: str, raw: str) -> float:
         seconds = float(value)
     except ValueError:
         seconds = math.nan
-    if math.isnan(seconds):
+    if not 0 <= seconds <= MAX_SECONDS:  # NaN too
         raise ConfigError(
-            f"{name}={raw!r} is not a number of seconds: use e.g. 300, 0, or 'forever'"
+            f"{name}={raw!r} is not a number of seconds from 0 to {MAX_SECONDS:g}: "
+            "use e.g. 300, 0, or 'forever'"
         )
-    # negative, or past what a clock can add (1e308 s): no limit
-    return math.inf if seconds < 0 or seconds > MAX_SECONDS else seconds
+    return seconds
 
 
 def format_seconds(seconds: float) -> str:
