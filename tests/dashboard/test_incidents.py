@@ -343,3 +343,12 @@ def test_a_new_session_and_a_state_only_a_heartbeat_carried_appear_without_an_ev
         assert beat.status_code == 200, beat.text
     page.wait_for_selector(".rank[data-session='h1']", timeout=10_000)
     page.wait_for_selector(".rank[data-session='h0'][data-state=stalled]", timeout=10_000)
+    # a beat redraws nothing, but the heartbeat age starts again from it
+    cell = "article.job[data-job='train-hb'] tr[data-session='h0'] td.age .tick"
+    before = page.evaluate(f"document.querySelector({cell!r}).dataset.since")
+    cards = page.evaluate("app.stats.cards")
+    with broker.client(AGENT) as c:
+        beat = c.post("/v1/sessions/h0/heartbeat", json={}).json()["last_seen"]
+    until(page, f"Number(document.querySelector({cell!r}).dataset.since) === {beat!r}", 10)
+    assert float(before) < beat
+    assert page.evaluate("app.stats.cards") == cards

@@ -69,6 +69,24 @@ function since(seconds) {
   return el("span", { class: "tick", "data-since": seconds, text: age(seconds) });
 }
 
+// A session's heartbeat age: it ticks, and each re-read of the list moves it in place
+// (a beat changes no card: none is redrawn for it).
+function beatAge(s) {
+  const node = since(s.last_seen);
+  node.dataset.beat = s.id;
+  return node;
+}
+
+function moveBeats() {
+  for (const node of document.querySelectorAll("[data-beat]")) {
+    const s = app.sessions.get(node.dataset.beat);
+    if (s && String(s.last_seen) !== node.dataset.since) {
+      node.dataset.since = s.last_seen;
+      node.textContent = age(s.last_seen);
+    }
+  }
+}
+
 function until(seconds) {
   return el("span", { class: "tick", "data-until": seconds, text: duration(seconds - Date.now() / 1000) });
 }
@@ -467,6 +485,7 @@ function render() {
   else if (jobs.length && empty) empty.remove();
   $("counts").textContent = countsText();
   renderDetail();
+  moveBeats();
   refocus(focus);
 }
 
@@ -541,7 +560,7 @@ function rankTable(ranks) {
         el("td", {}, el("span", { class: "chip", "data-state": s.state, text: s.state })),
         el("td", { class: "reason" }, ...incident(s)),
         el("td", { text: where(s) }),
-        el("td", { class: "age" }, isFinal(s.state) ? "-" : since(s.last_seen), isFinal(s.state) ? null : " ago"),
+        el("td", { class: "age" }, isFinal(s.state) ? "-" : beatAge(s), isFinal(s.state) ? null : " ago"),
       ),
     ),
   );

@@ -453,7 +453,7 @@ function factsPart(s) {
     { class: "facts" },
     ...facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { "data-fact": k, text: v })]),
     el("dt", { text: "created" }), el("dd", {}, since(s.created), " ago"),
-    el("dt", { text: "last heartbeat" }), el("dd", { "data-fact": "last heartbeat" }, since(s.last_seen), " ago"),
+    el("dt", { text: "last heartbeat" }), el("dd", { "data-fact": "last heartbeat" }, beatAge(s), " ago"),
   );
 }
 
