@@ -148,10 +148,10 @@ def test_nan_parks_in_the_container_and_an_engineer_attaches_from_the_host(stack
     assert run("docker", "wait", container, timeout=120).stdout.strip() == "0"
     wait_for_log("train", r"training finished")
     finished = wait_for_session(lambda s: s["id"] == parked[0]["id"] and s["state"] == "finished")
-    assert finished["reason"] == "finished (exit 0)"
+    assert finished["reason"] == "exit 0"
 
 
-def test_a_container_stopped_while_parked_is_finished_by_signal_15(stack):
+def test_a_container_stopped_while_parked_is_killed_by_signal_15(stack):
     before = {s["id"] for s in sessions()}
     compose("up", "-d", "--no-build", "--no-deps", "--force-recreate", "train")
     parked = wait_for_session(lambda s: s["id"] not in before and s["state"] == "parked")
@@ -160,8 +160,8 @@ def test_a_container_stopped_while_parked_is_finished_by_signal_15(stack):
 
     exit_code = run("docker", "inspect", "-f", "{{.State.ExitCode}}", container).stdout
     assert exit_code.strip() == "143"  # died of SIGTERM, as without breakpod
-    finished = wait_for_session(lambda s: s["id"] == parked["id"] and s["state"] == "finished")
-    assert finished["reason"] == "finished (signal 15)"
+    killed = wait_for_session(lambda s: s["id"] == parked["id"] and s["state"] == "killed")
+    assert killed["reason"] == "signal 15 (SIGTERM)"
 
 
 def test_a_second_stack_runs_beside_the_first(stack):
