@@ -4,7 +4,7 @@ The example training job hits a NaN and parks; the broker lists it; an
 engineer attaches from the host through the 127.0.0.1-published port, looks
 at a tensor, continues, and the container exits 0. A second job, stopped
 while parked (`compose stop`: SIGTERM through dumb-init), is listed as
-`finished (signal 15)`. The stack has its own project name and free host
+`killed` (signal 15 (SIGTERM)). The stack has its own project name and free host
 ports, and a second stack runs beside it with its own broker and Redis;
 compose builds both images on the local base images. The overlay gives `train`
 a TTY, and `breakpoint()` still parks on the socket (ENABLE_REMOTE_DEBUG=1).
