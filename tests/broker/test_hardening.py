@@ -336,7 +336,8 @@ def _data_lines(response, n):
 def test_ingest_never_recreates_an_expired_session_hash(broker, redis_url):
     """What INGEST_LUA does when another replica's view of the session is stale."""
     with redis.Redis.from_url(redis_url, decode_responses=True) as r:
-        args = [100, 100, 60, 3600, keys.seen("gone", ""), 1, "e1", "{}", 1, "parked", "bp", "", ""]
+        change = [1, "parked", "bp", "", "", "", "{}"]  # events._changes: one per state change
+        args = [100, 100, 60, 3600, keys.seen("gone", ""), 1, "e1", "{}", *change]
         reply = r.eval(scripts.INGEST_LUA, 3, *broker_events._lua_keys("gone"), *args)
         assert reply and not r.exists(keys.session("gone"))
         r.hset(keys.session("live"), mapping={"state": "running"})
