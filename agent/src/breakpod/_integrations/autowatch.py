@@ -45,7 +45,8 @@ AUTO_WATCH_ENV = "BREAKPOD_AUTO_WATCH"
 AUTO_STEPS_ENV = "BREAKPOD_AUTO_STEPS"
 RULES_ENV = "BREAKPOD_RULES"
 # debug mode's default: a non-finite value parks before the update (the other defaults log)
-PARK_ON_NONFINITE = {"name": "nonfinite", "check": "nonfinite", "action": ["log", "event", "break"]}
+PARK = ["log", "event", "break"]  # not protocol: rule actions
+PARK_ON_NONFINITE = {"name": "nonfinite", "check": "nonfinite", "action": PARK}
 WRAPPERS = {  # class name -> the attribute holding the model it wraps
     "DistributedDataParallel": "module",
     "DataParallel": "module",
@@ -247,9 +248,15 @@ def _watch(model: Any, optimizer: Any, closure: bool) -> None:
 
 def _end_steps(watched: list[Monitor], loss: Any) -> None:
     """Before the update: each watched model's step ends (a park happens here)."""
-    loss = loss if callable(getattr(loss, "detach", None)) else None  # a closure's tensor
+    loss = loss if isinstance(loss, _tensor_type()) else None  # what a closure returned
     for monitor in watched:
         monitor.step(loss)
+
+
+def _tensor_type() -> type:
+    import torch
+
+    return torch.Tensor
 
 
 def _then(closure: Callable[[], Any], after: Callable[[Any], None]) -> Callable[[], Any]:
