@@ -47,14 +47,17 @@ def wait_parks(child: Child, n: int, timeout: float = 15.0) -> int:
     return child.park_port()
 
 
-def get_in(port: int, token: str | None = TOKEN, within: float = GET_IN_SECONDS) -> float:
+def get_in(
+    port: int, token: str | None = TOKEN, within: float = GET_IN_SECONDS, patience: float = 10.0
+) -> float:
     """The real engineer: connect (again, if refused), send the token, reach (Pdb),
-    continue the job. Returns the seconds to the prompt."""
+    waiting ``patience`` seconds for each answer, continue the job. Returns the
+    seconds to the prompt."""
     start = time.monotonic()
     while True:
         client = None
         try:
-            client = PdbClient(port)  # in a flood the connect itself may time out
+            client = PdbClient(port, timeout=patience)  # in a flood the connect may time out
             if token is not None:
                 client.read_until("\n")
                 client.send(token)
@@ -292,7 +295,7 @@ def test_200_parallel_guessers_guess_at_most_2_a_second(spawn, tmp_path):
         time.sleep(2.0)  # the flood is on, the delay at its cap
         start = time.monotonic()
         try:
-            waited: float | None = get_in(port, within=ENGINEER_SECONDS)
+            waited: float | None = get_in(port, within=ENGINEER_SECONDS, patience=ENGINEER_SECONDS)
         except AssertionError:
             waited = None
         time.sleep(max(0.0, FLOOD_SECONDS - (time.monotonic() - start)))

@@ -38,7 +38,10 @@ REFUSED = "breakpod: refused: "  # the client tells a refusal from a session's e
 TOKEN_PROMPT = f"breakpod: token required: send {LISTENER_TOKEN_ENV} as the first line\n"
 NOT_PARKED = "breakpod: pid {pid} is not parked yet; the session starts at its next park\n"
 HANDSHAKE_SECONDS = 10.0  # to send the token line, however slowly
-MAX_HANDSHAKES = 16  # pending at once; a new client ends the oldest
+MAX_HANDSHAKES = 16  # silent handshakes at once (no token line yet); a new one ends the oldest
+MAX_QUEUED = 256  # token lines waiting their turn (fewer where the process may open few files)
+FILES_SHARE = 8  # ... at most this fraction of the files it may open: the job needs its own
+ACCEPT_PAUSE = 0.1  # after accept() failed (out of files): the backlog waits this long
 MAX_TOKEN_LINE = 1024
 MAX_ACCEPTS = 64  # connections taken from the backlog per wake-up
 MAX_LINE = 1 << 20  # a longer pdb line is dropped (with a note), never buffered
@@ -177,6 +180,8 @@ class Listener:
             token.encode() if token and (require_token or not net.is_loopback(host)) else None
         )
         self._throttle = Throttle()
+        self._max_queued = _queue_limit()
+        self._paused_until = 0.0  # accept() failed (out of files): the backlog waits
         self._pending: dict[socket.socket, _Handshake] = {}
         self._selector = selectors.DefaultSelector()
         self._handoff = _Handoff()
@@ -273,7 +278,7 @@ class Listener:
     def _next_wakeup(self) -> float:
         """Until the next deadline or the next token that may be judged; at most 1 s."""
         now = time.monotonic()
-        wakeups = [1.0]
+        wakeups = [1.0, *([self._paused_until - now] if self._paused_until > now else [])]
         for h in self._pending.values():
             wakeups.append(
                 self._throttle.wait(h.peer, now) if h.line is not None else h.deadline - now
@@ -281,13 +286,13 @@ class Listener:
         return max(0.0, min(wakeups))
 
     def _room(self) -> bool:
-        """Take a connection from the backlog? Not while every slot holds a token line
-        waiting its turn: the next connections then wait in the kernel's backlog, in the
-        order they came, each taking a slot as one frees (none is pushed out unheard, so
-        the real client's line is compared after those before it, however many flood)."""
-        return len(self._pending) < MAX_HANDSHAKES or any(
-            h.line is None for h in self._pending.values()
-        )
+        """Take a connection from the backlog? Not while the queue of token lines is
+        full: the next connections then wait in the kernel's backlog, in the order they
+        came, each taking a place as one frees (none is pushed out unheard, so the real
+        client's line is compared after those before it, however many flood)."""
+        if time.monotonic() < self._paused_until:
+            return False
+        return sum(h.line is not None for h in self._pending.values()) < self._max_queued
 
     def _accept_all(self) -> None:
         """Take what the backlog holds while there is room (up to a bound, so tokens
@@ -300,6 +305,9 @@ class Listener:
         try:
             conn, addr = self._sock.accept()
         except BlockingIOError:
+            return False
+        except OSError:  # out of files: the job's own come first; try again shortly
+            self._paused_until = time.monotonic() + ACCEPT_PAUSE
             return False
         if self._token is None:
             conn.setblocking(True)
@@ -315,26 +323,22 @@ class Listener:
             return True
         self._pending[conn] = handshake
         self._read_token(handshake)  # sent as it connected: then :meth:`_room` knows it
-        if len(self._pending) > MAX_HANDSHAKES:
-            self._make_room()
+        self._make_room()
         return True
 
     def _make_room(self) -> None:
-        """One handshake too many: hear the silent ones first (a line may wait in their
-        buffers), then close the oldest still silent, else the newest line (never
-        compared: its client learns nothing, and those before it keep their turn). A
-        client sends its token line as it connects (``breakpod attach`` does), so
-        handshakes held open, silent or a byte at a time, never keep it out."""
-        for h in [h for h in self._pending.values() if h.line is None]:
-            self._read_token(h)
-        if len(self._pending) <= MAX_HANDSHAKES:
-            return
+        """Close the oldest silent handshake past MAX_HANDSHAKES: a client sends its
+        token line as it connects (``breakpod attach`` does), so handshakes held open,
+        silent or a byte at a time, never keep it out. (A line past the queue's limit,
+        possible only in a race, is the newest: its client learns nothing.)"""
         silent = [h for h in self._pending.values() if h.line is None]
-        if silent:
-            closed = min(silent, key=lambda h: h.deadline)
-        else:
-            closed = max(self._pending.values(), key=lambda h: h.lined)
-        self._end_handshake(closed, "too many clients are authenticating; try again later")
+        if len(silent) > MAX_HANDSHAKES:
+            oldest = min(silent, key=lambda h: h.deadline)
+            self._end_handshake(oldest, "too many clients are authenticating; try again later")
+        lines = [h for h in self._pending.values() if h.line is not None]
+        if len(lines) > self._max_queued:
+            newest = max(lines, key=lambda h: h.lined)
+            self._end_handshake(newest, "too many clients are authenticating; try again later")
 
     def _read_token(self, h: _Handshake) -> None:
         try:
@@ -415,6 +419,16 @@ class Listener:
                 conn.send(NOT_PARKED.format(pid=os.getpid()).encode(), socket.MSG_DONTWAIT)
         except OSError:
             conn.close()
+
+
+def _queue_limit() -> int:
+    """MAX_QUEUED, or fewer: each line waiting is an open file of the job's."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_QUEUED
+    return max(MAX_HANDSHAKES, min(MAX_QUEUED, soft // FILES_SHARE))
 
 
 def _refuse(conn: socket.socket, why: str) -> None:
