@@ -254,3 +254,30 @@ def test_a_stale_state_event_after_finished_is_not_notified(start_broker, receiv
         ("gone", "finished"),
         ("live", "parked"),
     ]
+
+
+@pytest.mark.timeout(60)
+def test_by_default_an_on_call_hook_hears_every_death_and_no_clean_exit(start_broker, receiver):
+    """Default kinds: a non-zero exit (failed), a signal (killed) and silence (lost)
+    reach the hook with the state and reason the session ended in; exit 0 does not."""
+    broker = start_broker(
+        BREAKPOD_HEARTBEAT_TTL_SECONDS="2",
+        BREAKPOD_NOTIFIERS=json.dumps([{"name": "oncall", "url": f"{receiver.url}/hook"}]),
+    )
+    for session in ("fails", "termed", "clean", "silent"):
+        register(broker, session, job="train", pod=f"train-{session}")
+    post_events(
+        broker,
+        {"id": "f", "session": "fails", "kind": "finished", "fields": {"exit": 1}},
+        {"id": "f", "session": "termed", "kind": "finished", "fields": {"signal": 15}},
+        {"id": "f", "session": "clean", "kind": "finished", "fields": {"exit": 0}},
+    )
+    wait_until(lambda: len(receiver.bodies.get("/hook", [])) >= 3, timeout=15)
+    time.sleep(1.0)  # a clean exit, had it been sent, would be here by now
+    told = {b["event"]["session"]: b for b in receiver.bodies["/hook"]}
+    assert sorted(told) == ["fails", "silent", "termed"]
+    assert (told["fails"]["state"], told["fails"]["summary"]) == ("failed", "exit 1")
+    assert told["fails"]["session"]["state"] == "failed"
+    assert (told["termed"]["state"], told["termed"]["summary"]) == ("killed", "signal 15 (SIGTERM)")
+    assert told["silent"]["event"]["kind"] == "lost" and told["silent"]["state"] == "lost"
+    assert told["silent"]["summary"].startswith("no heartbeat")

@@ -42,8 +42,20 @@ EVENT_KINDS: Final = frozenset(get_args(EventKind))
 AGENT_EVENT_KINDS: Final = EVENT_KINDS - {"command", "lost", "killed"}
 # Anything else an agent wants to say travels as this kind.
 FALLBACK_KIND: Final = "log"
-# Routed to notifiers unless a notifier names its own kinds.
-NOTIFIED_KINDS: Final[tuple[EventKind, ...]] = ("anomaly", "stall", "parked")
+# A notifier's kinds are event kinds or the final states a death ends in: "failed"
+# hears a session end with a non-zero exit, "killed" one end by a signal or the
+# runtime's kill (see notified_as); "finished" hears every end, clean ones too.
+NotifiedKind = Literal[EventKind, "failed"]
+# Routed to notifiers unless a notifier names its own kinds: what needs someone now,
+# deaths included, so an on-call hook hears a process die.
+NOTIFIED_KINDS: Final[tuple[NotifiedKind, ...]] = (
+    "anomaly",
+    "stall",
+    "parked",
+    "lost",
+    "killed",
+    "failed",
+)
 # The broker's record of each step of a command's delivery (queued, delivered, done).
 COMMAND_KIND: Final = "command"
 # Each kind by name, for the modules that emit them (a test pins these to EventKind).
@@ -137,6 +149,15 @@ def final_state(kind: str, fields: dict[str, Any]) -> tuple[str, str, bool] | No
             return FAILED, said, True
         return (FINAL_STATE if code == 0 else FAILED), f"exit {code}", True
     return FINAL_STATE, said, False
+
+
+def notified_as(kind: str, fields: dict[str, Any]) -> frozenset[str]:
+    """The notifier kinds an event matches: its own kind and, for one that ends a
+    session failed or killed, that state (a ``finished`` with exit 1 is ``failed``)."""
+    ended = final_state(kind, fields)
+    if ended is None or ended[0] == FINAL_STATE:
+        return frozenset({kind})
+    return frozenset({kind, ended[0]})
 
 
 # -- commands -----------------------------------------------------------------

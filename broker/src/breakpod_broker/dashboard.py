@@ -67,7 +67,8 @@ FILES = {
 # debugger), then the processes that died (the runtime's kill, a non-zero exit, silence);
 # the rest follow in protocol order, then states this broker does not know of.
 URGENT = (
-    *(protocol.STATE_OF_KIND[k] for k in protocol.NOTIFIED_KINDS if k in protocol.STATE_OF_KIND),
+    protocol.STATE_OF_KIND[protocol.STALL],
+    protocol.STATE_OF_KIND[protocol.PARKED],
     protocol.KILLED_STATE,
     protocol.FAILED,
     protocol.LOST,

@@ -57,11 +57,12 @@ def idempotency_key(notifier: str, event: dict[str, Any]) -> str:
 def facts(event: dict[str, Any], session: SessionOut | None) -> dict[str, Any]:
     """What every format says: rule, module, step, summary, state, address, attach."""
     fields = event.get("fields") or {}
-    state = protocol.STATE_OF_KIND.get(event["kind"]) or (session.state if session else None)
+    state, said = _moved_to(event["kind"], fields)
+    state = state or (session.state if session else None)
     address = fields.get("address") if event["kind"] in protocol.LISTENER_KINDS else None
     if session is not None:
         address = address or session.attach_address or session.address
-    summary = fields.get("summary") or fields.get("reason") or fields.get("message") or ""
+    summary = fields.get("summary") or fields.get("reason") or fields.get("message") or said
     return {
         "rule": fields.get("rule"),
         "module": fields.get("module"),
@@ -71,6 +72,17 @@ def facts(event: dict[str, Any], session: SessionOut | None) -> dict[str, Any]:
         "address": address if isinstance(address, str) else None,
         "attach": f"breakpod attach {event['session']}",
     }
+
+
+def _moved_to(kind: str, fields: dict[str, Any]) -> tuple[str | None, str]:
+    """The state an event moved its session to and why, in the broker's words: a
+    finished event's exit says finished, failed or killed; a lost one, lost."""
+    if kind == protocol.LOST_KIND:
+        return protocol.LOST, protocol.LOST_REASON
+    ended = protocol.final_state(kind, fields)
+    if ended is not None:
+        return ended[0], ended[1]
+    return protocol.STATE_OF_KIND.get(kind), ""
 
 
 def payload(
@@ -147,7 +159,7 @@ class Dispatcher:
             }
             for n in self.notifiers
             for e in events
-            if e["kind"] in n.kinds
+            if protocol.notified_as(e["kind"], e.get("fields") or {}) & set(n.kinds)
         ]
         if not jobs:
             return

@@ -12,17 +12,17 @@ from pydantic import BaseModel, Field, HttpUrl, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from breakpod import protocol
-from breakpod.protocol import EventKind
+from breakpod.protocol import NotifiedKind
 from breakpod_broker import proxies
 
 
 class Notifier(BaseModel):
-    """One webhook sink and the event kinds routed to it."""
+    """One webhook sink and the event kinds (or death states) routed to it."""
 
     name: str = Field(min_length=1, max_length=64)
     url: HttpUrl
     format: Literal["json", "slack"] = "json"
-    kinds: list[EventKind] = Field(default_factory=lambda: list(protocol.NOTIFIED_KINDS))
+    kinds: list[NotifiedKind] = Field(default_factory=lambda: list(protocol.NOTIFIED_KINDS))
     # None: retry until the job is notify_max_age old; a number: give up sooner
     retries: int | None = Field(default=None, ge=0)
     backoff_seconds: float = Field(default=0.5, gt=0, le=60)
