@@ -110,6 +110,9 @@ FLIGHT_FIELD: Final = "flight"
 HOLD_UNTIL_FIELD: Final = "hold_until"
 CLIENT_FIELD: Final = "client"
 
+# A heartbeat's body: {"step": N}, the process's last training step, when it counts them.
+HEARTBEAT_STEP: Final = "step"
+
 # The final event's fields say how the process ended: {"exit": N} or {"signal": N}.
 EXIT_FIELD: Final = "exit"
 SIGNAL_FIELD: Final = "signal"

@@ -76,6 +76,8 @@ class SessionIn(BaseModel):
 class Heartbeat(BaseModel):
     state: State | None = None
     reason: Reason = None
+    # protocol.HEARTBEAT_STEP: the last training step, when the process counts them
+    step: int | None = Field(None, ge=0, le=2**63 - 1)
 
 
 class SessionOut(SessionIn):
@@ -92,6 +94,9 @@ class SessionOut(SessionIn):
     attached_by: str | None = Field(None, description="attached: the debugger client's address")
     culprit: str | None = Field(
         None, description="stalled: the rank(s) the job waits for, where, from the job's report"
+    )
+    step: int | None = Field(
+        None, ge=0, description="the last training step, as of the process's last heartbeat"
     )
 
 

@@ -56,8 +56,10 @@ class BrokerClient:
         """Create or refresh the session (idempotent: also after the broker lost it)."""
         return self.request("PUT", protocol.session_path(_quoted(session_id)), info)
 
-    def heartbeat(self, session_id: str) -> Any:
-        return self.request("POST", protocol.heartbeat_path(_quoted(session_id)), {})
+    def heartbeat(self, session_id: str, step: int | None = None) -> Any:
+        """Keep the session alive; ``step``: the last training step, when counted."""
+        body = {} if step is None else {protocol.HEARTBEAT_STEP: step}
+        return self.request("POST", protocol.heartbeat_path(_quoted(session_id)), body)
 
     def post_events(self, body: bytes | dict[str, Any]) -> Any:
         """``{"events": [...]}``, or the same already encoded."""

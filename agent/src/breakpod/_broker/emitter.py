@@ -284,7 +284,7 @@ class Emitter:
                 reply = self._client.register(self.session_id, {**self.info, **self.state})
                 self._registered.set()
             elif now >= self._next_beat:
-                reply = self._client.heartbeat(self.session_id)
+                reply = self._client.heartbeat(self.session_id, events.last_step())
             else:
                 return
         except BrokerError as e:

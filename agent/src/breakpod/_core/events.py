@@ -122,6 +122,21 @@ def request_break() -> None:
     _break_requested = True
 
 
+# The last training step this process reached (the stall watchdog's count), read by
+# the broker link's heartbeat: the broker shows each rank's lag behind its job's
+# furthest rank, so a straggler shows before it stalls. A plain int: one store a step.
+_last_step: int | None = None
+
+
+def note_step(step: int) -> None:
+    global _last_step
+    _last_step = step
+
+
+def last_step() -> int | None:
+    return _last_step
+
+
 def pending_break() -> bool:
     """True once after a ``break`` was requested (then cleared). Costs one flag check."""
     global _break_requested

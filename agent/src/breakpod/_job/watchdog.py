@@ -104,6 +104,7 @@ class Watchdog:
             self.durations.append(now - self.last_beat)
         self.last_beat = now
         self.step = step if step is not None else (self.step or 0) + 1
+        events.note_step(self.step)
         if self._stalled:
             self._stalled = False
             self._recovered = True
