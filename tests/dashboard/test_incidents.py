@@ -352,3 +352,80 @@ def test_a_new_session_and_a_state_only_a_heartbeat_carried_appear_without_an_ev
     until(page, f"Number(document.querySelector({cell!r}).dataset.since) === {beat!r}", 10)
     assert float(before) < beat
     assert page.evaluate("app.stats.cards") == cards
+
+
+def test_a_straggler_shows_its_step_lag_on_the_card_before_it_stalls(broker, page):
+    """Each rank's heartbeat carries its last step; the card names the ranks behind the
+    job's furthest and by how much, moved in place as beats arrive (no card redraw)."""
+    for rank in (0, 1, 2):
+        register(broker, f"lag{rank}", job="train-lag", rank=rank, world_size=3)
+
+    def beat(session_id, step):
+        with broker.client(AGENT) as c:
+            reply = c.post(f"/v1/sessions/{session_id}/heartbeat", json={"step": step})
+            assert reply.status_code == 200, reply.text
+
+    for session_id, step in (("lag0", 1200), ("lag1", 950), ("lag2", 1200)):
+        beat(session_id, step)
+    login(page, broker)
+    steps = card(page, "train-lag").locator("p.steps")
+    until(
+        page,
+        "document.querySelector(\"article.job[data-job='train-lag'] p.steps[data-lagging=true]\")",
+    )
+    assert steps.text_content() == "furthest step 1200 · rank 1 at 950, 250 behind"
+    assert steps.is_visible()
+    cards = page.evaluate("app.stats.cards")
+    beat("lag1", 1200)  # caught up: a beat changes the line, not the card
+    until(
+        page,
+        "document.querySelector(\"article.job[data-job='train-lag'] p.steps[data-lagging=false]\")",
+        10,
+    )
+    assert steps.text_content() == "step 1200: all 3 ranks"
+    assert page.evaluate("app.stats.cards") == cards
+
+
+def flight_dump(*first_bad):
+    rows = [
+        {"module": m, "phase": "forward", "step": s, "why": "nan", "rms": [1.1, "nan"]}
+        for m, s in first_bad
+    ]
+    return {"steps": [0, 60], "kept": 61, "watched": 4, "first_bad": rows}
+
+
+def test_the_flight_tables_of_every_rank_side_by_side_then_stacked_on_a_phone(broker, page):
+    """A viewer's control reads each rank's newest dump (as ``breakpod flight`` does for
+    a process that is gone); each rank's first bad row is marked, the job's earliest named."""
+    for rank in (0, 1):
+        register(broker, f"fl{rank}", job="train-flights", rank=rank, world_size=2)
+    register(broker, "solo", job="train-solo", rank=0, world_size=1)
+    r0 = flight_dump(("fc2", 57), ("<loss>", 57))
+    r1 = flight_dump(("fc1", 55))
+    post_events(
+        broker,
+        {"id": "a", "session": "fl0", "kind": "anomaly", "fields": {"rule": "nan", "flight": r0}},
+        {"id": "d", "session": "fl1", "kind": "log", "fields": {"flight": r1}},
+    )
+    page.set_viewport_size({"width": 1400, "height": 900})
+    login(page, broker)
+    job = card(page, "train-flights")
+    job.locator("button.load-flights").click()
+    tables = job.locator("section.flights .flight-rank")
+    page.wait_for_selector("article.job[data-job='train-flights'] .flight-rank >> nth=1")
+    assert card(page, "train-solo").locator("button.load-flights").count() == 0  # one rank
+    assert tables.count() == 2
+    first, second = tables.nth(0), tables.nth(1)
+    assert first.locator("h3").text_content() == "rank 0 · running"
+    assert "from its anomaly event" in first.locator(".summary").text_content()
+    assert "from its log event" in second.locator(".summary").text_content()
+    a, b = first.bounding_box(), second.bounding_box()
+    assert a["y"] == b["y"] and b["x"] >= a["x"] + a["width"]  # side by side
+    for table, module, earliest in ((first, "fc2", "false"), (second, "fc1", "true")):
+        marked = table.locator("tr.first-bad")
+        assert marked.count() == 1 and marked.locator("td").first.text_content() == module
+        assert marked.get_attribute("data-earliest") == earliest  # rank 1 went bad first
+    page.set_viewport_size({"width": 390, "height": 844})
+    until(page, "document.documentElement.scrollWidth <= 390")
+    a, b = first.bounding_box(), second.bounding_box()
+    assert b["y"] >= a["y"] + a["height"] and a["x"] == b["x"]  # stacked

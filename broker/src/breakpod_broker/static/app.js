@@ -451,7 +451,8 @@ function headline(job) {
 function cardSignature(job) {
   const ranks = job.ranks.map((s) => [s.id, s.state, s.reason, s.culprit, s.hold_until, s.attached_by, s.since, s.pod, s.host, s.rank, s.state === "lost" ? s.last_seen : 0]);
   const confirming = app.confirming && app.confirming.job === job.key ? app.confirming.command : "";
-  return JSON.stringify([ranks, app.selected, confirming, jobSent.get(job.key) || null, job.urgency]);
+  const flights = jobFlights.get(job.key);
+  return JSON.stringify([ranks, app.selected, confirming, jobSent.get(job.key) || null, job.urgency, flights ? flights.at || "loading" : null]);
 }
 
 function render() {
@@ -486,7 +487,36 @@ function render() {
   $("counts").textContent = countsText();
   renderDetail();
   moveBeats();
+  moveSteps(jobs);
   refocus(focus);
+}
+
+// Each live rank's last step (its heartbeat carries it) against the job's furthest:
+// the ranks behind, most behind first, so a straggler shows before it stalls. Moved
+// in place with each re-read of the list, as heartbeat ages are (no card redraws).
+const LAGGERS_SHOWN = 8;
+
+function stepsText(job) {
+  const live = job.ranks.filter((s) => typeof s.step === "number" && !isFinal(s.state));
+  if (!live.length) return "";
+  const top = Math.max(...live.map((s) => s.step));
+  const behind = live.filter((s) => s.step < top).sort((a, b) => a.step - b.step);
+  if (!behind.length) return `step ${top}: ${live.length === 1 ? rankName(live[0]) : `all ${live.length} ranks`}`;
+  const shown = behind.slice(0, LAGGERS_SHOWN).map((s) => `${rankName(s)} at ${s.step}, ${top - s.step} behind`);
+  const more = behind.length > LAGGERS_SHOWN ? ` · ${behind.length - LAGGERS_SHOWN} more behind` : "";
+  return `furthest step ${top} · ${shown.join(" · ")}${more}`;
+}
+
+function moveSteps(jobs) {
+  for (const job of jobs) {
+    const card = app.cards.get(job.key);
+    const node = card && card.node.querySelector("p.steps");
+    if (!node) continue;
+    const text = stepsText(job);
+    if (node.textContent !== text) node.textContent = text;
+    node.hidden = !text;
+    node.dataset.lagging = text.includes("behind") ? "true" : "false";
+  }
 }
 
 // The focused control, by a key that survives its card's redraw.
@@ -523,9 +553,12 @@ function jobCard(job) {
       el("span", { class: "meta" }, `${job.ranks.length} rank(s) · updated `, since(job.updated), " ago"),
     ),
     headline(job),
+    el("p", { class: "steps", "data-steps": job.key, hidden: true }),
     el("div", { class: "grid", role: "group", "aria-label": `ranks of ${job.job}` }, ...job.ranks.map(rankCell)),
     notable.length ? rankTable(notable) : null,
     jobActions(job),
+    flightsControl(job),
+    flightsSection(job),
   );
 }
 

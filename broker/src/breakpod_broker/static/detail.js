@@ -97,34 +97,107 @@ function nonfiniteByModule(events) {
 
 // -- flight recorder -----------------------------------------------------------
 
+const hasFlight = (e) => e.fields && e.fields.flight && typeof e.fields.flight === "object";
+
 // The newest dump any event carried (anomaly, stall, or a dump-flight answer).
 function flightSection(events) {
-  const event = latest(events, null, (e) => e.fields && e.fields.flight && typeof e.fields.flight === "object");
+  const event = latest(events, null, hasFlight);
   if (!event) return null;
+  return el("section", { class: "flight" }, el("h3", { text: "flight recorder" }), ...flightBody(event));
+}
+
+// A dump's summary line and its table of first bad steps (``mark``: see flightTable).
+function flightBody(event, mark = false) {
   const f = event.fields.flight;
   const steps = Array.isArray(f.steps) && f.steps.length === 2 ? `steps ${shown(f.steps[0])}-${shown(f.steps[1])}` : "no step yet";
   const head = f.unavailable ? shown(f.unavailable) : `${steps} (${shown(f.kept)} kept), ${shown(f.watched)} watched tensors; from its ${event.kind} event`;
-  const rows = Array.isArray(f.first_bad) ? f.first_bad : [];
-  return el(
-    "section",
-    { class: "flight" },
-    el("h3", { text: "flight recorder" }),
+  const rows = firstBad(event);
+  return [
     el("p", { class: "summary", text: head }),
-    rows.length ? flightTable(rows, f.more) : f.unavailable ? null : el("p", { text: "every watched tensor stayed finite and in range" }),
-  );
+    rows.length ? flightTable(rows, f.more, mark) : f.unavailable ? null : el("p", { text: "every watched tensor stayed finite and in range" }),
+  ];
 }
 
-function flightTable(rows, more) {
+function firstBad(event) {
+  const rows = event && event.fields.flight.first_bad;
+  return Array.isArray(rows) ? rows : [];
+}
+
+// ``mark``: the first row (this rank's first bad step) is marked, and named the job's
+// earliest when no rank went bad sooner (mark is then that step).
+function flightTable(rows, more, mark = false) {
   const trend = (values) => (Array.isArray(values) ? values.map((v) => (typeof v === "number" ? v.toPrecision(3) : shown(v))).join(" ") : "");
+  const marked = (r, i) => (mark === false || i > 0 ? {} : { class: "first-bad", "data-earliest": r.step === mark ? "true" : "false", title: r.step === mark ? "the job's earliest first bad step" : "this rank's first bad step" });
   return el(
     "table",
     { class: "flight-first-bad" },
     el("caption", { text: more ? `first bad step per module, earliest first (${more} more not shown)` : "first bad step per module, earliest first" }),
     el("tr", {}, ...["module", "phase", "step", "why", "rms (loss) up to it"].map((h) => el("th", { text: h }))),
-    ...rows.map((r) =>
-      el("tr", {}, ...[shown(r.module) || "<model>", shown(r.phase), shown(r.step), shown(r.why), trend(r.rms)].map((t) => el("td", { text: t }))),
+    ...rows.map((r, i) =>
+      el("tr", marked(r, i), ...[shown(r.module) || "<model>", shown(r.phase), shown(r.step), shown(r.why), trend(r.rms)].map((t) => el("td", { text: t }))),
     ),
   );
+}
+
+// -- the flight tables of every rank, side by side (stacked on a narrow screen) -----
+
+const FLIGHT_RANKS = 32; // ranks read at most, lowest first: one events read each
+const jobFlights = new Map(); // job key -> {loading: true} | {ranks: [{session, event, error}], at}
+
+function flightsControl(job) {
+  if (job.ranks.length < 2) return null;
+  const got = jobFlights.get(job.key);
+  return el(
+    "div",
+    { class: "flights-control" },
+    el("button", {
+      type: "button",
+      class: "load-flights",
+      "data-focus": `flights:${job.key}`,
+      disabled: got && got.loading ? "disabled" : null,
+      title: "each rank's newest flight recorder dump (an anomaly's, a stall's or a dump-flight answer)",
+      text: got && got.loading ? "reading flight tables..." : got ? "read the flight tables again" : "flight tables of every rank",
+      onclick: () => loadFlights(job),
+    }),
+    got && got.ranks ? el("button", { type: "button", class: "hide-flights", text: "hide", onclick: () => { jobFlights.delete(job.key); render(); } }) : null,
+  );
+}
+
+async function loadFlights(job) {
+  jobFlights.set(job.key, { loading: true });
+  render();
+  const ranks = [...job.ranks].sort((a, b) => (a.rank ?? 0) - (b.rank ?? 0)).slice(0, FLIGHT_RANKS);
+  const read = await Promise.all(
+    ranks.map(async (s) => {
+      try {
+        const page = await api(`${app.config.paths.events}?session=${encodeURIComponent(s.id)}&limit=1000`);
+        return { session: s, event: latest(page.events || [], null, hasFlight) };
+      } catch (e) {
+        return { session: s, error: String((e && e.message) || e) };
+      }
+    }),
+  );
+  jobFlights.set(job.key, { ranks: read, more: job.ranks.length - ranks.length, at: Date.now() });
+  render();
+}
+
+function flightsSection(job) {
+  const got = jobFlights.get(job.key);
+  if (!got || !got.ranks) return null;
+  const starts = got.ranks.map((r) => firstBad(r.event)[0]).filter((row) => row && typeof row.step === "number");
+  const earliest = starts.length ? Math.min(...starts.map((row) => row.step)) : null;
+  return el(
+    "section",
+    { class: "flights", "aria-label": `flight tables of every rank of ${job.job}` },
+    ...got.ranks.map((r) => rankFlight(r, earliest)),
+    got.more > 0 ? el("p", { class: "muted", text: `${got.more} more rank(s) not read: breakpod flight ${job.job} prints every rank` }) : null,
+  );
+}
+
+function rankFlight(r, earliest) {
+  const s = r.session;
+  const body = r.error ? [el("p", { class: "summary", text: `could not read its events: ${r.error}` })] : r.event ? flightBody(r.event, earliest) : [el("p", { class: "summary", text: "no flight recorder dump: none of its events carried one" })];
+  return el("div", { class: "flight-rank", "data-session": s.id }, el("h3", { text: `${rankName(s)} · ${s.state}` }), ...body);
 }
 
 // -- stall ---------------------------------------------------------------------
