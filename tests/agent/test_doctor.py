@@ -180,3 +180,12 @@ def test_a_bad_yes_no_value_the_job_reads_is_a_warning_naming_it():
     assert len(lines) == 2, result.stdout
     assert "BREAKPOD_MONITOR='maybe' is not a boolean" in lines[0] and "ignores it" in lines[0]
     assert "BREAKPOD_REPLAY='sure'" in lines[1]
+
+
+@pytest.mark.parametrize(("backend", "status"), [("auto", doctor.WARN), ("debugpy", doctor.FAIL)])
+def test_debugpy_under_a_required_token_is_said_before_any_listener_refuses(backend, status):
+    """init_remote_debugger() refuses debugpy where the token is required; doctor said ok."""
+    pytest.importorskip("debugpy")
+    env = {"BREAKPOD_REQUIRE_TOKEN": "1", "BREAKPOD_LISTENER_TOKEN": "s3cret-token"}
+    [bind] = checks({**env, "BREAKPOD_BACKEND": backend}, doctor.check_bind)
+    assert bind.status == status and "debugpy" in bind.found and "BACKEND=pdb" in bind.fix

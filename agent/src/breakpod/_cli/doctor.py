@@ -191,6 +191,15 @@ def check_debugpy(ctx: Context) -> Iterator[Check]:
 
 def check_bind(ctx: Context) -> Iterator[Check]:
     s = ctx.settings
+    if debugger.choose_backend(s.backend) == protocol.DAP_LISTENER and debugger.token_policy(s):
+        yield Check(
+            "bind",
+            FAIL if s.backend == protocol.DAP_LISTENER else WARN,
+            f"the token is required, and init_remote_debugger() picks debugpy "
+            f"(BREAKPOD_BACKEND={s.backend}), which cannot check one: it starts no listener",
+            "set BREAKPOD_BACKEND=pdb",
+        )
+        return
     if net.is_loopback(s.host):
         yield Check(
             "bind",
