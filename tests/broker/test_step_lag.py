@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from breakpod._broker.client import BrokerClient
-from tests.broker.test_flow import agent_env
+from tests.broker.test_flow import agent_env, cli
 from tests.brokerkit import AGENT, VIEWER, register, wait_until
 
 
@@ -62,3 +62,17 @@ def test_a_stepping_process_reports_its_step_on_its_heartbeat(broker, spawn):
     [first] = wait_until(reported, timeout=40)
     assert first["step"] > 10
     wait_until(lambda: session(broker, first["id"])["step"] > first["step"], timeout=40)
+
+
+@pytest.mark.timeout(60)
+def test_breakpod_sessions_shows_each_ranks_step_and_its_lag(broker):
+    for rank, step in ((0, 300), (1, 120)):
+        register(broker, f"cli{rank}", job="cli-lag", rank=rank, world_size=2)
+        BrokerClient(broker.url, AGENT).heartbeat(f"cli{rank}", step)
+    listing = cli(broker, "sessions").stdout
+    assert listing.splitlines()[0].split()[:7] == [
+        "ID", "JOB", "POD/HOST", "RANK", "STATE", "STEP", "REASON"
+    ]  # fmt: skip
+    rows = {line.split()[0]: line.split() for line in listing.splitlines()[1:] if line.strip()}
+    assert rows["cli0"][4:6] == ["running", "300"]
+    assert rows["cli1"][4:8] == ["running", "120", "(180", "behind)"]

@@ -47,8 +47,9 @@ def run_sessions(args: argparse.Namespace) -> int:
         print(json.dumps(sessions, indent=2))
         return 0
     sessions.sort(key=lambda s: (s.get("job") or "", s.get("rank") or 0))  # a job's ranks together
-    rows = [["ID", "JOB", "POD/HOST", "RANK", "STATE", "REASON", "AGE"]]
-    rows += [_session_row(s) for s in sessions]
+    rows = [["ID", "JOB", "POD/HOST", "RANK", "STATE", "STEP", "REASON", "AGE"]]
+    furthest = furthest_steps(sessions)
+    rows += [_session_row(s, furthest.get(s.get("job") or "")) for s in sessions]
     print(_table(rows))
     for line in job_lines(sessions):
         print(line)
@@ -154,7 +155,7 @@ def _no_answer(timeout: float) -> str:
     return f"(no answer within {timeout:g}s: is the process alive and polling the broker?)"
 
 
-def _session_row(s: dict[str, Any]) -> list[str]:
+def _session_row(s: dict[str, Any], furthest: int | None = None) -> list[str]:
     where = f"{s['namespace']}/{s['pod']}" if s.get("pod") and s.get("namespace") else s.get("host")
     rank = "-" if s.get("rank") is None else f"{s['rank']}/{s.get('world_size') or '?'}"
     reason = incident(s)[:100]
@@ -164,9 +165,37 @@ def _session_row(s: dict[str, Any]) -> list[str]:
         where or "-",
         rank,
         s["state"],
+        step_cell(s, furthest),
         reason,
         _age(s["created"]),
     ]
+
+
+def _live_step(s: dict[str, Any]) -> int | None:
+    """The last step its heartbeat carried, for a session that has not ended."""
+    step = s.get("step")
+    ended = s.get("state") in (protocol.LOST, *protocol.FINAL_STATES)
+    return step if isinstance(step, int) and not isinstance(step, bool) and not ended else None
+
+
+def furthest_steps(sessions: list[dict[str, Any]]) -> dict[str, int]:
+    """Each job's furthest live rank's step."""
+    furthest: dict[str, int] = {}
+    for s in sessions:
+        step = _live_step(s)
+        if s.get("job") and step is not None:
+            furthest[s["job"]] = max(step, furthest.get(s["job"], step))
+    return furthest
+
+
+def step_cell(s: dict[str, Any], furthest: int | None) -> str:
+    """The STEP column: the session's last step and, behind its job's furthest, by how
+    much (a straggler shows before it stalls), as the dashboard's job card says."""
+    step = _live_step(s)
+    if step is None:
+        return "-"
+    behind = (furthest or step) - step
+    return f"{step} ({behind} behind)" if behind > 0 else str(step)
 
 
 def incident(s: dict[str, Any], now: float | None = None) -> str:
