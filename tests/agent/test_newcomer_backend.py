@@ -50,3 +50,18 @@ def test_the_pdb_backend_still_parks_on_the_remote_pdb(spawn) -> None:
     child = spawn(JOB, env={"BREAKPOD_BACKEND": "pdb", "BREAKPOD_HOLD_SECONDS": "1"})
     assert child.wait(timeout=30) == 0
     assert "for a debugger on 127.0.0.1" in child.stderr and "DAP" not in child.stderr
+
+
+def test_under_the_token_policy_breakpoint_starts_no_debugpy_listener(spawn) -> None:
+    """BREAKPOD_REQUIRE_TOKEN=1: debugpy cannot check a token, so no listener starts;
+    one line says so and the job goes on (never an open DAP port)."""
+    env = {
+        "BREAKPOD_BACKEND": "debugpy",
+        "BREAKPOD_REQUIRE_TOKEN": "1",
+        "BREAKPOD_LISTENER_TOKEN": "0123456789abcdef0123",
+        "BREAKPOD_HOLD_SECONDS": "30",
+    }
+    child = spawn(JOB, env=env)
+    assert child.wait(timeout=30) == 0, child.stderr
+    assert "debugpy cannot check one" in child.stderr and "listening" not in child.stderr
+    assert "finished 42" in child.stdout()
