@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.brokerkit import ADMIN, AGENT, VIEWER, wait_until
-from tests.distributed.test_job_pause import debug_env, free_ports, parameters, pdb_session
-from tests.distributed.torchrun import Job
+from tests.distributed.test_job_pause import debug_env, parameters
+from tests.distributed.torchrun import Job, free_ports, pdb_session
 
 PORT = 29474
 

@@ -4,28 +4,14 @@ step (real torchrun, gloo, CPU, debug mode); a real hang still fails fast."""
 from __future__ import annotations
 
 import re
-import socket
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.torchrun import Job
+from tests.distributed.torchrun import Job, free_ports, pdb_session
 
 PG_TIMEOUT = 15.0
-
-
-def free_ports(count: int) -> int:
-    """A base port with ``count`` free ports from it (base + LOCAL_RANK)."""
-    for base in range(47300, 48300, 10):
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise AssertionError("no free port range")
 
 
 def debug_env(base: int, **env: str) -> dict[str, str]:
@@ -37,22 +23,6 @@ def debug_env(base: int, **env: str) -> dict[str, str]:
         "PG_TIMEOUT": str(PG_TIMEOUT),
         **env,
     }
-
-
-def pdb_session(port: int, *commands: str, timeout: float = 30.0) -> str:
-    """Attach to a parked rank's pdb, send each command at a prompt, return the dialogue."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        seen = b""
-        for command in commands:
-            while not seen.endswith(b"(Pdb) "):
-                chunk = sock.recv(4096)
-                assert chunk, seen.decode(errors="replace")
-                seen += chunk
-            sock.sendall(command.encode() + b"\n")
-            seen += command.encode() + b"\n"
-        while chunk := sock.recv(4096):
-            seen += chunk
-    return seen.decode(errors="replace")
 
 
 def parameters(stderr: str) -> dict[str, str]:

@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -67,3 +68,32 @@ class Job:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
+
+
+def free_ports(count: int, start: int = 47300) -> int:
+    """A base port with ``count`` free ports from it (BREAKPOD_PORT + LOCAL_RANK)."""
+    for base in range(start, start + 1000, 10):
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free port range")
+
+
+def pdb_session(port: int, *commands: str, timeout: float = 30.0) -> str:
+    """Attach to a parked rank's pdb, send each command at a prompt, return the dialogue."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        seen = b""
+        for command in commands:
+            while not seen.endswith(b"(Pdb) "):
+                chunk = sock.recv(4096)
+                assert chunk, seen.decode(errors="replace")
+                seen += chunk
+            sock.sendall(command.encode() + b"\n")
+            seen += command.encode() + b"\n"
+        while chunk := sock.recv(4096):
+            seen += chunk
+    return seen.decode(errors="replace")

@@ -7,6 +7,7 @@ import socket
 import subprocess
 from pathlib import Path
 
+from tests.distributed import torchrun
 from tests.distributed.torchrun import TORCHRUN, Job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -25,16 +26,8 @@ def script(name: str) -> str:
 
 
 def free_ports(count: int) -> int:
-    """A base port with ``count`` free ports from it (BREAKPOD_PORT + LOCAL_RANK)."""
-    for base in range(48400, 49400, 10):
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise AssertionError("no free port range")
+    """Ports apart from the distributed suite's, so the two folders never race for one."""
+    return torchrun.free_ports(count, start=48400)
 
 
 class Torchrun(Job):

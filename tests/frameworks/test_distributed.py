@@ -5,7 +5,6 @@ whole job past its process group's timeout, and one `c` resumes it."""
 from __future__ import annotations
 
 import re
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from tests.distributed.torchrun import pdb_session
 from tests.frameworks.jobs import Torchrun, free_ports
 
 CULPRIT = r"^culprit: (.*)$"
@@ -42,22 +42,6 @@ def test_a_rank_hanging_in_its_step_is_named_with_its_frame(torchrun: Any, name:
     assert match[1].startswith("rank 1 (step "), job.stderr
     assert re.search(r"common\.py:\d+ in user_step", match[1]), match[1]
     assert re.search(r"^rank 0: step \d+, in collective", job.stderr, re.M), job.stderr
-
-
-def pdb_session(port: int, *commands: str, timeout: float = 30.0) -> str:
-    """Attach to a parked rank's pdb, send each command at a prompt, return the dialogue."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        seen = b""
-        for command in commands:
-            while not seen.endswith(b"(Pdb) "):
-                chunk = sock.recv(4096)
-                assert chunk, seen.decode(errors="replace")
-                seen += chunk
-            sock.sendall(command.encode() + b"\n")
-            seen += command.encode() + b"\n"
-        while chunk := sock.recv(4096):
-            seen += chunk
-    return seen.decode(errors="replace")
 
 
 @pytest.mark.slow  # a 25 s park past the plain loop's 20 s process group timeout
