@@ -435,8 +435,8 @@ def test_the_named_protocol_constants_are_its_values() -> None:
     kinds |= {protocol.CI_FAILURE, protocol.FALLBACK_KIND, protocol.COMMAND_KIND, protocol.WAITING}
     kinds |= {protocol.LOST_KIND, protocol.KILLED}  # the broker's own
     assert kinds == protocol.EVENT_KINDS
-    assert protocol.FINAL_STATES == {protocol.FINAL_STATE, protocol.FAILED, protocol.KILLED_STATE}
-    assert protocol.FINAL_STATES <= set(protocol.STATES)
+    assert {protocol.FINAL_STATE, protocol.FAILED, protocol.KILLED_STATE} == protocol.FINAL_STATES
+    assert set(protocol.STATES) >= protocol.FINAL_STATES
     commands = {protocol.BREAK, protocol.RESUME, protocol.DUMP_STACKS, protocol.DUMP_FLIGHT}
     commands.add(protocol.DETACH)
     assert commands == set(protocol.COMMANDS)
