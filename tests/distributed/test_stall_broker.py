@@ -4,6 +4,7 @@ rank 0's flight recorder), the ranks grouped under the job in ``breakpod session
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,10 +86,10 @@ def _all_stalled(listing: str) -> str | None:
 
 @pytest.mark.slow  # about 40 s
 @pytest.mark.timeout(180)
-def test_a_rank_that_breakpod_ends_at_the_timeout_reads_finished_not_stalled(broker, tmp_path):
+def test_a_rank_that_breakpod_ends_at_the_timeout_reads_failed_not_stalled(broker, tmp_path):
     """Debug mode ends a rank whose collective passed the process group's timeout with
-    ``os._exit(1)``, which skips the exit handler that reports ``finished``: the rank read
-    ``stalled``, then ``lost``."""
+    ``os._exit(1)``, which skips the exit handler that reports how it ended: the rank read
+    ``stalled``, then ``lost``. It reads ``failed`` (exit 1), the state of a non-zero exit."""
     env = {"BREAKPOD_BROKER_URL": broker.url, "BREAKPOD_AGENT_TOKEN": AGENT}
     env.update(ENABLE_REMOTE_DEBUG="1", PG_TIMEOUT="10", STALL_RANK="1", STALL_AT="3")
     job = Job(tmp_path, 2, PORT + 2, STEPS="8", STEP_SLEEP="0.1", **env)
@@ -99,7 +100,7 @@ def test_a_rank_that_breakpod_ends_at_the_timeout_reads_finished_not_stalled(bro
         listing = wait_until(lambda: _finished(broker, f"job-{PORT + 2}"), timeout=20)
     finally:
         job.kill()
-    assert "rank 0 finished" in listing, listing
+    assert re.search(r" 0/2 +failed .* exit 1 ", listing), listing
     with broker.client(VIEWER) as c:
         ended = c.get("/v1/events", params={"kind": "finished", "limit": 100}).json()["events"]
     assert any(e["fields"].get("exit") == 1 for e in ended), ended
@@ -107,4 +108,4 @@ def test_a_rank_that_breakpod_ends_at_the_timeout_reads_finished_not_stalled(bro
 
 def _finished(broker, job: str) -> str | None:
     listing = cli(broker, VIEWER, "sessions", "--job", job)
-    return listing if "rank 0 finished" in listing else None
+    return listing if "rank 0 failed" in listing else None
