@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 JOB = Path(__file__).with_name("stall_job.py")
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
@@ -60,14 +62,27 @@ class Job:
         return self.proc.wait(timeout=timeout)
 
     def kill(self) -> None:
-        """SIGTERM to torchrun (it stops its ranks), then SIGKILL to whatever is left."""
+        """SIGTERM to torchrun (it stops its ranks), then SIGKILL to whatever is left:
+        its process group, and its ranks, which torch's elastic agent starts in sessions
+        of their own (a rank parked past SIGTERM outlived a torchrun killed first)."""
+        ranks = _descendants(self.proc.pid)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=20)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
+        for rank in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank.kill()
         self.proc.wait(timeout=10)
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 def free_ports(count: int, start: int = 47300) -> int:
