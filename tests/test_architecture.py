@@ -157,7 +157,7 @@ AGENT_LAYERS = (
     grimp.Layer("breakpod._debug.shim"),
     grimp.Layer(
         *("breakpod._debug.debugger", "breakpod._debug.remote_pdb", "breakpod._debug.pdb_commands"),
-        "breakpod._debug.listener",
+        *("breakpod._debug.listener", "breakpod._debug.registry"),
         independent=False,
     ),
     # process-wide primitives: event hub, holds, wiring, addresses, where we run
@@ -334,6 +334,94 @@ def test_the_broker_client_is_the_only_http_code_in_the_agent(tmp_path: Path) ->
     assert http_importers(AGENT_SRC) == {"breakpod/_broker/client.py"}
     (tmp_path / "cli.py").write_text("from urllib import request\n")  # the scan can fail
     assert http_importers(tmp_path) == {f"{tmp_path.name}/cli.py"}
+
+
+# -- imports by name ------------------------------------------------------------
+
+# Where a breakpod module may be imported by name: the public face's lazy names.
+BY_NAME_ALLOWED = {("breakpod/__init__.py", "__getattr__")}
+BY_NAME_ALLOWED.add(("breakpod/__init__.py", "load_ipython_extension"))  # %load_ext breakpod
+
+
+def imports_by_name(root: Path) -> list[str]:
+    """``file:line in function`` for each breakpod module imported or looked up by name
+    at run time (``importlib.import_module``, ``__import__``, ``sys.modules``): an
+    import grimp cannot see, which would hide an arrow pointing up or a circle."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        where = path.relative_to(root.parent).as_posix()
+        tree = ast.parse(path.read_text(), str(path))
+        for function, node in _nodes_with_function(tree):
+            if (where, function) not in BY_NAME_ALLOWED and _by_name(node):
+                found.append((where, getattr(node, "lineno", 0), function))
+    return [f"{where}:{line} in {function}" for where, line, function in sorted(found)]
+
+
+def _nodes_with_function(tree: ast.AST) -> Iterator[tuple[str, ast.AST]]:
+    """Every node, with the name of the function that holds it ("" at module level)."""
+    stack: list[tuple[str, ast.AST]] = [("", tree)]
+    while stack:
+        function, node = stack.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            function = node.name
+        yield function, node
+        stack.extend((function, child) for child in ast.iter_child_nodes(node))
+
+
+def _by_name(node: ast.AST) -> bool:
+    """An import or a ``sys.modules`` lookup of a breakpod module named by a string."""
+    if isinstance(node, ast.Call):
+        name = ast.unparse(node.func)
+        if name in ("importlib.import_module", "import_module", "__import__"):
+            return any(_names_breakpod(arg) for arg in node.args[:1])
+        if name.startswith("sys.modules."):  # .get, .pop, .setdefault
+            return any(_names_breakpod(arg) for arg in node.args[:1])
+    if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules":
+        return _names_breakpod(node.slice)
+    if isinstance(node, ast.Compare) and any(
+        ast.unparse(c) == "sys.modules" for c in node.comparators
+    ):
+        return _names_breakpod(node.left)
+    return False
+
+
+def _names_breakpod(node: ast.AST) -> bool:
+    """A string (or the f-string's head) that names breakpod or one of its modules."""
+    if isinstance(node, ast.JoinedStr) and node.values:
+        node = node.values[0]
+    if isinstance(node, ast.Name):
+        return node.id in ("__name__", "__package__")
+    if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+        return False
+    return node.value.partition(".")[0] == "breakpod"
+
+
+def test_no_breakpod_module_is_imported_by_name() -> None:
+    """Each import is one grimp sees, so the layer and circle checks see every arrow;
+    only the public face looks its lazy names up by name."""
+    assert imports_by_name(AGENT_SRC) == []
+
+
+def test_the_by_name_scan_finds_what_it_looks_for(tmp_path: Path) -> None:
+    package = tmp_path / "breakpod"
+    package.mkdir()
+    (package / "low.py").write_text(
+        "import importlib, sys\n"
+        "def later():\n"
+        "    importlib.import_module('breakpod._monitor.x')\n"
+        "    return sys.modules.get(f'breakpod.{1}'), 'breakpod.y' in sys.modules\n"
+        "def fine():\n"
+        "    return sys.modules['torch'], importlib.import_module('IPython.display')\n"
+    )
+    (package / "__init__.py").write_text(  # the face's lazy names may
+        "import importlib\n"
+        "def __getattr__(n):\n    return importlib.import_module(f'breakpod.{n}')\n"
+    )
+    assert imports_by_name(package) == [
+        "breakpod/low.py:3 in later",
+        "breakpod/low.py:4 in later",
+        "breakpod/low.py:4 in later",
+    ]
 
 
 # -- protocol strings -----------------------------------------------------------

@@ -15,15 +15,19 @@ neither torch nor debugpy, and each name below is imported on first use.
     breakpod.break_if(loss_is_bad, every=10)  # park when a tensor condition holds
 
 This face is also where the layers meet: it installs the broker link in
-``breakpod._core.wiring``, so the layers below ask for it without importing it.
+``breakpod._core.wiring`` and the monitors' tensor commands in the debugger's
+command registry (``breakpod._debug.registry``), so the layers below use them
+without importing them.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import sys
 
 from breakpod._core import wiring
+from breakpod._debug import registry
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up cost)
 
@@ -98,7 +102,9 @@ def _connect_broker() -> Any:
     from breakpod._core.config import BROKER_URL_ENV
 
     if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
-        importlib.import_module("breakpod._job.watchdog")  # its hub sink pauses the peers
+        from breakpod._job import watchdog
+
+        watchdog.hear_parks()  # a park here pauses the job's other ranks
     if not os.environ.get(BROKER_URL_ENV):
         return None
     from breakpod._broker import link as reporting
@@ -106,7 +112,15 @@ def _connect_broker() -> Any:
     return reporting.connect()
 
 
+def _tensor_commands() -> None:
+    """pdb's tensor commands (``tstat``, ``tnan``, ...) in every session once torch is
+    loaded (never loading it for them); they register with the registry as they load."""
+    if "torch" in sys.modules:
+        from breakpod._monitor import tensor_commands  # noqa: F401
+
+
 wiring.provide(_connect_broker)
+registry.add_loader(_tensor_commands)
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -72,7 +72,7 @@ def break_if_requested(frame: FrameType | None = None) -> None:
     ``breakpod.step()``'s, where a job-wide break parks: call one of the two. Costs
     a few lookups otherwise; ``breakpod.watch()`` monitors do the same for you."""
     frame = frame if frame is not None else sys._getframe(1)
-    watchdog = sys.modules.get("breakpod._job.watchdog")  # loaded wherever a watchdog runs
-    if watchdog is not None:
-        watchdog.join_job_break(frame)
+    from breakpod._job import watchdog
+
+    watchdog.join_job_break(frame)
     shim.take_break(frame)

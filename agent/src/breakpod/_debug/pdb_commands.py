@@ -1,11 +1,7 @@
 """Extra commands for breakpod's pdb sessions (local and remote).
 
-Other parts of breakpod register commands here (the tensor commands
-``tstat``, ``tshape``, ``tgrad``, ``tmem``, ``tnan`` come from the monitors);
-every breakpod pdb looks them up before falling back to pdb's own.
-A command receives the debugger (for ``message``/``error`` and
-``curframe``) and the rest of the line; it returns True to leave the prompt
-(as ``continue`` does).
+Commands come from the registry (:mod:`breakpod._debug.registry`, filled from
+above); every breakpod pdb looks them up before falling back to pdb's own.
 
 ``where`` shows the user's frames; torch's and breakpod's are hidden unless
 ``where all``. A park can ask to open on a frame that is not the innermost
@@ -15,14 +11,14 @@ A command receives the debugger (for ``message``/``error`` and
 from __future__ import annotations
 
 import contextlib
-import importlib
 import pdb
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
-Command = Callable[[pdb.Pdb, str], Any]
+from breakpod._debug.registry import COMMANDS
+from breakpod._debug.registry import command as command  # where the monitors' commands register
+
 LIBRARIES = ("torch", "breakpod")
 _FOCUS: list[FrameType] = []
 
@@ -39,27 +35,6 @@ def focus(frame: FrameType) -> Iterator[None]:
 
 def is_library(frame: FrameType) -> bool:
     return str(frame.f_globals.get("__name__", "")).partition(".")[0] in LIBRARIES
-
-
-COMMANDS: dict[str, Command] = {}
-
-
-def command(name: str) -> Callable[[Command], Command]:
-    """Register ``fn`` as the pdb command ``name``; its docstring is its help."""
-
-    def register(fn: Command) -> Command:
-        COMMANDS[name] = fn
-        return fn
-
-    return register
-
-
-def load_builtin_commands() -> None:
-    """Import the tensor commands when torch is already loaded (never load it)."""
-    if "torch" not in sys.modules:
-        return
-    with contextlib.suppress(ImportError):
-        importlib.import_module("breakpod._monitor.tensor_commands")
 
 
 class CommandsMixin(pdb.Pdb):

@@ -24,7 +24,8 @@ from breakpod._core import events, holding
 from breakpod._core.announce import announce
 from breakpod._core.config import format_seconds
 from breakpod._debug.listener import ClientIO, Listener, alive
-from breakpod._debug.pdb_commands import CommandsMixin, load_builtin_commands
+from breakpod._debug.pdb_commands import CommandsMixin
+from breakpod._debug.registry import load_commands
 
 # Stepping never stops inside breakpod or torch (like "just my code"): `s` on
 # model(x) lands in the user's forward(), and a park started from a torch hook
@@ -114,7 +115,7 @@ class RemotePdb(CommandsMixin):
         self.session = session
         self.quit_mode = quit_mode
         self.prompt = "(Pdb) "
-        load_builtin_commands()
+        load_commands()
 
     def do_continue(self, arg: str) -> bool:
         stop = bool(super().do_continue(arg))

@@ -30,7 +30,8 @@ from breakpod._core.announce import announce
 from breakpod._core.config import ENV, Settings, format_seconds
 from breakpod._core.errors import AnomalyError
 from breakpod._debug import debugger
-from breakpod._debug.pdb_commands import CommandsMixin, focus, is_library, load_builtin_commands
+from breakpod._debug.pdb_commands import CommandsMixin, focus, is_library
+from breakpod._debug.registry import load_commands
 from breakpod._debug.remote_pdb import (
     SKIP,
     RemoteSession,
@@ -51,7 +52,7 @@ class LocalPdb(CommandsMixin):
 
     def __init__(self) -> None:
         super().__init__(skip=SKIP)
-        load_builtin_commands()
+        load_commands()
 
 
 def stdin_is_tty() -> bool:

@@ -406,8 +406,13 @@ def _hear(event: events.Event) -> None:
             _active.wake()  # peers learn of the park now, not at the next tick
 
 
-holding.on_release(_count_from_now)
-events.add_sink(_hear)
+def hear_parks() -> None:
+    """Hear this process's parks (the job's other ranks pause) and each hold's end."""
+    holding.on_release(_count_from_now)
+    events.add_sink(_hear)
+
+
+hear_parks()
 
 
 def note_park(reason: str, frame: FrameType | None) -> None:

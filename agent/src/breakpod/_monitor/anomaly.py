@@ -227,6 +227,11 @@ def find_module(model: Any, name: str) -> Any:
 _PARKED: list[tuple[ActionContext, int]] = []
 
 
+def parked_context() -> ActionContext | None:
+    """The innermost anomaly park's context (the tensor commands read its monitor)."""
+    return _PARKED[-1][0] if _PARKED else None
+
+
 def park(anomaly: Anomaly, ctx: ActionContext) -> None:
     """Hold in a debugger in the user's frame, before the optimizer applies the step.
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from breakpod._debug.pdb_commands import command
 from breakpod._monitor import flight_table, replay, whatif
-from breakpod._monitor.anomaly import _PARKED
+from breakpod._monitor.anomaly import parked_context
 from breakpod._monitor.monitor import MONITORS, Monitor, monitor_of
 from breakpod._monitor.summaries import nonfinite_counts, summary
 
@@ -134,8 +134,9 @@ def tnan(debugger: pdb.Pdb, arg: str) -> None:
 
 def _monitor_here(debugger: pdb.Pdb) -> Monitor:
     """The parked anomaly's monitor, else the only open one."""
-    if _PARKED and isinstance(_PARKED[-1][0].monitor, Monitor):
-        return _PARKED[-1][0].monitor
+    parked = parked_context()
+    if parked is not None and isinstance(parked.monitor, Monitor):
+        return parked.monitor
     open_ = [m for ref in list(MONITORS.values()) if (m := ref()) is not None]
     if len(open_) == 1:
         return open_[0]
