@@ -34,7 +34,7 @@ from monitors import Setup, resnet, transformer
 
 import breakpod
 from breakpod._core import events
-from breakpod._job import watchdog
+from breakpod._job import boundary
 
 TARGET = 1.005
 STALL_AFTER = 2.0
@@ -84,7 +84,7 @@ def latency(runs: int) -> list[float]:
                 reported.set()
 
         events.add_sink(sink)
-        dog = watchdog.watch_stalls(STALL_AFTER)
+        dog = boundary.watch_stalls(STALL_AFTER)
         for _ in range(5):  # steps at a random phase of the watchdog's tick, as in training
             breakpod.step()
             time.sleep(random.uniform(0, STALL_AFTER / 4))
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=10, help="stalls for the latency")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    watchdog.watch_stalls(3600.0)  # on, and never firing during the overhead rounds
+    boundary.watch_stalls(3600.0)  # on, and never firing during the overhead rounds
     ratios = {
         "resnet": overhead(resnet, args.rounds, 3),
         "transformer": overhead(transformer, max(3, 2 * args.rounds // 3), 1),

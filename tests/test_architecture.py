@@ -144,6 +144,7 @@ AGENT_LAYERS = (
     # job coordination: stalls, the rank board, collectives
     grimp.Layer(
         *(
+            "breakpod._job.boundary",
             "breakpod._job.watchdog",
             "breakpod._job.board",
             "breakpod._job.collectives",

@@ -18,7 +18,7 @@ import torch
 from torch.distributed import TCPStore
 from breakpod._broker import commands
 from breakpod._core import events, holding
-from breakpod._job import board, watchdog
+from breakpod._job import board, boundary
 board.CONNECT_SECONDS = 1.0  # an unreachable store fails fast (a loaded machine: 20 s to spare)
 store = None
 if os.environ.get("SERVE_STORE"):
@@ -27,11 +27,11 @@ if os.environ.get("SERVE_STORE"):
                      timeout=datetime.timedelta(seconds=5))
 if os.environ.get("BREAK_FIRST"):
     ok, reply = commands.do_break()  # before the process group started the watchdog
-dog = watchdog.watch_stalls(60.0, after_first_step=True)  # as init_process_group starts it
+dog = boundary.watch_stalls(60.0, after_first_step=True)  # as init_process_group starts it
 if not os.environ.get("BREAK_FIRST"):
     ok, reply = commands.do_break()  # before the watchdog thread's first tick
 holding.hold()  # a park before the store was tried: published once connected, or alone
-watchdog.note_park("breakpoint() at here", sys._getframe())
+boundary.note_park("breakpoint() at here", sys._getframe())
 deadline = time.monotonic() + 20
 while dog.pause.break_at is None and not events._break_requested and time.monotonic() < deadline:
     time.sleep(0.05)
@@ -79,7 +79,7 @@ JOB_BREAK_AT_A_BOUNDARY = """
     import breakpod
     from breakpod._broker import commands
     from breakpod._core import events
-    from breakpod._job import watchdog
+    from breakpod._job import boundary
     from tests.agent.nets import Net, batch
 
     BOUNDARY = os.environ["BOUNDARY"]
@@ -88,7 +88,7 @@ JOB_BREAK_AT_A_BOUNDARY = """
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     store = TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), is_master=True,
                      wait_for_workers=False, timeout=datetime.timedelta(seconds=5))
-    watchdog.watch_stalls(60.0, after_first_step=True)
+    boundary.watch_stalls(60.0, after_first_step=True)
     commands.do_break()  # the job-wide break lands at the first step boundary
     events.request_break()  # and a local one (a later `break` after the store was lost)
     model = Net()

@@ -80,9 +80,9 @@ def test_disabled_means_no_thread_and_no_hooks(spawn):
         import breakpod
         for _ in range(50):
             breakpod.step()
-        from breakpod._job import watchdog
+        from breakpod._job import boundary
         hooked = DistributedDataParallel.forward is not forward or dist.all_reduce is not all_reduce
-        print(threading.active_count(), hooked, watchdog._armed)
+        print(threading.active_count(), hooked, boundary._armed)
         """,
         env={"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29199"},
     )

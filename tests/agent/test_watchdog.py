@@ -9,7 +9,7 @@ import time
 import pytest
 
 from breakpod._core import events
-from breakpod._job import watchdog
+from breakpod._job import boundary, watchdog
 from tests.agent.test_job_timeouts import probe
 
 STUCK = """
@@ -45,27 +45,27 @@ def collected():
     events.add_sink(seen.append)
     yield seen
     events.remove_sink(seen.append)
-    if watchdog._active is not None:
-        watchdog._active.stop()
-        watchdog._active = None
+    if boundary._active is not None:
+        boundary._active.stop()
+        boundary._active = None
 
 
 def test_stall_then_recovery_emit_stall_and_resumed(collected):
-    dog = watchdog.watch_stalls(0.2)
-    watchdog.heartbeat(7)
+    dog = boundary.watch_stalls(0.2)
+    boundary.heartbeat(7)
     deadline = time.monotonic() + 5
     while not any(e.kind == "stall" for e in collected) and time.monotonic() < deadline:
         time.sleep(0.02)
     stall = next(e for e in collected if e.kind == "stall")
     assert stall.fields["step"] == 7 and 'Thread "MainThread"' in stall.fields["stacks"]
-    watchdog.heartbeat(8)
+    boundary.heartbeat(8)
     assert collected[-1].kind == "resumed" and dog.stalls == 1
 
 
 def test_no_watchdog_means_no_thread_and_a_free_heartbeat(monkeypatch):
-    monkeypatch.setattr(watchdog, "_active", None)
+    monkeypatch.setattr(boundary, "_active", None)
     before = threading.active_count()
-    watchdog.heartbeat(1)
+    boundary.heartbeat(1)
     assert threading.active_count() == before
 
 

@@ -99,9 +99,9 @@ def main():
         if (RANK == PARK_RANK and step == PARK_AT) or f"{RANK}:{step}" in PARKS:
             breakpoint()
         if RANK == 0 and step == BREAK_AT:
-            from breakpod._job import watchdog
+            from breakpod._job import boundary
 
-            print(f"rank 0 asks: {watchdog.request_break()}", file=sys.stderr, flush=True)
+            print(f"rank 0 asks: {boundary.request_break()}", file=sys.stderr, flush=True)
         batch = fetch_batch(step)
         loss = model(batch).sum()
         opt.zero_grad()

@@ -38,11 +38,11 @@ _EXPORTS = {
     "post_mortem": "breakpod._debug.shim",
     "install_excepthook": "breakpod._debug.shim",
     "init_remote_debugger": "breakpod._api",
-    "break_if_requested": "breakpod._api",
+    "break_if_requested": "breakpod._job.boundary",
     "emit": "breakpod._core.events",
-    "watch_stalls": "breakpod._job.watchdog",
-    "heartbeat": "breakpod._job.watchdog",
-    "step": "breakpod._job.watchdog",
+    "watch_stalls": "breakpod._job.boundary",
+    "heartbeat": "breakpod._job.boundary",
+    "step": "breakpod._job.boundary",
     "Endpoint": "breakpod._debug.debugger",
     "Settings": "breakpod._core.config",
     "BreakpodError": "breakpod._core.errors",
@@ -66,7 +66,6 @@ __all__ = sorted([*_EXPORTS, *_SUBPACKAGES, "__version__"])
 if TYPE_CHECKING:
     from typing import Any
 
-    from breakpod._api import break_if_requested as break_if_requested
     from breakpod._api import init_remote_debugger as init_remote_debugger
     from breakpod._core.config import Settings as Settings
     from breakpod._core.errors import AnomalyError as AnomalyError
@@ -81,9 +80,10 @@ if TYPE_CHECKING:
     from breakpod._debug.shim import install_excepthook as install_excepthook
     from breakpod._debug.shim import post_mortem as post_mortem
     from breakpod._debug.shim import set_trace as set_trace
-    from breakpod._job.watchdog import heartbeat as heartbeat
-    from breakpod._job.watchdog import step as step
-    from breakpod._job.watchdog import watch_stalls as watch_stalls
+    from breakpod._job.boundary import break_if_requested as break_if_requested
+    from breakpod._job.boundary import heartbeat as heartbeat
+    from breakpod._job.boundary import step as step
+    from breakpod._job.boundary import watch_stalls as watch_stalls
     from breakpod._monitor.anomaly import Anomaly as Anomaly
     from breakpod._monitor.monitor import Monitor as Monitor
     from breakpod._monitor.monitor import watch as watch
@@ -102,9 +102,9 @@ def _connect_broker() -> Any:
     from breakpod._core.config import BROKER_URL_ENV
 
     if os.environ.get("WORLD_SIZE", "1") not in ("", "0", "1"):
-        from breakpod._job import watchdog
+        from breakpod._job import boundary
 
-        watchdog.hear_parks()  # a park here pauses the job's other ranks
+        boundary.hear_parks()  # a park here pauses the job's other ranks
     if not os.environ.get(BROKER_URL_ENV):
         return None
     from breakpod._broker import link as reporting

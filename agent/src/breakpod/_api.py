@@ -1,8 +1,7 @@
 """Public entry points that compose the layers below (``breakpod.<name>`` resolves here).
 
 Each layer stays ignorant of the ones above it; the composition lives here:
-a listener that should wait for a client parks through the shim, a ``break``
-from the broker parks at the caller's step boundary.
+a listener that should wait for a client parks through the shim.
 """
 
 from __future__ import annotations
@@ -63,16 +62,3 @@ def _wait_for_client(endpoint: Endpoint, settings: Settings, frame: FrameType) -
         shim.park(frame, settings, reason, hold_seconds=settings.wait_timeout)  # announces
     elif not debugger.wait_for_debugpy_client(settings.wait_timeout):
         announce(f"nobody attached within {format_seconds(settings.wait_timeout)}; continuing")
-
-
-def break_if_requested(frame: FrameType | None = None) -> None:
-    """Call at a step boundary of your own loop: after a ``break`` command
-    (``breakpod send SESSION break``) it parks in ``frame`` (default: the caller).
-    In a job that pauses as one (debug mode, several ranks) it is a step boundary as
-    ``breakpod.step()``'s, where a job-wide break parks: call one of the two. Costs
-    a few lookups otherwise; ``breakpod.watch()`` monitors do the same for you."""
-    frame = frame if frame is not None else sys._getframe(1)
-    from breakpod._job import watchdog
-
-    watchdog.join_job_break(frame)
-    shim.take_break(frame)

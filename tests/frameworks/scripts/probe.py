@@ -58,8 +58,8 @@ for step in range(common.STEPS):
         import breakpod
 
         breakpod.step()
-watchdog = sys.modules.get("breakpod._job.watchdog")
-active = getattr(watchdog, "_active", None)
+boundary = sys.modules.get("breakpod._job.boundary")
+active = boundary.active() if boundary else None
 autowatch = sys.modules.get("breakpod._integrations.autowatch")
 watched = [type(m.model).__name__ for m in autowatch.monitors()] if autowatch else []
 print("after", hooks(), f"steps={getattr(active, 'step', None)} watched={watched}", flush=True)

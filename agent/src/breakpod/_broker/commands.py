@@ -22,7 +22,7 @@ from breakpod import protocol
 from breakpod._core import events
 from breakpod._debug import debugger, shim
 from breakpod._debug.listener import Listener
-from breakpod._job import watchdog
+from breakpod._job import boundary, watchdog
 from breakpod._monitor import flight_table
 
 Result = tuple[bool, str]
@@ -40,7 +40,7 @@ def run(name: str) -> Result:
 
 
 def do_break() -> Result:
-    return True, watchdog.request_break()
+    return True, boundary.request_break()
 
 
 def do_resume() -> Result:

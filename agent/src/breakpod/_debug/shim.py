@@ -117,25 +117,6 @@ def _trace_again(debugger: CommandsMixin, frame: FrameType) -> None:
     debugger.set_trace(frame)
 
 
-BREAK_HEADER = "break requested through the broker"  # the banner of a `break`'s park
-
-
-def take_break(frame: FrameType, *, now: bool = False) -> None:
-    """A step boundary: park here if a ``break`` command asked (one flag check)."""
-    if events.pending_break():
-        park_at_step(frame, BREAK_HEADER, now=now)
-
-
-def park_at_step(frame: FrameType, header: str, *, now: bool = False) -> None:
-    """Park at a training step boundary in ``frame``: from its next line, or ``now``
-    (:func:`hold`) when the boundary runs inside torch (the optimizer's step pre-hook),
-    where a debugger tracing from the next line would stop in torch's code first."""
-    if now:
-        hold(frame, header)
-    else:
-        set_trace(frame=frame, header=header)
-
-
 def hold(frame: FrameType, header: str) -> bool:
     """Hold the process *now* in a debugger showing ``frame`` (``breakpoint()`` would
     stop only at the caller's next line: after the optimizer applied the update).

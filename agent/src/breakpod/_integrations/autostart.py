@@ -109,9 +109,9 @@ def _lazy_hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackT
 
 def _watch_job() -> None:
     """After ``init_process_group``: the watchdog enforces the user's timeout from now."""
-    from breakpod._job import watchdog
+    from breakpod._job import boundary
 
-    watchdog.start_for_job()
+    boundary.start_for_job()
 
 
 _lazy_hook.__breakpod__ = True  # type: ignore[attr-defined]

@@ -30,8 +30,7 @@ from types import FrameType
 from typing import Any
 
 from breakpod._core.announce import announce
-from breakpod._debug import shim
-from breakpod._job import watchdog
+from breakpod._job import boundary
 
 _handles: list[Any] = []
 _lead: weakref.ref[Any] | None = None  # the optimizer whose steps count
@@ -63,7 +62,7 @@ def installed() -> bool:
 
 def alive() -> None:
     """The model ran a forward (training, accumulating or evaluating): not silent."""
-    active = watchdog._active
+    active = boundary.active()
     if active is not None:
         active.alive_at = time.monotonic()
 
@@ -71,7 +70,7 @@ def alive() -> None:
 def others_mark_steps() -> bool:
     """Was a step boundary made since this module's last one that it did not make
     (``breakpod.step()``, a monitor's)? Always when this module makes none."""
-    active = watchdog._active
+    active = boundary.active()
     if active is None or active.step is None:
         return False
     return not _handles or active.last_beat != _mine
@@ -92,21 +91,20 @@ def _boundary(optimizer: Any, frame: FrameType) -> None:
     lead = _lead() if _lead is not None else None
     if lead is None:  # the first step: counted, and a boundary from the next one on (a
         _lead, _count = weakref.ref(optimizer), 1  # loop's breakpod.step() shows by then)
-        active = watchdog._active
+        active = boundary.active()
         _mine = active.last_beat if active is not None else None
         return
     if lead is not optimizer:
         alive()
         return
-    active = watchdog._active
+    active = boundary.active()
     if active is not None and active.step is not None and active.last_beat != _mine:
         _mine = active.last_beat  # the loop or a monitor marked a step since ours
         return
     _count += 1
     frame = outside_libraries(frame)
-    watchdog.boundary(_count, frame)
-    shim.take_break(frame)  # `breakpod send ID break` in a job of one process
-    active = watchdog._active
+    boundary.boundary(_count, frame)  # `breakpod send ID break` parks here too
+    active = boundary.active()
     _mine = active.last_beat if active is not None else None
 
 

@@ -1,10 +1,10 @@
 """Stall watchdog: a training loop that stops stepping is reported, with stacks.
 
-The training loop calls :func:`step` (``breakpod.step()``) once per step;
-``Monitor.step`` does it. The first call reads the environment:
-``BREAKPOD_STALL_AFTER=SECONDS`` starts the watchdog, and so does debug mode
+This module is the watchdog's thread only. The training loop's step boundary
+(``breakpod.step()``, a monitor's step: ``boundary.py``) beats its heartbeat and
+starts it: ``BREAKPOD_STALL_AFTER=SECONDS`` does, and so does debug mode
 (``ENABLE_REMOTE_DEBUG=1``) with a timeout of 10x the p99 step time, never
-under :data:`DEBUG_FLOOR`. Otherwise every later call costs one global check.
+under :data:`DEBUG_FLOOR` (:func:`stall_timeout_from_env`).
 
 A daemon thread checks the time since the last step. It needs no help from
 the stuck thread: blocked in C (a lock, ``Event.wait()``, a collective) the
@@ -17,7 +17,8 @@ naming the culprit rank (``stall_report.py``). A stall is reported once; when
 steps resume, a ``resumed`` event and one line follow.
 
 In debug mode a distributed job's watchdog also runs the job pause
-(``_job/pause.py``): a parked peer pauses this rank at its next step boundary,
+(``_job/pause.py``): a parked peer pauses this rank at its next step boundary
+(where ``boundary.py`` waits),
 and the process group's own timeout (``_job/timeouts.py``) is enforced here
 while no rank is parked: a collective that makes no progress for that long is
 a stall, reported, then this rank exits with status 1 as torch would have.
@@ -25,7 +26,6 @@ a stall, reported, then this rank exits with status 1 as torch would have.
 
 from __future__ import annotations
 
-import atexit
 import collections
 import logging
 import os
@@ -39,7 +39,6 @@ from typing import Any
 from breakpod import protocol
 from breakpod._core import events, holding, wiring
 from breakpod._core.announce import announce
-from breakpod._core.config import ENV
 from breakpod._core.errors import ConfigError
 from breakpod._debug import shim
 from breakpod._debug.remote_pdb import inspect_remote
@@ -60,7 +59,7 @@ EXIT_GRACE = 8.0  # after a collective timeout: time for rank 0's job report
 
 
 class Watchdog:
-    """Watches one heartbeat; start it with :func:`watch_stalls` or :func:`step`."""
+    """Watches one heartbeat (``boundary.watch_stalls`` starts the process's)."""
 
     def __init__(
         self,
@@ -91,7 +90,7 @@ class Watchdog:
         self._recovered = False  # set by beat(), taken back to the board by the thread
         self._job_report: dict[str, Any] | None = None  # rank 0: the stall it reported
         self.after_first_step = after_first_step  # no step-silence stall before one step
-        self.pause = job_pause.JobPause(self.place) if _pausing(self.place) else None
+        self.pause = job_pause.JobPause(self.place) if pauses_job(self.place) else None
         self.job_stalled = False  # another rank reported a stall: publish stacks too
         self.exit_at: float | None = None  # a collective timed out: exit then
         self._wake = threading.Event()
@@ -122,17 +121,8 @@ class Watchdog:
     def wake(self) -> None:
         self._wake.set()
 
-    def at_boundary(self, frame: FrameType, *, now: bool = False) -> None:
-        """Training thread, after the beat: park for a job break (see
-        :func:`shim.park_at_step` for ``now``), or wait for a parked peer."""
-        pause = self.pause
-        if pause is None:
-            return
-        if pause.parks_at(self.step or 0):
-            events.pending_break()  # one park serves a local break asked for meanwhile too
-            shim.park_at_step(frame, f"job-wide break at step {self.step}", now=now)
-            return
-        pause.wait_at_step(self.step or 0)
+    def start(self) -> None:
+        self._thread.start()
 
     def current_timeout(self) -> float:
         """The fixed timeout, or in debug mode 10x the p99 step time (with a floor)."""
@@ -208,9 +198,11 @@ class Watchdog:
             announce(f"this rank parks alone: the job was not paused ({why})")
         self.park_unsaid = False
         pause.lost()
-        if pause.break_wanted:
+        if pause.break_wanted:  # the boundary is armed while a watchdog runs: it parks
             pause.break_wanted = False
-            _break_alone(self.job_view_missing or "the job store is not reachable")
+            events.request_break()
+            why = self.job_view_missing or "the job store is not reachable"
+            announce(f"break: this rank parks alone; the job was not paused ({why})")
 
     def _step_seconds(self) -> float | None:
         if not self.durations:
@@ -373,213 +365,9 @@ class Watchdog:
             _inspect(main, self.step)
 
 
-_active: Watchdog | None = None
-_armed = True  # the first step() reads the environment, then this is False unless watching
-_queued_break = False  # a job-wide break asked for before this rank's watchdog started
-_env_read = False  # the first step() read the environment (a `break` re-arms, not re-reads)
-
-
-def suspend() -> None:
-    """A debugger holds the process (parked or attached): stop counting silence."""
-    holding.hold()
-
-
-def resume() -> None:
-    """The debugger let go: count silence again, from now."""
-    holding.release()
-
-
-def _count_from_now() -> None:
-    if _active is not None:
-        _active.last_beat = time.monotonic()
-        pause = _active.pause
-        if pause is not None and pause.parked_for is not None and pause.break_at is None:
-            pause.break_done, pause.parked_for = pause.parked_for, None  # the job break is over
-        _active.wake()
-
-
-def _hear(event: events.Event) -> None:
-    """The hub's ``parked`` events: this rank parks, so the job's other ranks pause."""
-    if event.kind == protocol.PARKED:
-        note_park(str(event.fields.get("reason", "")), sys._getframe(1))
-        if _active is not None:
-            _active.wake()  # peers learn of the park now, not at the next tick
-
-
-def hear_parks() -> None:
-    """Hear this process's parks (the job's other ranks pause) and each hold's end."""
-    holding.on_release(_count_from_now)
-    events.add_sink(_hear)
-
-
-hear_parks()
-
-
-def note_park(reason: str, frame: FrameType | None) -> None:
-    """Before a park: where and why, for the job's other ranks; says when they won't pause."""
-    place = _active.place if _active is not None else job.Place.from_env()
-    if not place.distributed:
-        return
-    where = stall_report.where(stall_report.user_frame(frame))
-    if _active is not None and _active.pause is not None:
-        _active.pause.park_note = job_pause.note_for(reason, where)
-        if _active.board is None and _active.job_view_missing is None:  # not tried yet
-            _active.park_unsaid = True
-        elif _active.board is None:
-            announce(f"this rank parks alone: the job was not paused ({_active.job_view_missing})")
-        return
-    announce(f"this rank parks alone: the job was not paused ({_why_no_pause()})")
-
-
-JOB_BREAK = "the job parks at a step boundary every rank agrees on"
-
-
-def request_break() -> str:
-    """A broker ``break``: every rank of a job parks at one step it agrees on, or this
-    rank alone at its next step boundary; says which."""
-    global _queued_break
-    place = job.Place.from_env()
-    if _active is None and _pausing(place):
-        _queued_break = True  # the job is starting: its process group starts the watchdog
-        if _active is None:  # else it started meanwhile, maybe without the flag: as below
-            return f"{JOB_BREAK}, once its ranks connect"
-        _queued_break = False
-    active = _active
-    if active is not None and active.pause is not None:
-        if active.board is not None or active.job_view_missing is None:
-            # connected, or the first connection is not tried yet (a break that arrives
-            # as the job starts): the watchdog thread proposes it, or parks this rank
-            # alone if the store turns out unreachable
-            active.pause.break_wanted = True
-            active.wake()
-            if active.board is None:
-                return f"{JOB_BREAK} (this rank alone if it cannot reach the job's store)"
-            return JOB_BREAK
-        return _break_alone(active.job_view_missing)
-    if place.distributed:
-        return _break_alone(_why_no_pause())
-    _arm_break()
-    return "will park at the next step boundary"
-
-
-def _break_alone(why: str) -> str:
-    _arm_break()
-    announce(f"break: this rank parks alone; the job was not paused ({why})")
-    return f"will park at the next step boundary; the job was not paused ({why})"
-
-
-def _arm_break() -> None:
-    """The next step boundary parks: breakpod.step()'s, or a monitor's."""
-    global _armed
-    events.request_break()
-    _armed = True
-
-
-def _pausing(place: job.Place) -> bool:
+def pauses_job(place: job.Place) -> bool:
     """Whether this rank's watchdog runs the job pause: debug mode, several ranks."""
     return place.distributed and job_timeouts.debug_mode()
-
-
-def _why_no_pause() -> str:
-    if not job_timeouts.debug_mode():
-        return f"debug mode is off: {ENV['enabled']}=1 pauses the whole job"
-    if _active is None:
-        return "no breakpod.step() yet and no process group started"
-    return "not a job of several ranks"
-
-
-def start_for_job() -> None:
-    """``init_process_group`` in debug mode: watch collectives before the first step."""
-    global _armed
-    if _active is None:
-        _start_from_env(os.environ, after_first_step=True)
-        _armed = True
-
-
-def watch_stalls(
-    timeout: float,
-    *,
-    action: str = "dump",
-    adaptive: bool = False,
-    after_first_step: bool = False,
-) -> Watchdog:
-    """Start (or replace) the process's stall watchdog."""
-    global _active, _armed, _queued_break
-    before = _active
-    if before is not None:
-        before.stop()
-    else:
-        atexit.register(_stop_at_exit)
-    _active = Watchdog(timeout, action, adaptive=adaptive, after_first_step=after_first_step)
-    if _active.pause is not None:  # a break queued before it started, or in the one replaced
-        replaced = before is not None and before.pause is not None and before.pause.break_wanted
-        _active.pause.break_wanted = replaced or _queued_break
-    _queued_break = False
-    if _active.place.distributed:
-        collectives.install()
-    _active._thread.start()
-    _armed = True
-    wiring.connect()  # stall events reach the broker when one is set
-    return _active
-
-
-def _stop_at_exit() -> None:
-    """No watchdog tick may be inside the job store's C++ client when the interpreter
-    ends: a daemon thread that wakes there during finalization aborts the process
-    (``terminate called without an active exception``, SIGABRT after a clean run)."""
-    if _active is not None:
-        _active.stop(wait=job.CONNECT_SECONDS + 1.0)
-
-
-def step(number: int | None = None) -> None:
-    """Mark a training step boundary (``breakpod.step()``); one global check when off.
-    Parks here after a ``break`` command."""
-    if _armed:
-        frame = sys._getframe(1)
-        _step(number, frame)
-        shim.take_break(frame)
-
-
-def boundary(number: int, frame: FrameType, *, now: bool = False) -> None:
-    """A monitor's step boundary: as :func:`step`, but the monitor takes a ``break``
-    itself (``now``: see :func:`shim.park_at_step`)."""
-    if _armed:
-        _step(number, frame, now=now)
-
-
-def join_job_break(frame: FrameType) -> None:
-    """``break_if_requested()`` in a job that pauses as one: a step boundary as
-    :func:`step`'s, where a job-wide break parks (a loop that calls only
-    ``break_if_requested()`` would never reach one)."""
-    active = _active
-    if active is not None and active.pause is not None:
-        _step(None, frame)
-
-
-def _step(number: int | None, frame: FrameType, *, now: bool = False) -> None:
-    global _armed, _env_read
-    if _active is None:
-        _armed = False
-        if not _env_read:
-            _env_read = True
-            _start_from_env(os.environ)
-            # with BREAKPOD_BROKER_URL set, the loop is reachable without a watchdog or
-            # a park: it registers, and `breakpod send JOB break` parks it at a step
-            wiring.connect()
-    if _active is not None:
-        _active.beat(number)
-        if _active.pause is not None:
-            _active.at_boundary(frame, now=now)
-
-
-def _start_from_env(env: Mapping[str, str], *, after_first_step: bool = False) -> None:
-    try:
-        chosen = stall_timeout_from_env(env)
-    except ConfigError as e:
-        announce(f"{e}; stall detection is off")
-        return
-    if chosen is not None:
-        watch_stalls(chosen[0], adaptive=chosen[1], after_first_step=after_first_step)
 
 
 def stall_timeout_from_env(env: Mapping[str, str]) -> tuple[float, bool] | None:
@@ -598,12 +386,6 @@ def stall_timeout_from_env(env: Mapping[str, str]) -> tuple[float, bool] | None:
     if job_timeouts.debug_mode(env):
         return DEBUG_FLOOR, True
     return None
-
-
-def heartbeat(step: int | None = None) -> None:
-    """Mark the training loop alive; free when no watchdog runs."""
-    if _active is not None:
-        _active.beat(step)
 
 
 def format_stacks() -> str:

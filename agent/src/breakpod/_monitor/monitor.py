@@ -44,8 +44,7 @@ from breakpod._core import events, wiring
 from breakpod._core.announce import announce
 from breakpod._core.config import env_flag
 from breakpod._core.errors import AnomalyError, ConfigError, RuleError
-from breakpod._debug import shim
-from breakpod._job import watchdog
+from breakpod._job import boundary
 from breakpod._monitor import checks, optimizers, staging
 from breakpod._monitor.anomaly import ActionContext, Anomaly, dispatch, merge_same_tensor
 from breakpod._monitor.anomaly import user_frame as _user_frame
@@ -548,8 +547,7 @@ class Monitor:
         frame = _user_frame(sys._getframe())
         self._end_step(None, frame)
         self._updated = True
-        watchdog.boundary(self.step_count, frame, now=True)
-        shim.take_break(frame, now=True)  # `breakpod send ID break`: before the update
+        boundary.boundary(self.step_count, frame, now=True)  # a `break`: before the update
 
     # ------------------------------------------------------------------ hooks (hot path)
     # A forward hook runs for every watched module in every step and a gradient hook for
@@ -845,8 +843,7 @@ class Monitor:
                 self._end_step(loss, frame)
             elif loss is not None:
                 self.record_loss(loss)
-        watchdog.boundary(self.step_count, frame)
-        shim.take_break(frame)  # `breakpod send ID break`: one flag check per step
+        boundary.boundary(self.step_count, frame)  # `breakpod send ID break` parks here
 
     def _handles_steps(self) -> bool:
         return self._optimizer is None
