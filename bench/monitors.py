@@ -181,7 +181,7 @@ class Without(Breakpod):
     def __init__(self, model: nn.Module, key: str) -> None:
         Setup.__init__(self, model)
         self.name, self.key = WITHOUT[key], key
-        from breakpod._monitor.flight import FLIGHT_ENV  # not at import: see peak_rss
+        from breakpod._monitor.flight.recorder import FLIGHT_ENV  # not at import: see peak_rss
 
         rules = None
         if key == "no input grads":

@@ -28,8 +28,8 @@ import torch
 from monitors import resnet, transformer
 
 import breakpod
-from breakpod._monitor import whatif
-from breakpod._monitor.flight import FLIGHT_ENV
+from breakpod._monitor.flight.recorder import FLIGHT_ENV
+from breakpod._monitor.timetravel import whatif
 
 TARGET_CAPTURE = 1.03
 TARGET_FLIGHT = 1.02

@@ -12,7 +12,8 @@ torch = pytest.importorskip("torch")
 
 import breakpod  # noqa: E402
 from breakpod._core import events  # noqa: E402
-from breakpod._monitor import flight, flight_table  # noqa: E402
+from breakpod._monitor.flight import recorder as flight  # noqa: E402
+from breakpod._monitor.flight import table as flight_table  # noqa: E402
 
 NAN_EVENT = [{"name": "nan", "check": "nonfinite", "action": "event"}]
 

@@ -9,7 +9,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import breakpod
 from bench.monitors import launches  # the bench's count of kernel launches
-from breakpod._monitor import checks, flight, stats
+from breakpod._monitor import checks, stats
+from breakpod._monitor.flight import recorder as flight
 from tests.agent.nets import Net, batch, train
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import breakpod
-from breakpod._monitor import replay
+from breakpod._monitor.timetravel import replay
 from tests.agent.nets import Net, batch
 
 FACTORY = """

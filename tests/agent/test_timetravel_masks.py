@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import breakpod
-from breakpod._monitor.replay import ReplayReport
+from breakpod._monitor.timetravel.replay import ReplayReport
 
 VOCAB, D, T = 40, 16, 10
 

@@ -22,8 +22,8 @@ from breakpod import protocol
 from breakpod._core import events
 from breakpod._debug import debugger, shim
 from breakpod._debug.listener import Listener
-from breakpod._job import boundary, watchdog
-from breakpod._monitor import flight_table
+from breakpod._job import watchdog
+from breakpod._monitor.flight import table as flight_table
 
 Result = tuple[bool, str]
 MAX_DETAIL = 10_000
@@ -40,7 +40,7 @@ def run(name: str) -> Result:
 
 
 def do_break() -> Result:
-    return True, boundary.request_break()
+    return True, watchdog.request_break()
 
 
 def do_resume() -> Result:
@@ -74,7 +74,7 @@ def do_dump_stacks() -> Result:
 def do_dump_flight() -> Result:
     # on demand: the recorder's module loads the monitors, which a link without a
     # watched model never needs (watch() has loaded it wherever a recorder exists)
-    from breakpod._monitor import flight
+    from breakpod._monitor.flight import recorder as flight
 
     fields = flight.dump_fields()
     if fields is None:

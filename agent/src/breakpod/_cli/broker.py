@@ -21,7 +21,7 @@ from breakpod._cli import stacks_report
 from breakpod._core import net
 from breakpod._core.config import token_value
 from breakpod._core.errors import AttachError, BrokerError
-from breakpod._monitor import flight_table
+from breakpod._monitor.flight import table as flight_table
 
 PORT_FORWARD_TIMEOUT = 15.0
 

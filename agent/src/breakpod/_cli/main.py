@@ -322,7 +322,7 @@ def add_replay(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def run_replay(args: argparse.Namespace) -> int:
     import importlib
 
-    from breakpod._monitor import replay
+    from breakpod._monitor.timetravel import replay
 
     module, _, name = args.model.partition(":")
     if not module or not name:

@@ -29,7 +29,7 @@ from breakpod._core import events
 from breakpod._core.announce import announce
 from breakpod._core.config import BROKER_URL_ENV
 from breakpod._core.errors import AnomalyError
-from breakpod._debug import shim
+from breakpod._debug import breakpoints
 from breakpod._debug.pdb_commands import command
 
 ON_EXPIRE_ENV = "BREAKPOD_ON_EXPIRE"
@@ -244,7 +244,7 @@ def park(anomaly: Anomaly, ctx: ActionContext) -> None:
         frame.f_locals[LOCAL] = anomaly
     _PARKED.append((ctx, anomaly.step))
     try:
-        attached = shim.hold(frame, header=f"anomaly: {anomaly}")
+        attached = breakpoints.hold(frame, header=f"anomaly: {anomaly}")
     finally:
         _PARKED.pop()
         if added:

@@ -19,10 +19,11 @@ import sys
 from typing import Any
 
 from breakpod._debug.pdb_commands import command
-from breakpod._monitor import flight_table, replay, whatif
 from breakpod._monitor.anomaly import parked_context
+from breakpod._monitor.flight import table as flight_table
 from breakpod._monitor.monitor import MONITORS, Monitor, monitor_of
 from breakpod._monitor.summaries import nonfinite_counts, summary
+from breakpod._monitor.timetravel import replay, whatif
 
 
 def _eval(debugger: pdb.Pdb, expr: str) -> Any:

@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from breakpod._monitor.capture import (
+from breakpod._monitor.checks import first_tensor
+from breakpod._monitor.timetravel.capture import (
     StepInputs,
     autocast_as,
     backward_outputs,
@@ -30,8 +31,7 @@ from breakpod._monitor.capture import (
     rng_states,
     set_rng_states,
 )
-from breakpod._monitor.checks import first_tensor
-from breakpod._monitor.replay import ReplayError
+from breakpod._monitor.timetravel.replay import ReplayError
 
 CHANGES = "lr=VALUE, clip=MAX_NORM or skip-batch"
 

@@ -9,7 +9,7 @@ their sizes, the step number and its time. Only a dump reads the rings (one
 copy per device): with every ``anomaly`` and ``stall`` event, the ``flight``
 pdb command, and ``breakpod flight SESSION``.
 
-A dump reads as a table (:mod:`~breakpod._monitor.flight_table`): per module,
+A dump reads as a table (:mod:`~breakpod._monitor.flight.table`): per module,
 the first kept step where its values went non-finite or out of range, with its
 RMS over the steps before. ``BREAKPOD_FLIGHT_STEPS`` sets K (default 64); 0
 turns the recorder off (no columns, no ring, no hook work).
@@ -31,7 +31,7 @@ from breakpod._core.announce import announce
 from breakpod._core.config import parse_int
 from breakpod._core.errors import ConfigError
 from breakpod._monitor.detect import NORM, Slot
-from breakpod._monitor.flight_table import Flight, Series
+from breakpod._monitor.flight.table import Flight, Series
 from breakpod._monitor.stats import SlotTable, StepRecord, copy_events, landed, lasting, to_host
 
 FLIGHT_ENV = "BREAKPOD_FLIGHT_STEPS"

@@ -4,7 +4,7 @@ At an anomaly park the weights are still those the failing step started with
 (the park is before the update). :func:`replay` puts back the step's RNG
 states and running statistics, runs the root forward on the captured inputs
 and the backward from the captured output gradient under
-:mod:`breakpod._monitor.opwatch`, then restores everything it touched: the
+:mod:`breakpod._monitor.timetravel.opwatch`, then restores everything it touched: the
 parameters' ``.grad`` (the same tensor objects), the buffers (copied back
 bit for bit) and the RNG states. The replay reproduced the step when its
 parameter gradients equal the real ones bit for bit.
@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from breakpod._core.errors import BreakpodError
-from breakpod._monitor.capture import (
+from breakpod._monitor.summaries import summary
+from breakpod._monitor.timetravel.capture import (
     Capture,
     StepInputs,
     autocast_as,
@@ -34,8 +35,7 @@ from breakpod._monitor.capture import (
     rng_states,
     set_rng_states,
 )
-from breakpod._monitor.opwatch import BadOp, OpWatch, floats, modes, module_tracking
-from breakpod._monitor.summaries import summary
+from breakpod._monitor.timetravel.opwatch import BadOp, OpWatch, floats, modes, module_tracking
 
 BUNDLE_VERSION = 2  # 2: every output's gradient, and autocast
 OUTPUTS_SHOWN = 4  # the model's outputs a loss-side report shows

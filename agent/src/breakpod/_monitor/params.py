@@ -1,0 +1,146 @@
+"""A monitor's parameters: which it watches (by the rules that match their modules),
+how their norms and their gradients' norms are taken (planned once, planned again
+when the model's parameters are replaced), and the state checks at each read."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from breakpod._monitor import checks
+from breakpod._monitor.detect import Detector, ParamInfo
+from breakpod._monitor.norms import NormPlan
+from breakpod._monitor.reporting import Reporting
+from breakpod._monitor.rules import Rule
+from breakpod._monitor.stats import Entry, StepRecord, by_device
+
+REPLACED_EVERY = 64  # gradient collections between looks for replaced parameters
+PROBED = 4  # parameters whose version counters tell that an update was applied
+
+
+class ParamPlanning(Reporting):
+    """The rules each module and parameter falls under, and the parameters' norms."""
+
+    def _rules_for(
+        self, checks_: Sequence[str], name: str, module: Any, where: str | None = None
+    ) -> frozenset[str]:
+        names = frozenset(
+            r.name
+            for r in self.rules
+            if r.check in checks_
+            and (where is None or r.check != "nonfinite" or _nonfinite_applies(r, where, module))
+            and r.matches(name, module)
+        )
+        return self._shared(names)
+
+    def _shared(self, names: frozenset[str]) -> frozenset[str]:
+        """One object per distinct set of rule names, not one per module (hundreds)."""
+        return self._rule_sets.setdefault(names, names)
+
+    def _plan_params(self) -> None:
+        """The watched parameters and how their norms, and their gradients', are taken."""
+        self._params = self._watched_params()
+        state = [
+            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
+        ]
+        self._grad_norms = NormPlan([p for _, p in self._params])
+        self._param_norms = NormPlan([p for _, p in state], keys=[i for i, _ in state])
+        self._state_params = [p for _, p in state]
+        self._missing_grads = 0  # watched parameters without a gradient at the last backward
+        self._grad_reads = 0  # gradient collections since
+        # built on the meta device: no values until to_empty() replaces them
+        self._on_meta = any(p.is_meta for _, p in self._params)
+
+    def _replaced_params(self, grads: list[Any]) -> bool:
+        """Were parameters replaced since they were planned (``load_state_dict(assign=True)``,
+        ``to_empty()`` after building on the meta device)? The old ones stop getting
+        gradients, so this looks when more of them than before have none, and every
+        :data:`REPLACED_EVERY` collections in case that came when none had any."""
+        grew = False
+        if self._current.grads_done:  # a step without a backward (evaluation) says nothing
+            missing = sum(g is None for g in grads)
+            grew, self._missing_grads = missing > self._missing_grads, missing
+        self._grad_reads += 1
+        if not (grew or self._on_meta) and self._grad_reads % REPLACED_EVERY:
+            return False
+        now = dict(self.model.named_parameters())
+        return any(now.get(info.name) is not p for info, p in self._params)
+
+    def _replan_params(self) -> None:
+        """Plan for the parameters the model holds now; the detector keeps its baselines
+        when they go by the same names."""
+        before = [info for info, _ in self._params]
+        self._plan_params()
+        infos = [info for info, _ in self._params]
+        if infos != before:
+            self._detector = Detector(self.rules, infos, self._batchnorm, self._norm_source)
+
+    def _norm_source(self, phase: str, step: int, index: int) -> Any:
+        """The tensor behind a non-finite norm, to tell NaN/Inf from an overflow: the
+        parameter, or its gradient while it is still that step's (judged at its own
+        boundary, before another backward)."""
+        _, param = self._params[index]
+        if phase == "param":
+            return param
+        fresh = step == self.step_count - 1 and not self._current.grads_done
+        return param.grad if fresh else None
+
+    def _watched_params(self) -> list[tuple[ParamInfo, Any]]:
+        """Parameters whose owning module some gradient or parameter rule watches."""
+        watched = []
+        for name, param in self.model.named_parameters():
+            owner = name.rpartition(".")[0]
+            module = self.model.get_submodule(owner)
+            rules = self._shared(
+                self._rules_for(("grad_norm",), owner, module)
+                | self._rules_for(("nonfinite",), owner, module, "param-gradient")
+                | self._rules_for(("nonfinite",), owner, module, "param")
+            )
+            if rules:
+                watched.append((ParamInfo(name, owner, rules), param))
+        return watched
+
+    def _collect_grads(self) -> None:
+        """The norms of every watched gradient (``NormPlan``); a later backward in the step
+        replaces them."""
+        entries = [e for e in self._current.entries if e.kind != "grads"]
+        grads = [p.grad for _, p in self._params]
+        if self._replaced_params(grads):
+            self._replan_params()
+            grads = [p.grad for _, p in self._params]
+        for _, keys, norms in self._grad_norms(grads):
+            entries.append(Entry("grads", norms, keys=keys))
+        self._current.entries = entries
+        if self._optimizer is None:  # to tell, at a skip, whether an update came since
+            present = (p for g, (_, p) in zip(grads, self._params, strict=True) if g is not None)
+            self._probe = [(p, p._version) for p in itertools.islice(present, PROBED)]
+
+    def _add_state_checks(self, step: StepRecord) -> None:
+        """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
+        if self._state_params and not self._on_meta:
+            for _, keys, norms in self._param_norms(self._state_params):
+                step.entries.append(Entry("params", norms, keys=keys))
+        for _, group in by_device(self._bn_modules, lambda item: item[1].running_var).items():
+            step.entries.append(
+                Entry(
+                    "batchnorm",
+                    checks.batchnorm_stats([m for _, m in group]),
+                    keys=[n for n, _ in group],
+                )
+            )
+
+
+def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
+    """``skip_types`` spares pass-through modules' tensors, never parameters or their grads."""
+    if where == "param-gradient":
+        return "gradient" in rule["where"]
+    if where not in rule["where"]:
+        return False
+    return where in ("param", "loss") or type(module).__name__ not in rule["skip_types"]
+
+
+def _watches_params(info: ParamInfo, rules: list[Rule]) -> bool:
+    return any(
+        r.name in info.rules and r.check == "nonfinite" and "param" in r["where"] for r in rules
+    )
