@@ -11,8 +11,7 @@ from typing import Any
 
 from breakpod._core import events
 from breakpod._core.announce import announce
-from breakpod._debug import shim
-from breakpod._job import watchdog
+from breakpod._job import boundary
 from breakpod._monitor import checks
 from breakpod._monitor.anomaly import Anomaly
 from breakpod._monitor.anomaly import user_frame as _user_frame
@@ -79,8 +78,7 @@ class StepPipeline(ModuleHooks):
                 self._end_step(loss, frame)
             elif loss is not None:
                 self.record_loss(loss)
-        watchdog.boundary(self.step_count, frame)
-        shim.take_break(frame)  # `breakpod send ID break`: one flag check per step
+        boundary.boundary(self.step_count, frame)  # `breakpod send ID break` parks here
 
     def _handles_steps(self) -> bool:
         return self._optimizer is None
@@ -90,8 +88,7 @@ class StepPipeline(ModuleHooks):
         frame = _user_frame(sys._getframe())
         self._end_step(None, frame)
         self._updated = True
-        watchdog.boundary(self.step_count, frame, now=True)
-        shim.take_break(frame, now=True)  # `breakpod send ID break`: before the update
+        boundary.boundary(self.step_count, frame, now=True)  # a `break`: before the update
 
     def _end_step(self, loss: Any, frame: FrameType | None = None) -> None:
         if loss is not None:
