@@ -378,10 +378,10 @@ def test_wrong_tokens_delay_a_remote_guesser_longer_than_everyone_else():
 
 
 def test_the_nc_hint_takes_an_ipv6_address_apart():
-    from breakpod._debug.shim import _nc_args
+    from breakpod._debug.park import nc_args
 
-    assert _nc_args("[::1]:5678") == "::1 5678"  # was: "[  1] 5678"
-    assert _nc_args("127.0.0.1:5678") == "127.0.0.1 5678"
+    assert nc_args("[::1]:5678") == "::1 5678"  # was: "[  1] 5678"
+    assert nc_args("127.0.0.1:5678") == "127.0.0.1 5678"
 
 
 def _raised_through(module: str, filename: str) -> BaseException:
@@ -409,7 +409,7 @@ def test_the_jobs_exception_is_told_apart_by_module_not_by_folder():
     for breakpod's own and swallowed."""
     import sysconfig
 
-    from breakpod._debug.shim import raised_elsewhere
+    from breakpod._debug.breakpoints import raised_elsewhere
 
     stdlib = sysconfig.get_paths()["stdlib"]
     installed = f"{stdlib}/site-packages/jobpkg/signals.py"

@@ -170,10 +170,10 @@ def test_a_broker_break_parks_in_the_training_loop_not_in_torch(spawn, pdb_clien
 
 def test_the_break_frame_skips_torch_and_breakpod_frames(monkeypatch):
     from breakpod._broker import emitter
-    from breakpod._debug import shim
+    from breakpod._debug import breakpoints
 
     parked = []
-    monkeypatch.setattr(shim, "hold", lambda frame, header: parked.append(frame))
+    monkeypatch.setattr(breakpoints, "hold", lambda frame, header: parked.append(frame))
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     monitor = breakpod.watch(model, optimizer=optimizer)

@@ -157,7 +157,7 @@ def test_inactive_plugin_loads_no_debugger_code(run_pytest):
         "\ndef test_probe():\n"
         "    import sys\n"
         "    loaded = {\n"
-        "        'breakpod._debug.shim',\n"
+        "        'breakpod._debug.breakpoints',\n"
         "        'breakpod._debug.debugger',\n"
         "        'breakpod._debug.listener',\n"
         "    }\n"

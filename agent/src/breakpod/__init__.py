@@ -34,9 +34,9 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (start-up
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "set_trace": "breakpod._debug.shim",
-    "post_mortem": "breakpod._debug.shim",
-    "install_excepthook": "breakpod._debug.shim",
+    "set_trace": "breakpod._debug.breakpoints",
+    "post_mortem": "breakpod._debug.breakpoints",
+    "install_excepthook": "breakpod._debug.breakpoints",
     "init_remote_debugger": "breakpod._api",
     "break_if_requested": "breakpod._job.boundary",
     "emit": "breakpod._core.events",
@@ -76,10 +76,10 @@ if TYPE_CHECKING:
     from breakpod._core.errors import ListenerError as ListenerError
     from breakpod._core.errors import RuleError as RuleError
     from breakpod._core.events import emit as emit
+    from breakpod._debug.breakpoints import install_excepthook as install_excepthook
+    from breakpod._debug.breakpoints import post_mortem as post_mortem
+    from breakpod._debug.breakpoints import set_trace as set_trace
     from breakpod._debug.debugger import Endpoint as Endpoint
-    from breakpod._debug.shim import install_excepthook as install_excepthook
-    from breakpod._debug.shim import post_mortem as post_mortem
-    from breakpod._debug.shim import set_trace as set_trace
     from breakpod._job.boundary import break_if_requested as break_if_requested
     from breakpod._job.boundary import heartbeat as heartbeat
     from breakpod._job.boundary import step as step

@@ -1,7 +1,7 @@
 """Public entry points that compose the layers below (``breakpod.<name>`` resolves here).
 
 Each layer stays ignorant of the ones above it; the composition lives here:
-a listener that should wait for a client parks through the shim.
+a listener that should wait for a client parks (``_debug/breakpoints.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from breakpod import protocol
 from breakpod._core.announce import announce
 from breakpod._core.config import Settings, enable_argument, format_seconds, port_argument
 from breakpod._core.errors import InsecureBindError
-from breakpod._debug import debugger, shim
+from breakpod._debug import breakpoints, debugger
 from breakpod._debug.debugger import Endpoint
 
 
@@ -44,7 +44,7 @@ def init_remote_debugger(
         port=port_argument(port), host=host, backend=backend, enabled=enable_argument(enable)
     )
     try:
-        endpoint = debugger.start_listener(settings, fallbacks, shim.set_trace)
+        endpoint = debugger.start_listener(settings, fallbacks, breakpoints.set_trace)
     except InsecureBindError as e:
         if host is not None:  # asked for in code: the caller hears it there
             raise
@@ -59,6 +59,6 @@ def init_remote_debugger(
 def _wait_for_client(endpoint: Endpoint, settings: Settings, frame: FrameType) -> None:
     if endpoint.backend == protocol.DEFAULT_LISTENER:
         reason = "init_remote_debugger(wait=True)"
-        shim.park(frame, settings, reason, hold_seconds=settings.wait_timeout)  # announces
+        breakpoints.park_here(frame, settings, reason, hold_seconds=settings.wait_timeout)
     elif not debugger.wait_for_debugpy_client(settings.wait_timeout):
         announce(f"nobody attached within {format_seconds(settings.wait_timeout)}; continuing")

@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 from breakpod import protocol
 from breakpod._core import events
-from breakpod._debug import debugger, shim
+from breakpod._debug import debugger, park
 from breakpod._debug.listener import Listener
-from breakpod._job import watchdog
+from breakpod._job import boundary, watchdog
 from breakpod._monitor.flight import table as flight_table
 
 Result = tuple[bool, str]
@@ -40,7 +40,7 @@ def run(name: str) -> Result:
 
 
 def do_break() -> Result:
-    return True, watchdog.request_break()
+    return True, boundary.request_break()
 
 
 def do_resume() -> Result:
@@ -51,10 +51,11 @@ def do_resume() -> Result:
         return False, "no debugger listener in this process: it is not parked"
     if listener.interrupt():
         return True, "stopped waiting for a debugger; the program continues"
+    attached = park.attached_now()  # read before the hang-up ends its session
     if not listener.disconnect():
         return False, "not parked: nothing to resume"
-    if shim.env_settings().on_detach == "wait":  # it waits for the next client: end that wait too
-        _interrupt_next_wait(listener)
+    if attached is not None and attached.on_detach == "wait":  # it waits for the next client:
+        _interrupt_next_wait(listener)  # end that wait too
     return True, "hung up on the attached debugger; the program continues"
 
 

@@ -30,7 +30,7 @@ from breakpod._core.config import (
     token_value,
 )
 from breakpod._core.errors import BreakpodError, BrokerError
-from breakpod._debug import debugger, shim
+from breakpod._debug import breakpoints, debugger
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 DEBUGPY = "debugpy"  # not protocol: the package (and its check), not the listener kind
@@ -60,7 +60,8 @@ class Context:
 
 def diagnose(environ: Mapping[str, str] | None = None, *, tty: bool | None = None) -> list[Check]:
     ctx = Context(
-        os.environ if environ is None else environ, shim.stdin_is_tty() if tty is None else tty
+        os.environ if environ is None else environ,
+        breakpoints.stdin_is_tty() if tty is None else tty,
     )
     return [check for run_check in CHECKS for check in run_check(ctx)]
 
@@ -109,7 +110,7 @@ JOB_FLAGS = (
 
 def check_tty(ctx: Context) -> Iterator[Check]:
     s = ctx.settings
-    if shim.use_local_pdb(s, tty=ctx.tty):
+    if breakpoints.use_local_pdb(s, tty=ctx.tty):
         yield Check("stdin", OK, "a TTY: breakpoint() opens pdb on this terminal")
         return
     why = "a TTY, but ENABLE_REMOTE_DEBUG=1" if ctx.tty else "not a TTY (headless)"

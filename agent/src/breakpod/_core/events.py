@@ -1,4 +1,4 @@
-"""In-process event hub: the debugger, shim and monitors publish; sinks consume.
+"""In-process event hub: parks, listeners and monitors publish; sinks consume.
 
 A sink is any callable taking an :class:`Event` (the broker emitter is one).
 Publishing with no sinks costs one empty-list check. A sink that raises is

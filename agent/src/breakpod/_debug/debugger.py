@@ -3,7 +3,7 @@
 State is process-wide and created on first use, so calling
 ``init_remote_debugger()`` twice, or ``breakpoint()`` after it, reuses the
 same port. Nothing here runs, imports debugpy or binds anything until asked.
-Parking is a layer above (``shim``); :func:`start_listener` takes the
+Parking is a layer above (``park``, ``breakpoints``); :func:`start_listener` takes the
 ``breakpoint()`` hook it installs beside debugpy as an argument.
 """
 

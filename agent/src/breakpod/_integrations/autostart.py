@@ -100,10 +100,10 @@ def _lazy_hook(exc_type: type[BaseException], exc: BaseException, tb: TracebackT
         # point can reset CPython's "exit by SIGINT" flag (status 130).
         _previous(exc_type, exc, tb)
         return
-    from breakpod._debug import shim
+    from breakpod._debug import breakpoints
 
     sys.excepthook = _previous
-    shim.install_excepthook()
+    breakpoints.install_excepthook()
     sys.excepthook(exc_type, exc, tb)
 
 

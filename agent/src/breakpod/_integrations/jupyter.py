@@ -82,7 +82,7 @@ def debug(ipython: Any, args: list[str]) -> None:
     if tb is None:
         print("%breakpod debug: no exception yet (run it after a cell failed)", file=sys.stderr)
         return
-    from breakpod._debug.shim import post_mortem
+    from breakpod._debug.breakpoints import post_mortem
 
     with _announcements_in_cell():
         post_mortem(tb)

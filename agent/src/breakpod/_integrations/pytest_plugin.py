@@ -118,9 +118,9 @@ class FailureHold:
         """Without a terminal, pytest's own pdb quits at ``breakpoint()`` (BdbQuit: the
         test fails, nothing parks): a ``breakpoint()`` in a test parks as in a job.
         (After pytest's debugging plugin has set its hook; PYTHONBREAKPOINT wins.)"""
-        from breakpod._debug import shim
+        from breakpod._debug import breakpoints
 
-        if os.environ.get("PYTHONBREAKPOINT") or shim.use_local_pdb(self.settings):
+        if os.environ.get("PYTHONBREAKPOINT") or breakpoints.use_local_pdb(self.settings):
             return
         capman = session.config.pluginmanager.getplugin("capturemanager")
         self._saved_hook = sys.breakpointhook
@@ -159,25 +159,27 @@ class FailureHold:
         self.done = self.first or not attached
 
     def _hold(self, test: str, exc: BaseException) -> bool:
-        from breakpod._debug import shim
+        from breakpod._debug import breakpoints
 
         tb = _failing_traceback(exc.__traceback__)
         endpoint = self._listen()
         failure = self._failure(test, exc, tb, endpoint)
-        local = endpoint.backend == protocol.DEFAULT_LISTENER and shim.use_local_pdb(self.settings)
+        local = endpoint.backend == protocol.DEFAULT_LISTENER and breakpoints.use_local_pdb(
+            self.settings
+        )
         if not local:  # a terminal gets pdb right there, as with --pdb
             notice.show(failure, self.where)
         self._emit(failure)
         with _watch_attach() as attached, _traceback_swapped(exc, tb):
-            shim.post_mortem(exc, reason=f"{test} failed", hold_seconds=self.hold)
+            breakpoints.post_mortem(exc, reason=f"{test} failed", hold_seconds=self.hold)
         return attached.is_set() or local
 
     def _failure(
         self, test: str, exc: BaseException, tb: TracebackType | None, at: debugger.Endpoint
     ) -> notice.Failure:
-        from breakpod._debug import shim
+        from breakpod._debug import breakpoints
 
-        last = shim.innermost(tb) if tb is not None else None
+        last = breakpoints.innermost(tb) if tb is not None else None
         return notice.Failure(
             test=test,
             error=_one_line(exc),
@@ -222,12 +224,12 @@ class FailureHold:
 def _park_uncaptured(capman: Any, *args: Any, **kwargs: Any) -> None:
     """``breakpoint()`` in a test: park with pytest's capture suspended, so the park's
     line (the address to attach to) reaches the CI log while it waits."""
-    from breakpod._debug import shim
+    from breakpod._debug import breakpoints
 
     if capman is not None:
         capman.suspend_global_capture(in_=True)
     try:
-        shim.set_trace(*args, frame=sys._getframe(1), **kwargs)
+        breakpoints.set_trace(*args, frame=sys._getframe(1), **kwargs)
     finally:
         if capman is not None:
             capman.resume_global_capture()

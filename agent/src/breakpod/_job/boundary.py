@@ -27,7 +27,7 @@ from breakpod._core import events, holding, wiring
 from breakpod._core.announce import announce
 from breakpod._core.config import ENV
 from breakpod._core.errors import ConfigError
-from breakpod._debug import shim
+from breakpod._debug import breakpoints
 from breakpod._job import board as job
 from breakpod._job import collectives, stall_report
 from breakpod._job import pause as job_pause
@@ -95,9 +95,9 @@ def _take_break(frame: FrameType, *, now: bool = False) -> None:
 
 def _park(frame: FrameType, header: str, *, now: bool) -> None:
     if now:
-        shim.hold(frame, header)
+        breakpoints.hold(frame, header)
     else:
-        shim.set_trace(frame=frame, header=header)
+        breakpoints.set_trace(frame=frame, header=header)
 
 
 def _step(number: int | None, frame: FrameType, *, now: bool = False) -> None:

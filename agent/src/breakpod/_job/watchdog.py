@@ -40,8 +40,7 @@ from breakpod import protocol
 from breakpod._core import events, holding, wiring
 from breakpod._core.announce import announce
 from breakpod._core.errors import ConfigError
-from breakpod._debug import shim
-from breakpod._debug.remote_pdb import inspect_remote
+from breakpod._debug import breakpoints
 from breakpod._job import board as job
 from breakpod._job import collectives, stall_report, thread_stacks
 from breakpod._job import pause as job_pause
@@ -395,11 +394,7 @@ def format_stacks() -> str:
 
 
 def _inspect(frame: FrameType, step: int | None) -> None:
-    reason = f"stall at step {step}: main thread at {shim.where(frame)}"
-    settings = shim.env_settings()
-    session = shim.open_session(settings, reason, settings.hold_seconds)
-    if session is not None:
-        inspect_remote(session, frame, quit_mode="detach")  # not protocol: a pdb quit mode
+    breakpoints.inspect(frame, f"stall at step {step}: main thread at {breakpoints.where(frame)}")
 
 
 def _exit_like_torch() -> None:

@@ -14,7 +14,7 @@ import sys
 from types import CodeType
 from typing import Any
 
-from breakpod._debug import shim
+from breakpod._debug import breakpoints
 
 _folded: dict[tuple[CodeType, int], list[Any]] = {}  # call site -> [calls, device flag]
 
@@ -44,5 +44,5 @@ def _holds(cond: Any) -> bool:
 
 def _park(frame: Any, header: str | None) -> bool:
     where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
-    shim.set_trace(frame=frame, header=header or f"break_if at {where}: the condition held")
+    breakpoints.set_trace(frame=frame, header=header or f"break_if at {where}: the condition held")
     return True

@@ -1,4 +1,15 @@
-"""``breakpoint()`` that parks instead of dying, and post-mortem on crashes.
+"""``breakpoint()`` that parks instead of dying, post-mortem on crashes, and the other
+ways into a debugger: which debugger serves each (the park itself: ``park.py``).
+
+The verbs (each builds the settings once, from the environment, and hands them down):
+
+    set_trace(frame=, header=)   breakpoint(): stop at the caller's next line
+    hold(frame, reason)          hold the process now, showing ``frame`` (an anomaly, a
+                                 ``break`` inside the optimizer's step)
+    inspect(frame, reason)       look at another thread's frame; nothing stops (a stall)
+    park_here(frame, ...)        the remote pdb at ``frame`` with given settings
+                                 (``init_remote_debugger(wait=True)``)
+    post_mortem(tb), install_excepthook()
 
 Routing of :func:`set_trace` (``PYTHONBREAKPOINT=breakpod.set_trace``):
 
@@ -24,23 +35,13 @@ import sys
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
-from breakpod import protocol
-from breakpod._core import events, holding, net, wiring
 from breakpod._core.announce import announce
-from breakpod._core.config import ENV, Settings, format_seconds
+from breakpod._core.config import ENV, Settings
 from breakpod._core.errors import AnomalyError
-from breakpod._debug import debugger
+from breakpod._debug import debugger, park, remote_pdb
 from breakpod._debug.pdb_commands import CommandsMixin, focus, is_library
 from breakpod._debug.registry import load_commands
-from breakpod._debug.remote_pdb import (
-    SKIP,
-    RemoteSession,
-    hold_until,
-    inspect_remote,
-    post_mortem_remote,
-    set_trace_remote,
-    still_attached,
-)
+from breakpod._debug.remote_pdb import SKIP, still_attached
 
 log = logging.getLogger(__name__)
 
@@ -91,24 +92,24 @@ def set_trace(
 
 def _prepare(frame: FrameType, header: str | None) -> Start | None:
     reason = header or f"breakpoint() at {where(frame)}"
+    settings = settings_from_env()
     if debugger.debugpy_endpoint() is not None:
-        return _prepare_debugpy(frame, reason)
-    settings = env_settings()
+        return _prepare_debugpy(frame, reason, settings)
     if use_local_pdb(settings):
         return lambda: LocalPdb().set_trace(frame)
     serves = debugpy_serves(settings)
     if serves is None:
         return None
     if serves:
-        return _prepare_debugpy(frame, reason)
+        return _prepare_debugpy(frame, reason, settings)
     attached = still_attached()
     if attached is not None:  # the engineer continued with breakpoints set: theirs
         attached.message(f"breakpod: {reason}")
         return lambda: _trace_again(attached, frame)
-    session = open_session(settings, reason, settings.hold_seconds)
-    if session is None:
+    parked = park.open_pdb(settings, reason, settings.hold_seconds)
+    if parked is None:
         return None
-    return lambda: set_trace_remote(session, frame, quit_mode=settings.quit_mode)
+    return lambda: remote_pdb.trace(parked, frame, quit_mode=settings.quit_mode)
 
 
 def _trace_again(debugger: CommandsMixin, frame: FrameType) -> None:
@@ -124,19 +125,19 @@ def hold(frame: FrameType, header: str) -> bool:
     Returns False when nobody attached in time or no debugger could start.
     """
     try:
-        settings = env_settings()
+        settings = settings_from_env()
         serves: bool | None = debugger.debugpy_endpoint() is not None
         if not serves and not use_local_pdb(settings):
             serves = debugpy_serves(settings)
             if serves is None:
                 return False
         if serves:
-            if not _wait_for_dap_client(header, settings.hold_seconds):
+            if park.open_dap(header, settings.hold_seconds) is None:
                 return False
             debugger.debugpy_stop_at(frame)  # a DAP client stops at the caller's next line
             return True
         with focus(frame):
-            return _hold_pdb(settings, header)
+            return _hold_in_pdb(settings, header)
     except Exception as e:  # the training job outlives any breakpod failure
         if raised_elsewhere(e):
             raise
@@ -165,27 +166,36 @@ def raised_elsewhere(error: BaseException) -> bool:
     return False
 
 
-def _hold_pdb(settings: Settings, reason: str) -> bool:
+def _hold_in_pdb(settings: Settings, reason: str) -> bool:
     here = sys._getframe(2)  # the park's caller: `where all` shows every frame down to it
     if use_local_pdb(settings):
         local = LocalPdb()
         local.reset()
         local.interaction(here, None)
         return True
-    session = open_session(settings, reason, settings.hold_seconds)
-    if session is None:
+    parked = park.open_pdb(settings, reason, settings.hold_seconds)
+    if parked is None:
         return False
-    inspect_remote(session, here, quit_mode=settings.quit_mode)
+    remote_pdb.inspect(parked, here, quit_mode=settings.quit_mode)
     return True
 
 
-def park(frame: FrameType, settings: Settings, reason: str, *, hold_seconds: float) -> bool:
+def park_here(frame: FrameType, settings: Settings, reason: str, *, hold_seconds: float) -> bool:
     """Park in a remote pdb at ``frame`` now; False when nobody attached in time."""
-    session = open_session(settings, reason, hold_seconds)
-    if session is None:
+    parked = park.open_pdb(settings, reason, hold_seconds)
+    if parked is None:
         return False
-    set_trace_remote(session, frame, quit_mode=settings.quit_mode)
+    remote_pdb.trace(parked, frame, quit_mode=settings.quit_mode)
     return True
+
+
+def inspect(frame: FrameType, reason: str) -> None:
+    """Show ``frame`` (another thread's: a stalled main thread) in a remote pdb; nothing
+    stops, and ``q`` detaches whatever the settings say."""
+    settings = settings_from_env()
+    parked = park.open_pdb(settings, reason, settings.hold_seconds)
+    if parked is not None:
+        remote_pdb.inspect(parked, frame, quit_mode="detach")  # not protocol: a pdb quit mode
 
 
 def debugpy_serves(settings: Settings) -> bool | None:
@@ -208,81 +218,10 @@ def debugpy_serves(settings: Settings) -> bool | None:
     return debugger.start_listener(asked, [], set_trace) is not None or None
 
 
-def _prepare_debugpy(frame: FrameType, reason: str) -> Start | None:
-    if not _wait_for_dap_client(reason, env_settings().hold_seconds):
+def _prepare_debugpy(frame: FrameType, reason: str, settings: Settings) -> Start | None:
+    if park.open_dap(reason, settings.hold_seconds) is None:
         return None
     return lambda: debugger.debugpy_stop_at(frame)
-
-
-def _wait_for_dap_client(reason: str, hold: float) -> bool:
-    """Announce a debugpy park and wait up to ``hold``; the events match the pdb path."""
-    endpoint = debugger.debugpy_endpoint()
-    assert endpoint is not None
-    wiring.connect()
-    announce(
-        f"{reason}: waiting up to {format_seconds(hold)} for a DAP client on {endpoint.address}"
-    )
-    events.emit(
-        protocol.PARKED, backend=protocol.DAP_LISTENER, address=endpoint.address, reason=reason
-    )
-    holding.hold()
-    try:
-        attached = debugger.wait_for_debugpy_client(hold)
-    except BaseException as e:
-        _interrupted(endpoint.address, e)
-        raise
-    finally:
-        holding.release()
-    if not attached:
-        announce(f"nobody attached within {format_seconds(hold)}; continuing")
-        events.emit(protocol.RESUMED, address=endpoint.address, why="hold time passed")
-        return False
-    events.emit(protocol.ATTACHED, address=endpoint.address, reason=reason)
-    return True
-
-
-def open_session(
-    settings: Settings, reason: str, hold_seconds: float, then: str = "continuing"
-) -> RemoteSession | None:
-    """Announce the park and wait for a client; None when the hold time passed."""
-    listener = debugger.pdb_listener(settings)
-    session = RemoteSession(
-        listener, reason=reason, hold_seconds=hold_seconds, on_detach=settings.on_detach
-    )
-    address = listener.address
-    wiring.connect()  # reports the park to the broker when BREAKPOD_BROKER_URL is set
-    target = net.local_address(listener.host, listener.port)
-    announce(
-        f"{reason}: waiting up to {format_seconds(hold_seconds)} for a debugger on {address}; "
-        f"attach with: breakpod attach {target}  (or: nc {_nc_args(target)})"
-        + ("; a token is required: set BREAKPOD_LISTENER_TOKEN" if listener.requires_token else "")
-    )
-    until = hold_until(hold_seconds)
-    events.emit(
-        protocol.PARKED,
-        backend=protocol.DEFAULT_LISTENER,
-        address=address,
-        reason=reason,
-        **({protocol.HOLD_UNTIL_FIELD: until} if until is not None else {}),
-    )
-    try:
-        attached = session.wait()
-    except BaseException as e:
-        _interrupted(address, e)
-        raise
-    if attached:
-        return session
-    why = listener.interrupted or f"nobody attached within {format_seconds(hold_seconds)}"
-    announce(f"{why}; {then}")
-    events.emit(protocol.RESUMED, address=address, why=why)
-    return None
-
-
-def _interrupted(address: str, error: BaseException) -> None:
-    """A park's wait ended by an exception (a signal handler's, Ctrl-C): say so."""
-    why = f"interrupted by {type(error).__name__}"
-    announce(f"{why} while waiting for a debugger; the park ends")
-    events.emit(protocol.RESUMED, address=address, why=why)
 
 
 def post_mortem(
@@ -298,7 +237,7 @@ def post_mortem(
     exc, tb = _exc_and_tb(tb)
     if tb is None:
         raise ValueError("post_mortem() needs a traceback, or must run inside an except block")
-    settings = env_settings()
+    settings = settings_from_env()
     hold = settings.hold_seconds if hold_seconds is None else hold_seconds
     tb = user_traceback(tb)
     reason = reason or f"post-mortem at {where(innermost(tb).tb_frame)}"
@@ -309,9 +248,9 @@ def post_mortem(
         local.reset()
         local.interaction(None, tb)
     else:
-        session = open_session(settings, reason, hold, then)
-        if session is not None:
-            post_mortem_remote(session, tb, quit_mode=settings.quit_mode)
+        parked = park.open_pdb(settings, reason, hold, then)
+        if parked is not None:
+            remote_pdb.post_mortem(parked, tb, quit_mode=settings.quit_mode)
 
 
 def _exc_and_tb(
@@ -329,9 +268,10 @@ def _post_mortem_debugpy(
     exc: BaseException | None, tb: TracebackType, reason: str, hold: float
 ) -> None:
     """Show ``tb`` to a DAP client (as an unhandled exception), waiting up to ``hold``."""
-    if _wait_for_dap_client(reason, hold):
+    parked = park.open_dap(reason, hold)
+    if parked is not None:
         debugger.debugpy_post_mortem(exc, tb)
-        events.emit(protocol.DETACHED, why="post-mortem session over")
+        parked.detached("post-mortem session over", waits_again=False)
 
 
 def install_excepthook() -> None:
@@ -401,7 +341,7 @@ def innermost(tb: TracebackType) -> TracebackType:
     return tb
 
 
-def env_settings() -> Settings:
+def settings_from_env() -> Settings:
     """Environment settings; each bad value is announced on its own line. A bad
     ordinary value falls back alone; a bad security value leaves
     ``Settings.refused`` set, so no listener starts (never the defaults instead)."""
@@ -409,9 +349,3 @@ def env_settings() -> Settings:
     for line in problems:
         announce(line)
     return settings
-
-
-def _nc_args(target: str) -> str:
-    """``HOST PORT`` for nc, from ``HOST:PORT`` or ``[V6]:PORT``."""
-    host, _, port = target.rpartition(":")
-    return f"{host.strip('[]')} {port}"
