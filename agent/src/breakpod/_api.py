@@ -11,7 +11,7 @@ from types import FrameType
 
 from breakpod import protocol
 from breakpod._core.announce import announce
-from breakpod._core.config import Settings, enable_argument, format_seconds, port_argument
+from breakpod._core.config import Settings, format_seconds
 from breakpod._core.errors import InsecureBindError
 from breakpod._debug import breakpoints, debugger
 from breakpod._debug.debugger import Endpoint
@@ -40,8 +40,8 @@ def init_remote_debugger(
     token (pdb) or the opt-in (debugpy) such a bind needs; the same bind asked
     by ``BREAKPOD_HOST`` is announced instead, and no listener starts.
     """
-    settings, fallbacks = Settings.load(
-        port=port_argument(port), host=host, backend=backend, enabled=enable_argument(enable)
+    settings, fallbacks = Settings.for_listener(
+        port=port, host=host, backend=backend, enable=enable
     )
     try:
         endpoint = debugger.start_listener(settings, fallbacks, breakpoints.set_trace)

@@ -403,6 +403,20 @@ class Settings:
         return cls(**values), lines
 
     @classmethod
+    def for_listener(
+        cls,
+        *,
+        port: object = None,
+        host: str | None = None,
+        backend: str | None = None,
+        enable: object = None,
+    ) -> tuple[Settings, list[str]]:
+        """``init_remote_debugger()``'s arguments over the environment, as :meth:`load`
+        reads them; :class:`ConfigError` for a ``port`` or ``enable`` that is not one."""
+        port, enabled = port_argument(port), enable_argument(enable)
+        return cls.load(port=port, host=host, backend=backend, enabled=enabled)
+
+    @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Strict: read the environment, apply the non-``None`` overrides, and raise
         :class:`ConfigError` naming the first bad value."""

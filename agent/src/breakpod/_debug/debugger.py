@@ -76,18 +76,14 @@ class _State:
 os.register_at_fork(before=_State.note_fork, after_in_child=_State.forget_parent_listener)
 
 
-def pdb_listener(settings: Settings) -> Listener:
-    """The process's remote pdb listener, bound on first use; refused (ConfigError)
-    when a security setting is bad or missing."""
+def pdb_listener(settings: Settings, *, checked: bool = False) -> Listener:
+    """The process's remote pdb listener, bound on first use; refused (ConfigError,
+    InsecureBindError) when a security setting is bad or missing, unless the caller
+    ``checked`` them already (:func:`start_listener` does, once)."""
     with _State.lock:
         if _State.pdb is None:
-            _check_not_refused(settings)
-            net.check_bind(
-                settings.host,
-                backend=PDB,
-                token=settings.token,
-                allow_insecure=settings.allow_insecure,
-            )
+            if not checked:
+                check_bind(settings, PDB)
             _State.pdb = Listener(
                 settings.host,
                 settings.listen_port,
@@ -98,9 +94,13 @@ def pdb_listener(settings: Settings) -> Listener:
         return _State.pdb
 
 
-def _check_not_refused(settings: Settings) -> None:
+def check_bind(settings: Settings, backend: str) -> None:
+    """May ``backend`` listen where ``settings`` ask? Raises why not (the one check)."""
     if settings.refused:
         raise ConfigError(settings.refused)
+    net.check_bind(
+        settings.host, backend=backend, token=settings.token, allow_insecure=settings.allow_insecure
+    )
 
 
 def active_pdb_listener() -> Listener | None:
@@ -133,9 +133,7 @@ def start_listener(
     if chosen == DAP and token_policy(settings):  # never falls back: no listener starts
         announce(DEBUGPY_HAS_NO_TOKEN)
         return None
-    net.check_bind(
-        settings.host, backend=chosen, token=settings.token, allow_insecure=settings.allow_insecure
-    )
+    check_bind(settings, chosen)
     try:
         if chosen == DAP:
             return _start_debugpy(settings, breakpoint_hook)
@@ -168,7 +166,7 @@ def choose_backend(requested: str) -> str:
 
 
 def _start_pdb(settings: Settings) -> Endpoint:
-    listener = pdb_listener(settings)
+    listener = pdb_listener(settings, checked=True)
     endpoint = Endpoint(PDB, listener.host, listener.port)
     announce(
         f"remote pdb ready on {endpoint.address}: breakpoint() and crashes park here; "
@@ -181,7 +179,6 @@ def _start_debugpy(settings: Settings, breakpoint_hook: BreakpointHook) -> Endpo
     with _State.lock:
         if _State.debugpy is not None:
             return _State.debugpy
-        _check_not_refused(settings)
         os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # frozen-modules noise
         import debugpy
 
