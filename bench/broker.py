@@ -119,7 +119,7 @@ def raw_xadd(redis_url: str) -> float:
 
 
 def _agent(url: str, index: int, ready: Any, go: Any, done: Any) -> None:
-    from breakpod._broker.emitter import Emitter
+    from breakpod._link.emitter import Emitter
 
     emitter = Emitter(
         url,
@@ -162,8 +162,8 @@ def ingest(url: str) -> float:
 
 def latency(url: str) -> dict[str, float]:
     """Emit at RATE events/s for LATENCY_SECONDS; the SSE subscriber times each arrival."""
-    from breakpod._broker.client import BrokerClient
-    from breakpod._broker.emitter import Emitter
+    from breakpod._link.client import BrokerClient
+    from breakpod._link.emitter import Emitter
 
     total = RATE * LATENCY_SECONDS
     delays: list[float] = []

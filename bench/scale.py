@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 TOKENS = {"agent": "scale-agent-token", "viewer": "scale-viewer-token", "admin": "scale-admin-tok"}
-HEARTBEAT_SECONDS = 15.0  # the agent's (breakpod._broker.emitter.HEARTBEAT_SECONDS)
+HEARTBEAT_SECONDS = 15.0  # the agent's (breakpod._link.emitter.HEARTBEAT_SECONDS)
 POLL_SECONDS = 120.0  # a break row's long polls (BREAKPOD_MAX_POLL_SECONDS raised to match)
 REQUEST_TIMEOUT = POLL_SECONDS + 60
 PARKED_PER_SECOND = 250  # polls assumed parked per second before the send

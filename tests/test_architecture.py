@@ -104,15 +104,15 @@ AGENT_LAYERS = (
         *("breakpod.health._overlap", "breakpod.health._break_if"),
         independent=False,
     ),
-    grimp.Layer("breakpod._broker.link"),  # the broker link: emitter + command handling
     grimp.Layer(
-        *("breakpod._broker.commands", "breakpod._broker.emitter", "breakpod._broker.client"),
-        "breakpod._broker.exit_report",
+        *("breakpod._link.commands", "breakpod._link.emitter", "breakpod._link.client"),
+        "breakpod._link.exit_report",
         independent=False,
     ),
     # monitors: hooks and the step pipeline over pure rules, checks and detection
     grimp.Layer(
         *("breakpod._monitor.monitor", "breakpod._monitor.tensor_commands"),
+        "breakpod._monitor.sentinel",  # the sentinel tier: a NaN localized by replay
         # the monitor's parts: step pipeline > module hooks > shapes > parameters > reporting
         *("breakpod._monitor.pipeline", "breakpod._monitor.hooks", "breakpod._monitor.contracts"),
         *("breakpod._monitor.params", "breakpod._monitor.reporting", "breakpod._monitor.state"),
@@ -138,6 +138,7 @@ AGENT_LAYERS = (
     grimp.Layer(
         *(
             "breakpod._monitor.rules",
+            "breakpod._monitor.tiers",
             "breakpod._monitor.checks",
             "breakpod._monitor.norms",
             "breakpod._monitor.compiled",
@@ -342,7 +343,7 @@ def http_importers(root: Path) -> set[str]:
 
 
 def test_the_broker_client_is_the_only_http_code_in_the_agent(tmp_path: Path) -> None:
-    assert http_importers(AGENT_SRC) == {"breakpod/_broker/client.py"}
+    assert http_importers(AGENT_SRC) == {"breakpod/_link/client.py"}
     (tmp_path / "cli.py").write_text("from urllib import request\n")  # the scan can fail
     assert http_importers(tmp_path) == {f"{tmp_path.name}/cli.py"}
 
@@ -600,7 +601,7 @@ def test_the_named_protocol_constants_are_its_values() -> None:
 
 
 def test_the_agent_handles_every_command() -> None:
-    from breakpod._broker import commands as broker_commands
+    from breakpod._link import commands as broker_commands
 
     assert set(broker_commands.HANDLERS) == set(protocol.COMMANDS)
 

@@ -364,9 +364,9 @@ def _pty_session(fd: int, commands: list[str]) -> str:
 
 
 def test_wrong_tokens_delay_a_remote_guesser_longer_than_everyone_else():
-    from breakpod._core.throttle import FORGET_AFTER, OVERALL_CAP, Throttle
+    from breakpod._core.throttle import FORGET_AFTER, OVERALL_CAP, GuessThrottle
 
-    throttle = Throttle()
+    throttle = GuessThrottle()
     assert throttle.wait("203.0.113.5", 100.0) == 0  # no failure yet: judged at once
     for _ in range(10):
         throttle.failed("203.0.113.5", 100.0)

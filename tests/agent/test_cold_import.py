@@ -8,7 +8,7 @@ import json
 # Loaded only for a broker (the emitter, its HTTP client, who this process is,
 # which container runtime hosts it) or for a job of several ranks.
 NOT_FOR_A_PARK = (
-    "breakpod._broker",
+    "breakpod._link",
     "breakpod._core.identity",
     "breakpod._core.hosting",
     "breakpod._core.notice",
@@ -46,4 +46,4 @@ def test_with_a_broker_configured_the_park_starts_the_link(spawn):
     """The other side: the same park does load the link when a broker is set (so the
     test above can tell), and the job still continues with the broker unreachable."""
     modules = loaded_after_a_park(spawn, BREAKPOD_BROKER_URL="http://127.0.0.1:9")
-    assert "breakpod._broker.emitter" in modules and "breakpod._core.identity" in modules
+    assert "breakpod._link.emitter" in modules and "breakpod._core.identity" in modules

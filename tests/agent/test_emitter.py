@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from breakpod._broker import emitter
-from breakpod._broker.emitter import Emitter, _encode
 from breakpod._core import identity
+from breakpod._link import emitter
+from breakpod._link.emitter import Emitter, _encode
 
 DEAD_URL = "http://127.0.0.1:9"  # discard port: nothing listens
 
@@ -20,8 +20,8 @@ def test_without_a_broker_url_nothing_starts(spawn):
         """
         import sys, threading
         import breakpod
-        assert "breakpod._broker.emitter" not in sys.modules and "http.client" not in sys.modules
-        from breakpod._broker import emitter
+        assert "breakpod._link.emitter" not in sys.modules and "http.client" not in sys.modules
+        from breakpod._link import emitter
         assert emitter.ensure_started() is None and not emitter.pending_break()
         print(threading.active_count())
         """
@@ -33,7 +33,7 @@ def test_without_a_broker_url_nothing_starts(spawn):
 def test_a_bad_broker_url_is_announced_once_and_the_program_runs_on(spawn):
     child = spawn(
         """
-        from breakpod._broker import emitter
+        from breakpod._link import emitter
         assert emitter.ensure_started() is None and emitter.ensure_started() is None
         print("ran")
         """,
@@ -124,7 +124,7 @@ def test_a_process_whose_broker_is_down_still_exits_promptly(spawn):
     child = spawn(
         """
         import time
-        from breakpod._broker import emitter
+        from breakpod._link import emitter
         from breakpod._core import events
         emitter.ensure_started()
         events.emit("anomaly", reason="nan")
@@ -139,11 +139,11 @@ def test_a_process_whose_broker_is_down_still_exits_promptly(spawn):
 
 
 def test_a_token_read_from_a_file_keeps_working_and_a_garbled_one_is_refused():
-    from breakpod._broker.client import BrokerClient
-    from breakpod._core.errors import BrokerError
+    from breakpod._core.errors import BrokerRequestError
+    from breakpod._link.client import BrokerClient
 
     assert BrokerClient("http://127.0.0.1:9", "s3cret\n").token == "s3cret"
-    with pytest.raises(BrokerError, match="control characters"):
+    with pytest.raises(BrokerRequestError, match="control characters"):
         BrokerClient("http://127.0.0.1:9", "s3c\x00ret")
 
 
@@ -221,7 +221,7 @@ def test_delivery_resumes_within_seconds_after_a_broker_outage(start_broker):
 
 EMITS_UNTIL_GO = """
     import os, socket, sys, time
-    from breakpod._broker import emitter
+    from breakpod._link import emitter
     from breakpod._core import events
     emitter.ensure_started()
     n = 0
@@ -318,7 +318,7 @@ def test_a_queue_size_below_one_is_refused_and_said_once(spawn, size):
     """BREAKPOD_EMIT_QUEUE=0 became a queue of 1 without a word."""
     child = spawn(
         """
-        from breakpod._broker import emitter
+        from breakpod._link import emitter
         assert emitter.ensure_started() is None and emitter.ensure_started() is None
         print("ran")
         """,

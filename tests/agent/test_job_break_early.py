@@ -16,7 +16,7 @@ EARLY_BREAK = """
 import datetime, json, os, sys, time
 import torch
 from torch.distributed import TCPStore
-from breakpod._broker import commands
+from breakpod._link import commands
 from breakpod._core import events, holding
 from breakpod._job import board, boundary
 board.CONNECT_SECONDS = 1.0  # an unreachable store fails fast (a loaded machine: 20 s to spare)
@@ -77,7 +77,7 @@ JOB_BREAK_AT_A_BOUNDARY = """
     import torch
     from torch.distributed import TCPStore
     import breakpod
-    from breakpod._broker import commands
+    from breakpod._link import commands
     from breakpod._core import events
     from breakpod._job import boundary
     from tests.agent.nets import Net, batch

@@ -31,7 +31,7 @@ BREAK_SCRIPT = """
 BROKER_BREAK_SCRIPT = """
     import torch
     import breakpod
-    from breakpod._broker import emitter
+    from breakpod._link import emitter
     from tests.agent.nets import Net, batch
 
     model = Net()
@@ -169,8 +169,8 @@ def test_a_broker_break_parks_in_the_training_loop_not_in_torch(spawn, pdb_clien
 
 
 def test_the_break_frame_skips_torch_and_breakpod_frames(monkeypatch):
-    from breakpod._broker import emitter
     from breakpod._debug import breakpoints
+    from breakpod._link import emitter
 
     parked = []
     monkeypatch.setattr(breakpoints, "hold", lambda frame, header: parked.append(frame))

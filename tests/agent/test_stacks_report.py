@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import threading
 
-from breakpod._broker import commands
 from breakpod._cli import stacks_report as report
 from breakpod._job import thread_stacks
 from breakpod._job.thread_stacks import Frame, Thread
+from breakpod._link import commands
 
 SITE = "/venv/lib/python3.11/site-packages/torch"
 TRAIN = Frame("main", "/app/train.py", 40)

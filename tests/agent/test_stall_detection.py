@@ -57,7 +57,7 @@ def test_a_break_re_arms_step_without_reading_the_environment_again(spawn):
     child = spawn(
         """
         import breakpod
-        from breakpod._broker import commands
+        from breakpod._link import commands
         for _ in range(3):
             commands.do_break()
             breakpod.step()  # parks; nobody attaches within the hold time

@@ -343,7 +343,7 @@ def test_the_broker_accepts_every_event_kind_the_agent_sends():
     import typing
 
     from breakpod import protocol
-    from breakpod._broker import emitter
+    from breakpod._link import emitter
     from breakpod_broker import models
 
     accepted = typing.get_args(models.EventIn.model_fields["kind"].annotation)

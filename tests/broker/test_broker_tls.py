@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from breakpod._broker.client import ENV_CA, BrokerClient
-from breakpod._core.errors import BrokerError
+from breakpod._core.errors import BrokerRequestError
+from breakpod._link.client import ENV_CA, BrokerClient
 from tests.brokerkit import AGENT, BrokerProcess, wait_until
 from tests.deploy.test_webhook_tls import OPENSSL, make_certs
 
@@ -34,7 +34,7 @@ def tls_broker(redis_url, tmp_path):
 def _whoami(url: str) -> object:
     try:
         return BrokerClient(url, AGENT, timeout=2).request("GET", "/v1/whoami")
-    except BrokerError as e:
+    except BrokerRequestError as e:
         return e
 
 
@@ -51,7 +51,7 @@ def test_agents_verify_the_broker_with_its_ca(tls_broker, monkeypatch) -> None:
     assert isinstance(_whoami(broker.url), dict)
     monkeypatch.delenv(ENV_CA)  # the system's CAs do not know this one: refused
     refused = _whoami(broker.url)
-    assert isinstance(refused, BrokerError) and "CERTIFICATE_VERIFY_FAILED" in str(refused)
+    assert isinstance(refused, BrokerRequestError) and "CERTIFICATE_VERIFY_FAILED" in str(refused)
 
 
 @pytest.mark.parametrize("ca", ["/nonexistent/ca.pem", "-----BEGIN CERTIFICATE-----\nnot one\n"])
@@ -60,6 +60,6 @@ def test_a_ca_bundle_that_cannot_be_read_is_said_as_such(monkeypatch, ca) -> Non
     running?': the broker needs no start here, the bundle is what is wrong."""
     monkeypatch.setenv(ENV_CA, ca)
     refused = _whoami("https://localhost:9")
-    assert isinstance(refused, BrokerError), refused
+    assert isinstance(refused, BrokerRequestError), refused
     assert str(refused).startswith(f"{ENV_CA}=") and "cannot be read as a CA bundle" in str(refused)
     assert "is it running" not in str(refused)

@@ -25,7 +25,7 @@ SCRIPT = """
 LOOP = """
     import time
     import breakpod
-    from breakpod._broker import emitter
+    from breakpod._link import emitter
     from breakpod._core import events
     seen = []
     events.add_sink(lambda event: seen.append(event.kind))

@@ -82,7 +82,7 @@ def test_a_cursor_that_is_not_one_is_refused_in_one_line(broker, cursor):
 
 
 def test_the_cli_pages_through_every_session_the_broker_selects(broker):
-    from breakpod._broker.client import BrokerClient
+    from breakpod._link.client import BrokerClient
 
     register_many(broker, [f"j{i}" for i in range(12)], job="big")
     register_many(broker, ["other"], job="small")

@@ -7,7 +7,7 @@ import time
 import pytest
 import redis
 
-from breakpod._broker.emitter import Emitter
+from breakpod._link.emitter import Emitter
 from tests.brokerkit import AGENT, VIEWER, register, wait_until
 
 # one beat per second for all sessions together: 30 sessions -> one beat per 30 s each

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from breakpod._broker.emitter import Emitter
+from breakpod._link.emitter import Emitter
 from breakpod_broker.redis_server import EmbeddedRedis, free_port
 from tests.brokerkit import AGENT, VIEWER, post_events, register, wait_until
 

@@ -18,7 +18,7 @@ from tests.conftest import PdbClient
 
 EXITS_3 = """
     import sys
-    from breakpod._broker import emitter
+    from breakpod._link import emitter
     emitter.ensure_started()
     sys.exit(3)
 """
@@ -47,7 +47,7 @@ def test_a_program_s_own_sigterm_handler_is_left_alone(broker, spawn):
         """
         import signal, sys, time
         signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))
-        from breakpod._broker import emitter
+        from breakpod._link import emitter
         emitter.ensure_started()
         print("ready", flush=True)
         time.sleep(30)

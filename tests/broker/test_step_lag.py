@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from breakpod._broker.client import BrokerClient
+from breakpod._link.client import BrokerClient
 from tests.broker.test_flow import agent_env, cli
 from tests.brokerkit import AGENT, VIEWER, register, wait_until
 
@@ -41,7 +41,7 @@ def test_a_heartbeat_stores_the_last_step_and_one_without_keeps_it(broker):
 LOOP = """
     import time
     import breakpod
-    from breakpod._broker import emitter
+    from breakpod._link import emitter
     emitter.ensure_started()
     for step in range(100000):
         time.sleep(0.005)

@@ -12,7 +12,7 @@ from tests.brokerkit import ADMIN, AGENT, VIEWER, wait_until
 LOOP = """
     import time
     import breakpod
-    from breakpod._broker import emitter
+    from breakpod._link import emitter
     from breakpod._core import events
     seen = []
     events.add_sink(lambda event: seen.append(event.kind))

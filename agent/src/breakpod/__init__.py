@@ -107,9 +107,9 @@ def _connect_broker() -> Any:
         boundary.hear_parks()  # a park here pauses the job's other ranks
     if not os.environ.get(BROKER_URL_ENV):
         return None
-    from breakpod._broker import link as reporting
+    from breakpod._link import emitter
 
-    return reporting.connect()
+    return emitter.connect()
 
 
 def _tensor_commands() -> None:

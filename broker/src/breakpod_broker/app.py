@@ -214,7 +214,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         log.info("Redis refused %s %s: %s", request.method, request.url.path, exc)
         return JSONResponse({"detail": f"Redis refused the request: {exc}"}, 400)
 
-    quiet = Throttle(REDIS_ERROR_LOG_SECONDS)
+    quiet = LogThrottle(REDIS_ERROR_LOG_SECONDS)
 
     async def redis_down(request: Request, exc: Exception) -> JSONResponse:
         if (more := quiet.due()) is not None:  # under overload, one line per period
@@ -229,7 +229,7 @@ def _add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(redis.exceptions.RedisError, redis_down)
 
 
-class Throttle:
+class LogThrottle:
     """``due()``: the number of calls it swallowed since the last time it said yes, once
     per ``seconds``; None in between."""
 

@@ -6,6 +6,10 @@
 
 HTTP errors are FastAPI ``HTTPException``s raised at the route boundary;
 these classes are for the process around the app (settings, CLI, Redis).
+
+Each name means one thing across both distributions: ``ConfigError`` is a value
+its process cannot use in the agent too; a request to this broker that failed is
+the agent's ``BrokerRequestError``, never a ``BrokerError``.
 """
 
 from __future__ import annotations

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from breakpod import protocol
-from breakpod._broker.client import ENV_TOKEN, ENV_URL, BrokerClient
 from breakpod._cli import stacks_report
 from breakpod._core import net
 from breakpod._core.config import token_value
-from breakpod._core.errors import AttachError, BrokerError
+from breakpod._core.errors import AttachError, BrokerRequestError
+from breakpod._link.client import ENV_TOKEN, ENV_URL, BrokerClient
 from breakpod._monitor.flight import table as flight_table
 
 PORT_FORWARD_TIMEOUT = 15.0
@@ -35,7 +35,7 @@ def add_broker_flags(p: argparse.ArgumentParser) -> None:
 def client(args: argparse.Namespace) -> BrokerClient:
     url = getattr(args, "broker", None) or os.environ.get(ENV_URL)
     if not url:
-        raise BrokerError(f"no broker given: pass --broker URL or set {ENV_URL}")
+        raise BrokerRequestError(f"no broker given: pass --broker URL or set {ENV_URL}")
     return BrokerClient(url, args.broker_token or token_value(ENV_TOKEN))
 
 
@@ -128,11 +128,11 @@ def job_sessions(sessions: list[dict[str, Any]], target: str) -> list[dict[str, 
     if not live:
         jobs = sorted({s["job"] for s in sessions if s.get("job")})
         if target in jobs:  # known, but none of its ranks runs
-            raise BrokerError(
+            raise BrokerRequestError(
                 f"job {target!r} has no running rank (its sessions are finished or lost): "
                 f"see breakpod sessions --job {target}"
             )
-        raise BrokerError(
+        raise BrokerRequestError(
             f"no session or running job {target!r}; jobs the broker knows: {', '.join(jobs) or '-'}"
         )
     return sorted(live, key=lambda s: s.get("rank") or 0)
@@ -259,7 +259,7 @@ def job_events(
     (a session that joins the job later is picked up at its first event)."""
     ids = {s["id"] for s in broker.sessions(job=job) if s.get("job") == job}
     if not ids and not args.follow:
-        raise BrokerError(f"no session of job {job!r} at the broker (see breakpod sessions)")
+        raise BrokerRequestError(f"no session of job {job!r} at the broker (see breakpod sessions)")
     if args.follow:
         return _follow_job(broker, job, ids, args.kind)
     found = [
@@ -343,14 +343,14 @@ def _job_ranks(broker: BrokerClient, job: str) -> list[dict[str, Any]]:
     the error names the jobs the whole listing knows."""
     try:
         return job_sessions(broker.sessions(job=job), job)
-    except BrokerError:
+    except BrokerRequestError:
         return job_sessions(broker.sessions(), job)
 
 
 def _is_session(broker: BrokerClient, target: str) -> bool:
     try:
         broker.session(target)
-    except BrokerError:
+    except BrokerRequestError:
         return False
     return True
 
@@ -364,12 +364,12 @@ def rank_session(sessions: list[dict[str, Any]], job: str, rank: int) -> str:
     ranked = sorted(s["rank"] for s in ranks if s.get("rank") is not None)
     if not ranked:
         ids = ", ".join(s["id"] for s in ranks)
-        raise BrokerError(
+        raise BrokerRequestError(
             f"job {job!r} has no ranks (its processes set no RANK): attach without --rank, "
             f"by the job or by session id ({ids})"
         )
     known = ", ".join(map(str, ranked))
-    raise BrokerError(f"job {job!r} has no rank {rank}; its ranks: {known}")
+    raise BrokerRequestError(f"job {job!r} has no rank {rank}; its ranks: {known}")
 
 
 def resolve_attach_target(sessions: list[dict[str, Any]], target: str) -> str:

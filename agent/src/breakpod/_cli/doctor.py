@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from breakpod import protocol
-from breakpod._broker.client import BrokerClient
 from breakpod._core import hosting, net
 from breakpod._core.config import (
     AGENT_TOKEN_ENV,
@@ -29,8 +28,9 @@ from breakpod._core.config import (
     parse_bool,
     token_value,
 )
-from breakpod._core.errors import BreakpodError, BrokerError
+from breakpod._core.errors import BreakpodError, BrokerRequestError
 from breakpod._debug import breakpoints, debugger
+from breakpod._link.client import BrokerClient
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
 DEBUGPY = "debugpy"  # not protocol: the package (and its check), not the listener kind
@@ -324,7 +324,7 @@ def _call(
             call(client)
         finally:
             client.close()
-    except BrokerError as e:
+    except BrokerRequestError as e:
         return e.status, f"HTTP {e.status}" if e.status is not None else str(e)
     return 200, "HTTP 200"
 

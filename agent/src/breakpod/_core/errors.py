@@ -1,4 +1,5 @@
-"""Errors raised by breakpod.
+"""Errors raised by breakpod (the broker's own, ``breakpod_broker.errors``, name other
+things: each name means one thing across both distributions).
 
     BreakpodError
     ├── ConfigError            a setting or argument has a value breakpod cannot use
@@ -6,7 +7,7 @@
     │   └── RuleError          a monitor rule is invalid (names the rule and the field)
     ├── ListenerError          a listener could not be started or reached
     │   └── AttachError        the CLI could not attach to a listener
-    ├── BrokerError            the broker could not be reached or refused a request
+    ├── BrokerRequestError     a request to the broker failed: unreachable, or refused
     └── AnomalyError           a monitor rule with ``action: stop`` fired
 
 Inside the training process breakpod never lets these escape from a
@@ -39,7 +40,7 @@ class AttachError(ListenerError):
     """The CLI could not attach to a listener."""
 
 
-class BrokerError(BreakpodError):
+class BrokerRequestError(BreakpodError):
     """The broker could not be reached, or refused a request (``status`` says how)."""
 
     def __init__(self, message: str, status: int | None = None) -> None:

@@ -46,7 +46,7 @@ class Backoff:
         self.failures, self.last = self.failures + 1, now
 
 
-class Throttle:
+class GuessThrottle:
     """The overall counter plus one per remote (non-loopback) peer."""
 
     def __init__(self) -> None:

@@ -30,7 +30,7 @@ import time
 
 from breakpod._core import net
 from breakpod._core.config import LISTENER_TOKEN_ENV
-from breakpod._core.throttle import Throttle
+from breakpod._core.throttle import GuessThrottle
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class Listener:
         self._token = (
             token.encode() if token and (require_token or not net.is_loopback(host)) else None
         )
-        self._throttle = Throttle()
+        self._throttle = GuessThrottle()
         self._max_queued = _queue_limit()
         self._paused_until = 0.0  # accept() failed (out of files): the backlog waits
         self._pending: dict[socket.socket, _Handshake] = {}

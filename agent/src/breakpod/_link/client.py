@@ -3,7 +3,7 @@
 One method per route the agent and the CLI call, the paths from
 :mod:`breakpod.protocol`. One client holds one keep-alive connection and is not thread-safe: the
 emitter's sender and poller threads and the CLI each have their own.
-Failures become :class:`~breakpod._core.errors.BrokerError` with a message a
+Failures become :class:`~breakpod._core.errors.BrokerRequestError` with a message a
 person can act on.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from breakpod import protocol
 from breakpod._core.config import AGENT_TOKEN_ENV, BROKER_TOKEN_ENV, BROKER_URL_ENV
-from breakpod._core.errors import BrokerError
+from breakpod._core.errors import BrokerRequestError
 
 ENV_URL = BROKER_URL_ENV
 ENV_TOKEN = BROKER_TOKEN_ENV  # the CLI's; a job's agent reads AGENT_TOKEN_ENV
@@ -32,7 +32,7 @@ MAX_REPLY = 64 << 20  # bytes: the broker's largest page is far smaller; a strea
 
 class BrokerClient:
     def __init__(self, url: str, token: str | None, *, timeout: float = 10.0) -> None:
-        bad = BrokerError(f"broker URL {url!r} is not http(s)://HOST[:PORT]")
+        bad = BrokerRequestError(f"broker URL {url!r} is not http(s)://HOST[:PORT]")
         try:
             parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
             port = parts.port  # raises on a port that is no number or out of range
@@ -144,7 +144,7 @@ class BrokerClient:
                     raise self._unreachable(e) from e
         if len(payload) > MAX_REPLY:
             self.close()
-            raise BrokerError(
+            raise BrokerRequestError(
                 f"{self.url} sent a reply of more than {MAX_REPLY >> 20} MiB to {method} {path}: "
                 f"is it the breakpod broker? Check --broker or ${ENV_URL}"
             )
@@ -154,7 +154,7 @@ class BrokerClient:
         """``reply[key]`` (or the reply, a mapping), or an error naming who answered."""
         if isinstance(reply, dict) and (key is None or key in reply):
             return reply if key is None else reply[key]
-        raise BrokerError(
+        raise BrokerRequestError(
             f"{self.url} answered with something other than the breakpod broker's reply "
             f"({str(reply)[:80]!r}): check --broker or ${ENV_URL}"
         )
@@ -162,7 +162,7 @@ class BrokerClient:
     def stream(self, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
         """Server-Sent Events from ``path`` as (event kind, data), for good: when the
         broker ends a stream (its lifetime, a token re-check), it resumes where it
-        left off with ``Last-Event-ID``; a revoked token ends it with a BrokerError."""
+        left off with ``Last-Event-ID``; a revoked token ends it with a BrokerRequestError."""
         last_id: str | None = None
         resume = f"{path}{'&' if '?' in path else '?'}since={time.time():.3f}"  # none seen yet
         while True:
@@ -223,13 +223,13 @@ class BrokerClient:
             headers["Authorization"] = f"Bearer {self.token}"
         return headers
 
-    def _unreachable(self, e: BaseException) -> BrokerError:
+    def _unreachable(self, e: BaseException) -> BrokerRequestError:
         why = (
             "timed out"
             if isinstance(e, socket.timeout | TimeoutError)
             else str(e) or type(e).__name__
         )
-        return BrokerError(
+        return BrokerRequestError(
             f"cannot reach the broker at {self.url} ({why}): is it running? "
             f"Set --broker or ${ENV_URL}"
         )
@@ -241,14 +241,16 @@ class BrokerClient:
             body = payload.decode(errors="replace")[:200]
         if status < 300:
             return body
-        raise BrokerError(_explain(method, path, status, body, self.url), status)
+        raise BrokerRequestError(_explain(method, path, status, body, self.url), status)
 
 
 def _quoted(name: str) -> str:
     """A session id or job name as one path segment (``#``, ``?``, ``/`` and non-ASCII
     escaped); an empty one is refused here, not routed to some other path."""
     if not name:
-        raise BrokerError("an empty session id or job name: give one (see `breakpod sessions`)")
+        raise BrokerRequestError(
+            "an empty session id or job name: give one (see `breakpod sessions`)"
+        )
     return urllib.parse.quote(name, safe="")
 
 
@@ -309,7 +311,7 @@ def _tls_context(ca: str) -> ssl.SSLContext:
     except (OSError, ssl.SSLError) as e:  # said as itself, not as a broker that is down
         shown = "the PEM text" if ca.lstrip().startswith("-----BEGIN") else repr(ca)
         why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise BrokerError(
+        raise BrokerRequestError(
             f"{ENV_CA}={shown} cannot be read as a CA bundle ({why}): "
             "give the path of a PEM file, or the PEM text itself"
         ) from None
@@ -321,7 +323,7 @@ def _clean_token(token: str | None) -> str | None:
         return None
     token = token.strip()
     if not token.isprintable() or " " in token or not token.isascii():
-        raise BrokerError(
+        raise BrokerRequestError(
             "the broker token contains spaces, control characters or non-ASCII ones: check it"
         )
     return token or None

@@ -1,5 +1,9 @@
-"""Ships this process's events to the broker and hands the commands it sends back
-to a callback (``on_command``: the broker link passes ``broker_commands.run``).
+"""This process's link to the broker: the emitter ships the hub's events, and hands
+the commands the broker sends back to a callback (:func:`connect` passes
+:func:`breakpod._link.commands.run`, which knows what each command does).
+
+The layers below ask for the link through :func:`breakpod._core.wiring.connect`;
+the package's face installs :func:`connect` there, so none of them imports this.
 
 Enabled by ``BREAKPOD_BROKER_URL`` (token: ``BREAKPOD_AGENT_TOKEN``); without it
 nothing here runs: no thread, no sink, no socket. The training thread only
@@ -15,7 +19,8 @@ batch in flight keeps its room in the queue, so a batch whose outcome is
 unknown (a timeout; it may land late) goes back in front and is sent again
 (the broker drops the duplicate ids), never counted as dropped.
 
-    emitter.ensure_started()       # idempotent: the process's emitter, or None
+    emitter.connect()              # idempotent: the process's emitter, or None
+    emitter.ensure_started()       # the same, asked through the wiring slot
     breakpod.break_if_requested()  # at a step boundary: park here after a `break`
 """
 
@@ -33,13 +38,13 @@ from collections.abc import Callable
 from typing import Any
 
 from breakpod import protocol
-from breakpod._broker import exit_report
-from breakpod._broker.client import BrokerClient
 from breakpod._core import events, identity, wiring
 from breakpod._core.announce import announce
 from breakpod._core.config import AGENT_TOKEN_ENV, BROKER_URL_ENV, parse_int, token_value
-from breakpod._core.errors import BreakpodError, BrokerError, ConfigError
+from breakpod._core.errors import BreakpodError, BrokerRequestError, ConfigError
 from breakpod._core.events import pending_break, request_break
+from breakpod._link import commands, exit_report
+from breakpod._link.client import BrokerClient
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +65,17 @@ FINAL_SECONDS = 3.0  # the longest an exit waits for its final event (a slow bro
 
 # (ok, detail) for a command name; the detail goes back in the acknowledgement.
 CommandHandler = Callable[[str], tuple[bool, str]]
-__all__ = ["Emitter", "ensure_started", "pending_break", "request_break", "start_once"]
+__all__ = ["Emitter", "connect", "ensure_started", "pending_break", "request_break", "start_once"]
 
 _lock = threading.Lock()
 _emitter: Emitter | None = None
 _start_failed = False
+
+
+def connect() -> Emitter | None:
+    """Start reporting (idempotent), the broker's commands answered by
+    :mod:`breakpod._link.commands`; ``None`` when no broker is configured."""
+    return start_once(on_command=commands.run)
 
 
 def ensure_started() -> Emitter | None:
@@ -267,7 +278,7 @@ class Emitter:
             while self._send_batch():
                 pass
             return True
-        except BrokerError as e:
+        except BrokerRequestError as e:
             if e.status == 422 and not self._registered.is_set():  # retrying cannot help
                 announce(f"the broker refused this session, not reporting to it: {e}")
                 self._stop.set()
@@ -287,7 +298,7 @@ class Emitter:
                 reply = self._client.heartbeat(self.session_id, events.last_step())
             else:
                 return
-        except BrokerError as e:
+        except BrokerRequestError as e:
             if e.status == 404:
                 self._registered.clear()
             raise
@@ -303,7 +314,7 @@ class Emitter:
             return False
         try:
             self._client.post_events(body)
-        except BrokerError as e:
+        except BrokerRequestError as e:
             if e.status in (400, 403, 413, 422):  # retrying cannot help: drop, count, say so
                 self._settle(batch, rejected=True)
                 self._warn_once("rejected", f"the broker rejected {len(batch)} events: {e}")
@@ -365,12 +376,12 @@ class Emitter:
                     self._run(command)
                 backoff = FIRST_BACKOFF
             except Exception as e:  # never let the poller die: commands would stop
-                if isinstance(e, BrokerError) and e.status == 404:
+                if isinstance(e, BrokerRequestError) and e.status == 404:
                     self._registered.clear()
                     self._wake.set()
-                elif isinstance(e, BrokerError) and e.status == 429:  # the replica is full
+                elif isinstance(e, BrokerRequestError) and e.status == 429:  # the replica is full
                     backoff = max(backoff, 5.0)
-                elif not isinstance(e, BrokerError):
+                elif not isinstance(e, BrokerRequestError):
                     self._warn_once("poll-bug", f"command poll failed ({type(e).__name__}: {e})")
                 self._stop.wait(jittered(backoff))
                 backoff = min(backoff * 2, MAX_BACKOFF)
