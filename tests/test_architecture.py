@@ -3,7 +3,12 @@
 * No import circles: from each package's own imports (grimp reads them all,
   those deferred into functions and those under TYPE_CHECKING included).
 * Layers: a module imports only from its own layer or the ones below it
-  (the lists below are the design; change them with the design).
+  (the lists below are the design; change them with the design). The agent's
+  layers are its packages.
+* Every import is one grimp sees: no breakpod module is imported or looked up by
+  name at run time, but by the public face's lazy names.
+* A setting's way down: ``init_remote_debugger``'s port reaches the bind without
+  a round trip at every module it passes.
 * One protocol: no string of the agent/broker protocol (event kinds, states,
   commands, runtimes, listeners, API paths) is spelled outside
   ``breakpod/protocol.py``; docstrings may name them.
@@ -61,140 +66,20 @@ BROKER_LAYERS = (
 )
 
 
-# The agent's layers (ARCHITECTURE.md draws them), top to bottom, as full module
-# names so that a move of a module renames it here too.
+# The agent's layers (ARCHITECTURE.md draws them), top to bottom: each is a package
+# (or a module at the top of ``breakpod``), so the folders are the layers and a module
+# moved or added inside one needs no change here. Within a layer of several, the
+# upper may import the lower (independent=False); the no-circle test covers them all.
 AGENT_LAYERS = (
-    # CLI and integrations: entered from outside (console script, pytest, .pth, runner)
-    grimp.Layer(
-        *(
-            "breakpod._cli.main",
-            "breakpod._cli.broker",
-            "breakpod._cli.attach",
-            "breakpod._cli.doctor",
-        ),
-        # stacks read from outside (py-spy), and the job report shared with the agent's
-        *(
-            "breakpod._cli.stacks",
-            "breakpod._cli.stacks_remote",
-            "breakpod._cli.stacks_kube",
-            "breakpod._cli.stacks_report",
-            "breakpod._cli.stacks_probe",
-            "breakpod._cli.remote_exec",
-        ),
-        *(
-            "breakpod._cli.runner",
-            "breakpod._integrations.pytest_plugin",
-            "breakpod._integrations.autostart",
-            "breakpod._integrations.jupyter",
-            "breakpod._integrations.autowatch",
-        ),
-        # exporters: the monitors' stats and anomalies into TensorBoard / MLflow
-        *(
-            "breakpod.export._exporter",
-            "breakpod.export._points",
-            "breakpod.export._tensorboard",
-            "breakpod.export._mlflow",
-        ),
-        independent=False,
-    ),
-    grimp.Layer("breakpod._api"),  # the public entry points that compose the layers below
-    # the training health toolkit: timers, memory, placement, leakage, break_if
-    grimp.Layer(
-        *("breakpod.health._phases", "breakpod.health._memory", "breakpod.health._placement"),
-        *("breakpod.health._overlap", "breakpod.health._break_if"),
-        independent=False,
-    ),
-    grimp.Layer(
-        *("breakpod._link.commands", "breakpod._link.emitter", "breakpod._link.client"),
-        "breakpod._link.exit_report",
-        independent=False,
-    ),
-    # monitors: hooks and the step pipeline over pure rules, checks and detection
-    grimp.Layer(
-        *("breakpod._monitor.monitor", "breakpod._monitor.tensor_commands"),
-        "breakpod._monitor.sentinel",  # the sentinel tier: a NaN localized by replay
-        # the monitor's parts: step pipeline > module hooks > shapes > parameters > reporting
-        *("breakpod._monitor.pipeline", "breakpod._monitor.hooks", "breakpod._monitor.contracts"),
-        *("breakpod._monitor.params", "breakpod._monitor.reporting", "breakpod._monitor.state"),
-        independent=False,
-    ),
-    # time travel: replay and whatif over the per-step capture and the op instrumentation,
-    # and the flight recorder's rings over the slot table
-    grimp.Layer(
-        "breakpod._monitor.timetravel.replay",
-        "breakpod._monitor.timetravel.whatif",
-        "breakpod._monitor.flight.recorder",
-        "breakpod._monitor.staging",
-        independent=False,
-    ),
-    grimp.Layer(
-        "breakpod._monitor.anomaly",
-        "breakpod._monitor.detect",
-        "breakpod._monitor.stats",
-        "breakpod._monitor.timetravel.capture",
-        "breakpod._monitor.timetravel.opwatch",
-        independent=False,
-    ),
-    grimp.Layer(
-        *(
-            "breakpod._monitor.rules",
-            "breakpod._monitor.tiers",
-            "breakpod._monitor.checks",
-            "breakpod._monitor.norms",
-            "breakpod._monitor.compiled",
-            "breakpod._monitor.summaries",
-            "breakpod._monitor.flight.table",
-            "breakpod._monitor.baselines",
-            "breakpod._monitor.optimizers",
-        ),
-        independent=False,
-    ),
-    # job coordination: stalls, the rank board, collectives
-    grimp.Layer(
-        *(
-            "breakpod._job.boundary",
-            "breakpod._job.boundary",
-            "breakpod._job.watchdog",
-            "breakpod._job.board",
-            "breakpod._job.collectives",
-            "breakpod._job.stall_report",
-            "breakpod._job.thread_stacks",
-        ),
-        *("breakpod._job.pause", "breakpod._job.timeouts", "breakpod._job.optimizer_steps"),
-        independent=False,
-    ),
-    # park/resume, remote pdb, listeners
-    grimp.Layer("breakpod._debug.breakpoints"),
-    grimp.Layer("breakpod._debug.remote_pdb"),
-    grimp.Layer("breakpod._debug.park"),
-    grimp.Layer(
-        *("breakpod._debug.debugger", "breakpod._debug.pdb_commands"),
-        *("breakpod._debug.listener", "breakpod._debug.registry"),
-        independent=False,
-    ),
-    # process-wide primitives: event hub, holds, wiring, addresses, where we run
-    grimp.Layer(
-        *(
-            "breakpod._core.events",
-            "breakpod._core.holding",
-            "breakpod._core.wiring",
-        ),
-        *(
-            "breakpod._core.notice",
-            "breakpod._core.identity",
-            "breakpod._core.hosting",
-            "breakpod._core.net",
-        ),
-        "breakpod._core.throttle",
-        independent=False,
-    ),
-    # settings, the wire protocol, errors, and the one line a user must see (config says a
-    # bad yes/no value through it)
-    grimp.Layer(
-        *("breakpod.protocol", "breakpod._core.config", "breakpod._core.errors"),
-        "breakpod._core.announce",
-        independent=False,
-    ),
+    grimp.Layer("_integrations"),  # entered from outside: pytest, the .pth, Jupyter
+    grimp.Layer("_cli"),  # the console script
+    # the public toolkit and the entry points that compose the layers below
+    grimp.Layer("export", "health", "_api", independent=False),
+    grimp.Layer("_link"),  # the link to the broker: client, emitter, the commands it runs
+    grimp.Layer("_monitor"),  # tensor monitors, time travel, the flight recorder
+    grimp.Layer("_job"),  # the step boundary, the stall watchdog, the job's ranks
+    grimp.Layer("_debug"),  # parks, breakpoints, listeners, remote pdb
+    grimp.Layer("_core", "protocol", independent=False),  # hub, settings, errors; the wire
 )
 
 # -- import graph -------------------------------------------------------------
@@ -239,15 +124,10 @@ def _cycle_from(start: str, imports: dict[str, list[str]], done: set[str]) -> li
     return None
 
 
-def layer_violations(
-    package: str, layers: Iterable[grimp.Layer], *, absolute: bool = False
-) -> list[str]:
-    """Imports that point up; ``absolute``: the layers name full modules, not tails."""
+def layer_violations(package: str, layers: Iterable[grimp.Layer]) -> list[str]:
+    """Imports that point up, between the layers named by their tails in ``package``."""
     graph = grimp.build_graph(package)
-    containers = None if absolute else {package}
-    illegal = graph.find_illegal_dependencies_for_layers(
-        layers=tuple(layers), containers=containers
-    )
+    illegal = graph.find_illegal_dependencies_for_layers(layers=tuple(layers), containers={package})
     return sorted(
         f"{' | '.join(sorted(route.heads))} -> {' -> '.join(route.middle) or '.'} -> "
         f"{' | '.join(sorted(route.tails))} ({dep.importer} sits below {dep.imported})"
@@ -267,7 +147,7 @@ def test_broker_layers_point_down_only() -> None:
 
 
 def test_agent_layers_point_down_only() -> None:
-    assert layer_violations("breakpod", AGENT_LAYERS, absolute=True) == []
+    assert layer_violations("breakpod", AGENT_LAYERS) == []
 
 
 def test_broker_layer_list_names_every_module() -> None:
@@ -276,9 +156,11 @@ def test_broker_layer_list_names_every_module() -> None:
     assert _plain_modules("breakpod_broker") == named
 
 
-def test_agent_layer_list_names_every_module() -> None:
-    named = {name for layer in AGENT_LAYERS for name in layer.module_tails}
-    assert _plain_modules("breakpod") == named
+def test_agent_layer_list_names_every_package() -> None:
+    """Each package (and module) at the top of ``breakpod`` sits in a layer."""
+    graph = grimp.build_graph("breakpod")
+    named = {f"breakpod.{tail}" for layer in AGENT_LAYERS for tail in layer.module_tails}
+    assert graph.find_children("breakpod") == named
 
 
 def _plain_modules(package: str) -> set[str]:
@@ -301,7 +183,7 @@ def test_the_graph_checks_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     )
     assert layer_violations("circled", [grimp.Layer("high"), grimp.Layer("low")]) != []
     assert layer_violations("breakpod_broker", reversed(BROKER_LAYERS)) != []
-    assert layer_violations("breakpod", reversed(AGENT_LAYERS), absolute=True) != []
+    assert layer_violations("breakpod", reversed(AGENT_LAYERS)) != []
 
 
 def test_the_broker_takes_only_the_protocol_from_the_agent() -> None:
