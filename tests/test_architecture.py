@@ -388,28 +388,45 @@ def protocol_strings() -> dict[str, str]:
     return {value: what for what, values in groups.items() for value in values}
 
 
-NOT_PROTOCOL = "# not protocol: "
+# Where strings go on the wire, relative to each source root: every string there is
+# checked. Elsewhere only what an event carries is (the kind and the field values of
+# each ``emit(...)``): a rule action ``break`` or pdb's quit mode ``detach`` is
+# another vocabulary that happens to share a word, and never leaves the process.
+WIRE = {
+    BROKER_SRC: ("",),  # the service: its routes, models, Redis records and notifiers
+    AGENT_SRC: ("_link/", "_cli/broker.py"),  # the link to the broker; the CLI's calls
+}
 
 
-def spelled_protocol_strings(root: Path, allowed: set[str]) -> list[str]:
-    """``file:line: 'text' (what)`` for each string constant under ``root`` (but in the
-    files named in ``allowed``, relative to ``root``) that is a protocol value or an
-    API path. Docstrings and comments may name them; dictionary keys name fields; a
-    line marked ``# not protocol: <why>`` uses the same word in another vocabulary."""
+def spelled_protocol_strings(root: Path, allowed: set[str], wire: Iterable[str]) -> list[str]:
+    """``file:line: 'text' (what)`` for each protocol value or API path spelled under
+    ``root`` (but in the files named in ``allowed``): any string in the files under the
+    ``wire`` prefixes, elsewhere the strings an ``emit(...)`` puts in its event.
+    Docstrings and comments may name them; dictionary keys and subscripts name fields."""
     values = protocol_strings()
     found = []
     for path in sorted(root.rglob("*.py")):
-        if path.relative_to(root).as_posix() in allowed:
+        where = path.relative_to(root).as_posix()
+        if where in allowed:
             continue
-        text = path.read_text()
-        lines = text.splitlines()
-        for node in _code_strings(ast.parse(text, str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        on_wire = any(where.startswith(prefix) for prefix in wire)
+        for node in _code_strings(tree) if on_wire else _emitted_strings(tree):
             what = values.get(node.value) or ("API path" if _is_api_path(node.value) else None)
-            if what and NOT_PROTOCOL not in lines[node.lineno - 1]:
+            if what:
                 found.append(
                     f"{path.relative_to(root.parent)}:{node.lineno}: {node.value!r} ({what})"
                 )
     return found
+
+
+def _emitted_strings(tree: ast.AST) -> Iterator[ast.Constant]:
+    """The string constants an ``emit(...)`` call passes: its kind and field values."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "emit":
+            for arg in [*node.args, *(k.value for k in node.keywords)]:
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    yield arg
 
 
 def _is_api_path(text: str) -> bool:
@@ -419,6 +436,7 @@ def _is_api_path(text: str) -> bool:
 def _code_strings(tree: ast.AST) -> Iterator[ast.Constant]:
     skipped = {id(doc) for doc in _docstrings(tree)}
     skipped |= {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys if k}
+    skipped |= {id(n.slice) for n in ast.walk(tree) if isinstance(n, ast.Subscript)}
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Constant)
@@ -445,24 +463,29 @@ def _docstrings(tree: ast.AST) -> Iterator[ast.AST]:
 def test_no_protocol_string_is_spelled_outside_the_protocol(
     root: Path, protocol_module: set[str]
 ) -> None:
-    """The same word in another vocabulary (a rule action ``break``, a pdb quit mode
-    ``detach``) says so on its line with ``# not protocol: <why>``."""
-    assert spelled_protocol_strings(root, protocol_module) == []
+    assert spelled_protocol_strings(root, protocol_module, WIRE[root]) == []
 
 
 def test_the_string_scan_finds_what_it_looks_for(tmp_path: Path) -> None:
-    """The scan itself: it must be able to fail."""
+    """The scan itself: it must be able to fail, on the wire and in an event."""
     (tmp_path / "routes.py").write_text(
         '"""Docstrings may say parked and /v1/sessions."""\n'
         'STATE = {"parked": "attached"}\n'  # the key names a field; the value is a state
         'PATH = f"/v1/sessions/{1}"\n'
         'NOT_PROTOCOL = "parking"\n'
+        'FIELD = event["command"]\n'  # a subscript names a field
+    )
+    (tmp_path / "rules.py").write_text(
+        'ACTIONS = ("break", "log")\n'  # another vocabulary, off the wire
+        'events.emit("anomaly", why="break")\n'  # but what an event carries is on it
     )
     (tmp_path / "protocol.py").write_text('KIND = "stall"\n')
-    found = spelled_protocol_strings(tmp_path, {"protocol.py"})
+    found = spelled_protocol_strings(tmp_path, {"protocol.py"}, wire=("routes.py",))
     assert [line.split(": ", 1)[1] for line in found] == [
         "'attached' (session state)",
         "'/v1/sessions/' (API path)",
+        "'anomaly' (event kind)",
+        "'break' (command)",
     ]
 
 

@@ -173,6 +173,11 @@ DUMP_STACKS: Final = "dump-stacks"
 DUMP_FLIGHT: Final = "dump-flight"  # the flight recorder's last steps, as a log event
 DETACH: Final = "detach"
 COMMAND_ID_PATTERN: Final = r"^[0-9a-f]{1,32}$"  # chosen by the broker
+# How a delivered command ended (the ``state`` of its last command event): the agent
+# handled it, or answered that it could not.
+COMMAND_DONE: Final = "done"
+COMMAND_FAILED: Final = "failed"
+COMMAND_ENDED: Final = (COMMAND_DONE, COMMAND_FAILED)
 
 # -- who and where ------------------------------------------------------------
 

@@ -257,12 +257,12 @@ async def ack(
     for raw in await broker.redis.lrange(keys.delivered(session_id), 0, -1):
         command = Command.model_validate_json(raw)
         if command.id == command_id and await broker.redis.lrem(keys.delivered(session_id), 1, raw):
-            done = "done" if body.ok else "failed"  # not protocol: a command's delivery state
+            done = protocol.COMMAND_DONE if body.ok else protocol.COMMAND_FAILED
             await _record(broker, session, command, done, body.detail)
             return command
     for_job = await joblog.acknowledge(broker, session, command_id)
     if for_job is not None:
-        done = "done" if body.ok else "failed"  # not protocol: a command's delivery state
+        done = protocol.COMMAND_DONE if body.ok else protocol.COMMAND_FAILED
         await _record(broker, session, for_job, done, body.detail)
         return for_job
     raise HTTPException(

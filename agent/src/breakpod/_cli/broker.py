@@ -144,8 +144,8 @@ def _await_ack(broker: BrokerClient, session: str, command_id: str, timeout: flo
     while time.monotonic() < deadline:
         for event in broker.events(session=session, kind=protocol.COMMAND_KIND, limit=100):
             fields = event.get("fields", {})
-            ended = ("done", "failed")  # not protocol: a command's delivery states
-            if fields.get("command_id") == command_id and fields.get("state") in ended:
+            ended = fields.get("state") in protocol.COMMAND_ENDED
+            if fields.get("command_id") == command_id and ended:
                 return str(fields.get("detail") or fields["state"])
         time.sleep(0.25)
     return None

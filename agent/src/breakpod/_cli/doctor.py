@@ -33,7 +33,7 @@ from breakpod._debug import breakpoints, debugger
 from breakpod._link.client import BrokerClient
 
 OK, INFO, WARN, FAIL = "ok", "info", "warn", "FAIL"
-DEBUGPY = "debugpy"  # not protocol: the package (and its check), not the listener kind
+DEBUGPY = "debugpy"  # the package (and its check), not the listener kind
 HTTP_TIMEOUT = 3.0
 
 

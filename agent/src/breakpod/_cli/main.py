@@ -139,7 +139,7 @@ def add_run(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--backend", choices=BACKENDS, help="debugger backend")
     p.add_argument("--keep-compile", action="store_true", help="leave torch.compile enabled")
     p.add_argument(
-        "command",  # not protocol: argparse's name for the program to run
+        "command",  # argparse's name for the program to run
         nargs=argparse.REMAINDER,
         help="-- PROGRAM [ARGS...]",
     )
@@ -227,7 +227,7 @@ def add_send(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
         "`break` parks them all at one step boundary, `resume` continues them all.",
     )
     p.add_argument("session", metavar="SESSION_ID|JOB")
-    p.add_argument("command", choices=protocol.COMMANDS)  # not protocol: argparse's name
+    p.add_argument("command", choices=protocol.COMMANDS)  # argparse's name
     p.add_argument("--reason", help="recorded with the command")
     broker_cli.add_broker_flags(p)
     p.set_defaults(func=broker_cli.run_send)

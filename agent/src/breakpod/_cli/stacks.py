@@ -77,7 +77,7 @@ def resolve(args: argparse.Namespace) -> list[list[Host]]:
     kind, _, name = args.target.replace(":", "/", 1).partition("/")
     if kind == "container":
         return [docker_hosts(name, args)]
-    if kind == "compose":  # not protocol: the target's prefix, compose:SERVICE
+    if kind == "compose":  # the target's prefix, compose:SERVICE
         return [docker_hosts(c, args) for c in remote.compose_containers(name)]
     if kind == "pod":
         return [pod_hosts(name, args.container, args)]

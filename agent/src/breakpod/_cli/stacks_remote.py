@@ -79,12 +79,12 @@ def kubectl_debug(pod: str, namespace: str | None, container: str, image: str) -
 
 
 def docker_exec(container: str) -> Host:
-    enter = ("docker", "exec", container)  # not protocol: the docker CLI
+    enter = ("docker", "exec", container)  # the docker CLI
     return Host(f"container:{container[:12]}", enter)
 
 
 def docker_run(container: str, image: str) -> Host:
-    run = ("docker", "run", "--rm")  # not protocol: the docker CLI
+    run = ("docker", "run", "--rm")  # the docker CLI
     joins = (f"--pid=container:{container}", "--cap-add=SYS_PTRACE")
     return Host(f"container:{container[:12]}", (*run, *joins, image))
 
@@ -99,7 +99,7 @@ def pods_argv(selector: str, namespace: str | None) -> list[str]:
 
 def compose_argv(service: str) -> list[str]:
     label = f"label=com.docker.compose.service={service}"
-    return ["docker", "ps", "-q", "--filter", label]  # not protocol: the docker CLI
+    return ["docker", "ps", "-q", "--filter", label]  # the docker CLI
 
 
 def run_cli(argv: Sequence[str], timeout: float) -> str:

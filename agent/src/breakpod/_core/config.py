@@ -357,7 +357,7 @@ PARSERS: dict[str, Callable[[str, str], Any]] = {
     "allow_insecure": parse_bool,
     "backend": parse_choice(*BACKENDS),
     "on_detach": parse_choice("continue", "wait"),
-    "quit_mode": parse_choice("detach", "exit"),  # not protocol: pdb's q, not the command
+    "quit_mode": parse_choice("detach", "exit"),  # pdb's q, not the command
     "wait_timeout": parse_seconds,
     "hold_seconds": parse_seconds,
     "post_mortem": parse_bool,
@@ -378,7 +378,7 @@ class Settings:
     allow_insecure: bool = False
     backend: str = "auto"
     on_detach: str = "continue"
-    quit_mode: str = "detach"  # not protocol: pdb's q leaves the job running
+    quit_mode: str = "detach"  # pdb's q leaves the job running
     wait_timeout: float = 300.0
     hold_seconds: float = 300.0
     post_mortem: bool = False

@@ -24,7 +24,7 @@ CI_SYSTEMS = (
     ("Azure Pipelines", "TF_BUILD"),
     ("CI", "CI"),
 )
-CONTAINER_MARKS = ("docker", "containerd", "kubepods", "libpod", "lxc")  # not protocol: cgroups
+CONTAINER_MARKS = ("docker", "containerd", "kubepods", "libpod", "lxc")  # cgroups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +66,7 @@ def ci_name(env: Mapping[str, str]) -> str | None:
 
 def container_runtime(root: Path = Path("/")) -> str | None:
     if (root / ".dockerenv").exists():
-        return "docker"  # not protocol: the container engine
+        return "docker"  # the container engine
     if (root / "run/.containerenv").exists():
         return "podman"
     try:
@@ -84,7 +84,7 @@ def reach_hints(hosting: Hosting, host: str, port: int) -> list[str]:
         pod = hosting.pod or hosting.hostname or "<pod>"
         ns = f" -n {hosting.namespace}" if hosting.namespace else ""
         hints.append(f"kubectl port-forward{ns} pod/{pod} {port}:{port}  then  {attach}")
-    elif hosting.container in ("docker", "podman"):  # not protocol: container engines
+    elif hosting.container in ("docker", "podman"):  # container engines
         hints.append(f"{hosting.container} exec -it {hosting.hostname} {attach}")
     if net.is_wildcard(host):
         hints.append(f"from another machine: breakpod attach <this host>:{port} (token required)")

@@ -70,7 +70,7 @@ def render(failure: Failure, hosting: Hosting) -> str:
         ("hold", f"{failure.hold}, then the run continues (exit status unchanged)"),
     ]
     rows += [("reach", hint) for hint in reach_hints(hosting, failure.host, failure.port)]
-    rows.append(("detach", DETACH[failure.backend]))  # not protocol: a row label
+    rows.append(("detach", DETACH[failure.backend]))  # a row label
     body = [f"  {name:<7} {text}" for name, text in rows]
     return "\n".join(["", title.center(WIDTH, "!"), *body, "!" * WIDTH, ""])
 

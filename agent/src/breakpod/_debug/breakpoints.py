@@ -195,7 +195,7 @@ def inspect(frame: FrameType, reason: str) -> None:
     settings = settings_from_env()
     parked = park.open_pdb(settings, reason, settings.hold_seconds)
     if parked is not None:
-        remote_pdb.inspect(parked, frame, quit_mode="detach")  # not protocol: a pdb quit mode
+        remote_pdb.inspect(parked, frame, quit_mode="detach")
 
 
 def debugpy_serves(settings: Settings) -> bool | None:

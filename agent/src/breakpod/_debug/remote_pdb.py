@@ -37,7 +37,7 @@ class RemotePdb(CommandsMixin):
         self,
         park: PdbPark,
         *,
-        quit_mode: str = "detach",  # not protocol: a quit mode
+        quit_mode: str = "detach",
     ) -> None:
         super().__init__(stdin=park.io, stdout=park.io, skip=SKIP, nosigint=True)  # type: ignore[arg-type]
         self.park = park

@@ -45,7 +45,7 @@ AUTO_WATCH_ENV = "BREAKPOD_AUTO_WATCH"
 AUTO_STEPS_ENV = "BREAKPOD_AUTO_STEPS"
 RULES_ENV = "BREAKPOD_RULES"
 # debug mode's default: a non-finite value parks before the update (the other defaults log)
-PARK = ["log", "event", "break"]  # not protocol: rule actions
+PARK = ["log", "event", "break"]  # rule actions
 PARK_ON_NONFINITE = {"name": "nonfinite", "check": "nonfinite", "action": PARK}
 WRAPPERS = {  # class name -> the attribute holding the model it wraps
     "DistributedDataParallel": "module",

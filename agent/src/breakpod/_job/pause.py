@@ -33,7 +33,7 @@ from breakpod._job import board as job
 
 BREAK_AHEAD_SECONDS = 2.0  # the agreed break step lies this far ahead of the fastest rank
 MAX_BREAK_AHEAD = 1000  # steps
-BREAK_KEY = "break"  # not protocol: the board key of a job-wide break
+BREAK_KEY = "break"  # the board key of a job-wide break
 # A parked peer's watchdog publishes its record every tick, debugger or not; one whose
 # record has not changed for this long is gone (killed), and nobody waits for it.
 PEER_SILENT = 30.0  # seconds, of this rank's clock
@@ -236,11 +236,11 @@ def note_for(reason: str, where: str) -> dict[str, str]:
     """Where and why a rank parks, as its peers print it."""
     head = reason.split(":")[0].split(" at ")[0].strip()
     if reason.startswith("break requested"):
-        why = "break"  # not protocol: words
+        why = "break"
     elif head.startswith("breakpoint()"):
         why = "breakpoint"
     else:
-        why = head or "parked"  # not protocol: words
+        why = head or "parked"
     return {"where": where, "why": why}
 
 

@@ -388,7 +388,7 @@ class Emitter:
 
     def _run(self, command: dict[str, Any]) -> None:
         try:
-            ok, detail = self.on_command(command["command"])  # not protocol: a field name
+            ok, detail = self.on_command(command["command"])
         except Exception as e:  # a command must never take the process down
             ok, detail = False, f"{type(e).__name__}: {e}"
         assert self._poller is not None

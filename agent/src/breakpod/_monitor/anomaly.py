@@ -38,7 +38,7 @@ ON_EXPIRE = ("continue", "skip", "exit")
 EXPIRED_STATUS = 75
 
 log = logging.getLogger(__name__)
-LOCAL = "anomaly"  # not protocol: the name the park frame gets for the anomaly
+LOCAL = "anomaly"  # the name the park frame gets for the anomaly
 
 
 @dataclasses.dataclass

@@ -22,9 +22,9 @@ from typing import Any
 
 from breakpod._core.errors import RuleError
 
-ACTIONS = ("log", "event", "break", "snapshot", "stop", "skip")  # not protocol: rule actions
+ACTIONS = ("log", "event", "break", "snapshot", "stop", "skip")  # rule actions
 # Actions that need the step's verdict before the optimizer applies its update.
-URGENT = ("break", "stop", "skip")  # not protocol: rule actions that need the answer now
+URGENT = ("break", "stop", "skip")  # rule actions that need the answer now
 WHERE = ("activation", "gradient", "param", "loss")
 RELU_LIKE = ("ReLU", "ReLU6", "Threshold", "Hardtanh")
 # Modules that cannot turn finite inputs (or finite gradients) into non-finite
@@ -66,7 +66,7 @@ CHECKS: dict[str, dict[str, Any]] = {
 Action = str | Callable[..., Any]
 # Logged, and published on the event hub (free without sinks; the broker's
 # emitter is one when BREAKPOD_BROKER_URL is set).
-DEFAULT_ACTIONS: tuple[Action, ...] = ("log", "event")  # not protocol: rule actions
+DEFAULT_ACTIONS: tuple[Action, ...] = ("log", "event")  # rule actions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +110,7 @@ class Rule:
     @property
     def parks(self) -> bool:
         """Does an action need the offending tensor kept until the step boundary?"""
-        return any(a in ("break", "snapshot") for a in self.actions)  # not protocol: actions
+        return any(a in ("break", "snapshot") for a in self.actions)  # actions
 
 
 @functools.cache

@@ -39,8 +39,8 @@ FIELD = protocol.FLIGHT_FIELD
 DEFAULT_STEPS = 64
 MAX_STEPS = 4096
 DUMP_WAIT = 1.0  # a stalled device may never finish the copy: a dump gives up then
-LOSS = "<loss>"  # not protocol: the loss's row in the table
-BATCH = "<batch>"  # not protocol: the model's input, checked at its forward
+LOSS = "<loss>"  # the loss's row in the table
+BATCH = "<batch>"  # the model's input, checked at its forward
 LOSS_AT, BACKWARDS_AT = 10**6, 2 * 10**6  # a step's order: forwards, the loss, backwards
 
 
