@@ -38,6 +38,29 @@ def test_headless_breakpoint_parks_and_continues(spawn, pdb_client, stdin):
     assert "finished 42" in child.stdout()
 
 
+TORCH_SCRIPT = """
+    import sys
+    import torch
+    x = torch.ones(2, 3)
+    breakpoint()
+    print("monitors loaded:", "breakpod._monitor.monitor" in sys.modules)
+"""
+
+
+def test_a_breakpoint_after_torch_has_the_tensor_commands_without_a_monitor(spawn, pdb_client):
+    """The debugger's command registry gets the tensor commands from the package's face
+    once torch is loaded (the debugger imported them by name: a hidden import circle)."""
+    child = spawn(TORCH_SCRIPT)
+    client = pdb_client(child.park_port(timeout=60))
+    client.read_until()
+    assert "tensor[2,3] f32 cpu" in client.command("tstat x")
+    assert "tstat" in client.command("help")
+    client.send("c")
+    client.read_all()
+    assert child.wait(timeout=30) == 0
+    assert "monitors loaded: True" in child.stdout()  # they name the monitors they read
+
+
 @pytest.mark.parametrize("stdin", ["devnull", "closed"])
 def test_without_breakpod_the_same_script_dies(spawn, stdin):
     child = spawn(SCRIPT, stdin=stdin, breakpod=False)
