@@ -86,8 +86,13 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 
 def free_ports(count: int, start: int = 47300) -> int:
-    """A base port with ``count`` free ports from it (BREAKPOD_PORT + LOCAL_RANK)."""
-    for base in range(start, start + 1000, 10):
+    """A base port with ``count`` free ports from it (BREAKPOD_PORT + LOCAL_RANK).
+
+    Each pytest-xdist worker searches its own 200 ports, so two workers never find the
+    same range free at once and both bind it."""
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    start += 200 * worker
+    for base in range(start, start + 200, 10):
         try:
             for port in range(base, base + count):
                 with socket.socket() as s:

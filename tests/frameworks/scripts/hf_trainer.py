@@ -1,5 +1,7 @@
 """A tiny random-init GPT-2 under transformers' Trainer (accelerate underneath)."""
 
+import tempfile
+
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
@@ -30,7 +32,7 @@ class Watch(TrainerCallback):
 
 
 args = TrainingArguments(
-    output_dir=common.os.environ.get("OUT", "hf-out"),
+    output_dir=common.os.environ.get("OUT") or tempfile.mkdtemp(prefix="hf-out-"),  # not the cwd
     max_steps=common.STEPS,
     per_device_train_batch_size=4,
     learning_rate=1e-3,
