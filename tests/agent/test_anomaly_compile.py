@@ -1,4 +1,9 @@
-"""torch.compile never crashes training; a NaN is found at the right module or we say why."""
+"""torch.compile never crashes training; a NaN is found at the right module or we say why.
+
+The sentinel tier (the default) hooks no module, so a compiled model loses nothing: its
+step is captured at the root and replayed eagerly, which names the same first bad module
+and phase as an eager model. The detailed tier's hooks do not run inside the graph, and
+it says so."""
 
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ SETUP = """
             model[0].weight.data[0, 0] = float("nan")  # corrupt the first layer
         run(x).sum().backward()
         monitor.step()
-    print("anomalies", [(a.step, a.module) for a in monitor.anomalies], monitor.errors)
+    print("anomalies", [(a.step, a.module, a.phase, a.how) for a in monitor.anomalies],
+          monitor.errors)
 """
 
 
@@ -46,10 +52,26 @@ CASES.append(("inductor", "watch-then-compile"))  # a C++ compile: one case only
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("backend", "setup"), CASES)
-def test_compiled_setups_never_crash_and_find_the_nan_at_the_first_layer(spawn, backend, setup):
+def test_compiled_setups_never_crash_and_replay_names_the_first_bad_module(spawn, backend, setup):
     child = spawn(textwrap.dedent(SETUP), env={"PYTHONPATH": ROOT}, args=[backend, setup])
     assert child.wait(timeout=200) == 0, child.stderr
     out = child.stdout()
-    assert "anomalies [(3, '0')] 0" in out, out + child.stderr
+    assert "anomalies [(3, '0', 'forward', 'replay')] 0" in out, out + child.stderr
+    assert "ran under torch.compile" not in child.stderr, child.stderr
+
+
+DETAILED = [("eager", "watch-then-compile"), ("aot_eager", "watch-compiled")]
+DETAILED.append(("eager", "disable-after-first-call"))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("backend", "setup"), DETAILED)
+def test_the_detailed_tier_under_compile_blames_the_parameters_and_says_why(spawn, backend, setup):
+    env = {"PYTHONPATH": ROOT, "BREAKPOD_MONITOR_TIER": "detailed"}
+    child = spawn(textwrap.dedent(SETUP), env=env, args=[backend, setup])
+    assert child.wait(timeout=200) == 0, child.stderr
+    out = child.stdout()
     compiled = setup != "disable-after-first-call"
+    phase = "backward" if compiled else "forward"  # a parameter's gradient, or its output
+    assert f"anomalies [(3, '0', '{phase}', 'live')] 0" in out, out + child.stderr
     assert ("ran under torch.compile" in child.stderr) == compiled, child.stderr

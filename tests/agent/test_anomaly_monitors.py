@@ -72,7 +72,7 @@ def test_a_layer_with_61_of_64_dead_units_fires_under_the_default_rules():
     torch.manual_seed(0)
     model = Wide()
     kill_units(model.fc, 61)
-    monitor = breakpod.watch(model)
+    monitor = breakpod.watch(model, tier="detailed")  # the sentinel's defaults hook no ReLU
     train(model, monitor, 6)
     monitor.flush()
     assert dead(monitor) == [("act", 61, 64)], monitor.anomalies
@@ -294,7 +294,7 @@ def test_summary_keeps_every_count_with_many_rules():
     rules = [
         {"name": f"shape-rule-number-{i}", "check": "shape", "expect": "*,*"} for i in range(9)
     ]
-    monitor = breakpod.watch(Wide(), rules)
+    monitor = breakpod.watch(Wide(), rules, tier="detailed")  # 5 defaults + 9
     line = breakpod.summary(monitor)
     assert line.startswith("monitor on: step 0, 0 anomalies, 0 skipped steps, 0 errors; 14 rules:")
     assert len(line) <= 120 and line.endswith(" more"), line

@@ -27,7 +27,8 @@ README_LOOP = """
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = breakpod.watch(model, rules=[{"check": "nonfinite", "action": ["log", "break"]}])
+    rules = [{"check": "nonfinite", "action": ["log", "break"]}]
+    monitor = breakpod.watch(model, rules, tier="detailed")  # the flight's per-module rows
     for step in range(10):
         x = torch.randn(32, 16)
         x[3, 5] = float("nan") if step == 7 else x[3, 5]

@@ -26,7 +26,7 @@ JOB = """
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), Scaled(), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     rules = [{"name": "nan", "check": "nonfinite", "action": "event"}]
-    monitor = breakpod.watch(model, rules, optimizer=opt)
+    monitor = breakpod.watch(model, rules, optimizer=opt, tier="detailed")  # per-module rows
     for step in range(6):
         model[1].factor = float("nan") if step == 3 else 1.0
         loss = model(torch.randn(16, 4)).pow(2).mean()

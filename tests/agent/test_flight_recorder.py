@@ -15,6 +15,13 @@ from breakpod._core import events  # noqa: E402
 from breakpod._monitor.flight import recorder as flight  # noqa: E402
 from breakpod._monitor.flight import table as flight_table  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _detailed(monkeypatch):
+    """The flight recorder's per-module rows come from the detailed tier's hooks."""
+    monkeypatch.setenv("BREAKPOD_MONITOR_TIER", "detailed")
+
+
 NAN_EVENT = [{"name": "nan", "check": "nonfinite", "action": "event"}]
 
 

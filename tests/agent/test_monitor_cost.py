@@ -83,7 +83,7 @@ def test_hooks_never_read_tensors_on_the_host(monkeypatch):
     monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), Net(16, 16, 4))
     rules = [{"name": "big", "check": "activation", "max_mean_abs": 1e6}]
-    monitor = breakpod.watch(model, rules, expect={"0": "B,16"}, check_every=2)
+    monitor = breakpod.watch(model, rules, expect={"0": "B,16"}, check_every=2, tier="detailed")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for step in range(4):
         model[3].poison.mode = "forward" if step == 2 else None
@@ -111,7 +111,7 @@ def test_the_enforcement_catches_a_hook_that_syncs(monkeypatch, capfd):
 
     monkeypatch.setattr(staging.Stager, "put", syncing)
     model = Net()
-    monitor = breakpod.watch(model)
+    monitor = breakpod.watch(model, tier="detailed")
     with no_host_reads():
         model(batch(0)[0]).sum().backward()  # the job itself goes on
     assert monitor.errors > 0
@@ -256,7 +256,7 @@ def test_compiled_module_warns_and_watches_the_original(monkeypatch):
     model = Net()
     compiled = torch.compile(model)
     with pytest.warns(RuntimeWarning, match="hooks added after compilation are ignored"):
-        monitor = breakpod.watch(compiled)
+        monitor = breakpod.watch(compiled, tier="detailed")
     try:
         import os
 

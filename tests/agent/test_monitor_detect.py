@@ -141,7 +141,7 @@ def test_the_gradient_baseline_follows_a_slow_decay_but_not_a_sudden_drop():
 
 def test_dead_relu_three_steps_in_a_row():
     model = Net()
-    monitor = breakpod.watch(model)
+    monitor = breakpod.watch(model, tier="detailed")  # dead units: hooks
 
     def before(step: int) -> None:
         if step == 10:
@@ -226,7 +226,7 @@ def healthy_model() -> nn.Sequential:
 def test_healthy_run_reports_nothing():
     """A short real run past the warm-ups (gradient baseline, loss window): no anomaly."""
     model = healthy_model()
-    monitor = breakpod.watch(model, expect={"0": "B,16", "5": (None, 4)})
+    monitor = breakpod.watch(model, expect={"0": "B,16", "5": (None, 4)}, tier="detailed")
     train(model, monitor, 20)
     monitor.flush()
     assert monitor.anomalies == []

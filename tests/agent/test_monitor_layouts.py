@@ -21,6 +21,7 @@ import breakpod
 def _monitor_on(monkeypatch):
     monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
     monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+    monkeypatch.setenv("BREAKPOD_MONITOR_TIER", "detailed")  # the per-module hooks' tests
 
 
 def convert(x: torch.Tensor, kind: str) -> torch.Tensor:

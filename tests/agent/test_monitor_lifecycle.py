@@ -55,7 +55,7 @@ def _held(monitor) -> list[torch.Tensor]:
 def test_tensors_kept_for_break_rules_live_one_step_whatever_check_every():
     model = Net()
     rules = [{"name": "nan-snap", "check": "nonfinite", "action": ["snapshot"]}]
-    monitor = breakpod.watch(model, rules, check_every=50)
+    monitor = breakpod.watch(model, rules, check_every=50, tier="detailed")
     x = torch.randn(32, 8)
     model(x).sum().backward()
     one_step = len(_held(monitor))
@@ -109,7 +109,7 @@ class ShapelessInside(torch.nn.Module):
 
 def test_a_failure_in_the_shape_hook_is_contained_and_training_goes_on(capfd):
     model = ShapelessInside()
-    monitor = breakpod.watch(model)
+    monitor = breakpod.watch(model, tier="detailed")  # shape hooks
     for _ in range(3):
         model(torch.randn(5, 4)).sum().backward()
         monitor.step()

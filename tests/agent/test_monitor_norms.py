@@ -251,7 +251,7 @@ def test_the_shapes_kept_follow_a_change_of_batch(monkeypatch):
     """Shapes are stored only when they change (see above), and then they are."""
     monkeypatch.setenv("BREAKPOD_MONITOR", "1")
     model = nn.Sequential(nn.Linear(4, 3), nn.ReLU())
-    monitor = breakpod.watch(model)
+    monitor = breakpod.watch(model, tier="detailed")  # shapes: hooks
     for batch in (8, 8, 5):
         model(torch.randn(batch, 4)).sum().backward()
         monitor.step()

@@ -18,6 +18,7 @@ from tests.agent.nets import Net, batch, train
 def _monitor_on(monkeypatch):
     monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
     monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+    monkeypatch.setenv("BREAKPOD_MONITOR_TIER", "detailed")  # the per-module hooks' tests
 
 
 def mlp(modules: int) -> nn.Sequential:

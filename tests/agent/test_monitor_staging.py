@@ -18,6 +18,7 @@ from breakpod._monitor.stats import SlotTable
 def _monitor_on(monkeypatch):
     monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
     monkeypatch.delenv("AI_DEBUG_MODE", raising=False)
+    monkeypatch.setenv("BREAKPOD_MONITOR_TIER", "detailed")  # the per-module hooks' tests
 
 
 def slots(n: int, flight: bool = True, **flags) -> list[Slot]:

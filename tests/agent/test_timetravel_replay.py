@@ -83,8 +83,9 @@ def line_of(marker: str) -> int:
     return next(i for i, text in enumerate(lines, 1) if marker in text)
 
 
-def start(spawn, pdb_client, mode: str):
-    child = spawn(JOB.replace("MODE", mode), env={"PYTHONPATH": ROOT}, stdin="closed")
+def start(spawn, pdb_client, mode: str, tier: str = "sentinel"):
+    env = {"PYTHONPATH": ROOT, "BREAKPOD_MONITOR_TIER": tier}
+    child = spawn(JOB.replace("MODE", mode), env=env, stdin="closed")
     client = pdb_client(child.park_port(timeout=90))
     banner = client.read_until()
     assert "anomaly: step 4" in banner and "[nan-break]" in banner, banner
@@ -150,7 +151,7 @@ def test_replay_names_the_op_of_a_custom_backward_and_whatif_leaves_the_model(sp
 
 @pytest.mark.timeout(180)
 def test_flight_at_the_park_names_the_module_and_step_and_shows_its_steps(spawn, pdb_client):
-    child, client = start(spawn, pdb_client, SQRT)
+    child, client = start(spawn, pdb_client, SQRT, tier="detailed")  # per-module rows
     out = client.command("flight")
     assert "flight recorder: steps 0-4 (5 kept)" in out, out
     first = out.split("first bad step per module")[1].splitlines()[1].split()

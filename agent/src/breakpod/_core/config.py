@@ -92,6 +92,17 @@ FEATURE_ENV: dict[str, tuple[str, str, str]] = {
         "`0` makes `watch()` install nothing (`AI_DEBUG_MODE=0` too)",
         "monitors.md",
     ),
+    "BREAKPOD_MONITOR_TIER": (
+        "sentinel",
+        "`detailed`: hooks on every module as well (the sentinel tier hooks none and localizes "
+        "a NaN by replaying its step)",
+        "monitors.md",
+    ),
+    "BREAKPOD_DETAILED_STEPS": (
+        "100",
+        "steps the detailed tier stays on after a replay that did not reproduce its step",
+        "monitors.md",
+    ),
     "BREAKPOD_ON_EXPIRE": (
         "skip a non-finite update, else continue",
         "an anomaly park nobody attached to: `continue`, `skip` the update, or `exit` 75",

@@ -58,6 +58,8 @@ class Anomaly:
     also: list[str] = dataclasses.field(default_factory=list)  # other rules, same tensor
     skipped: bool = False  # the step's update was dropped
     held: bool = False  # a debugger park already held the job for it
+    tier: str = ""  # the monitor's tier that found it: sentinel | detailed (tiers.py)
+    how: str = "live"  # live: in the step as it ran; replay: by replaying it (sentinel.py)
 
     def __str__(self) -> str:
         where = self.module or "<model>"

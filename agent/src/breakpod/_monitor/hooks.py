@@ -18,6 +18,7 @@ from breakpod._monitor.reporting import _is_compiling
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.state import Shapes
 from breakpod._monitor.stats import StepRecord
+from breakpod._monitor.tiers import DETAILED, OUTPUT_CHECKS, sentinel_blind
 from breakpod._monitor.timetravel.capture import REPLAYING
 
 ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
@@ -27,14 +28,22 @@ class ModuleHooks(ShapeContracts):
     """Forward hooks and input-gradient hooks on the watched modules (the hot path)."""
 
     def _watch_module(self, name: str, module: Any) -> None:
-        fwd = self._rules_for(ACTIVATION_CHECKS, name, module, "activation")
-        bwd = self._rules_for(("nonfinite",), name, module, "gradient")
+        detailed = self.tier == DETAILED
+        # the sentinel tier hooks a module only for a rule that reads its outputs
+        fwd_checks = ACTIVATION_CHECKS if detailed else OUTPUT_CHECKS
+        fwd = self._rules_for(fwd_checks, name, module, "activation")
+        if not detailed:
+            blind = {r.name for r in self.rules if sentinel_blind(r)}
+            nonfinite = self._rules_for(("nonfinite",), name, module, "activation")
+            fwd = self._shared(fwd | (nonfinite & blind))
+        bwd = self._rules_for(("nonfinite",), name, module, "gradient") if detailed else frozenset()
         shapes = [
             (r, r["expect"]) for r in self.rules if r.check == "shape" and r.matches(name, module)
         ]
         if not (fwd or bwd or shapes):  # shapes only (host metadata), for ``tshape``
-            hook = self._guarded("shape hook", functools.partial(self._record_shapes, name))
-            self._handles.append(module.register_forward_hook(hook))
+            if detailed:
+                hook = self._guarded("shape hook", functools.partial(self._record_shapes, name))
+                self._handles.append(module.register_forward_hook(hook))
             return
         self._module_checks = True
         by_name = {r.name: r for r in self.rules}
@@ -59,7 +68,7 @@ class ModuleHooks(ShapeContracts):
                     default=math.inf,
                 ),
             )
-        if bwd:
+        if bwd:  # input gradients: the detailed tier only
             back = self._new_slot(name, "backward", bwd, retain=any(by_name[n].parks for n in bwd))
         hook = self._forward_hook(name, module, slot, back, shapes)
         # with the call's keyword arguments: a module called as layer(hidden_states=h) has
@@ -194,7 +203,8 @@ class ModuleHooks(ShapeContracts):
         compiling = _is_compiling()
 
         def hook(module: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if compiling() or REPLAYING[0] or self._aside:  # see _guarded, _in_transform
+            # see _guarded (a probe's hooks see replays), _in_transform
+            if compiling() or (REPLAYING[0] and not self._sees_replay) or self._aside:
                 return
             try:
                 out = output if isinstance(output, tensor_type) else checks.first_tensor(output)
@@ -244,7 +254,7 @@ class ModuleHooks(ShapeContracts):
 
         def hook(grads: Any) -> None:
             # closed: a tensor hook on a leaf (a parameter fed as an input) outlives close()
-            if compiling() or REPLAYING[0] or not self.enabled:
+            if compiling() or (REPLAYING[0] and not self._sees_replay) or not self.enabled:
                 return
             grad = grads if index < 0 else grads[index]
             if grad is None:  # an output no loss depends on has no gradient
@@ -364,6 +374,10 @@ class ModuleHooks(ShapeContracts):
         self._updated = False  # a backward after the update: the next step has begun
         self._current.grads_done = True
         self._collect_grads()
+        self._backward_done()
+
+    def _backward_done(self) -> None:
+        """After the gradients' norms: the sentinel looks at them here (sentinel.py)."""
 
 
 def _in_transform() -> bool:

@@ -1,6 +1,12 @@
 """``breakpod.watch(model)``: tensor monitors with no host-device sync on the hot path.
 
-How a step flows:
+Two tiers (:mod:`~breakpod._monitor.tiers`): the sentinel, the default, hooks no
+module; it judges the loss and the gradient norms at the step's end and localizes
+a non-finite one by replaying the step under the detailed checks
+(:mod:`~breakpod._monitor.sentinel`). The detailed tier hooks every watched module;
+in the sentinel tier only a rule that reads outputs hooks, the modules it names.
+
+How a step flows in the detailed tier:
 
 * forward hooks reduce each watched module's output on its device
   (:mod:`breakpod._monitor.checks`), each statistic one kernel writing into
@@ -41,13 +47,14 @@ from breakpod._core import wiring
 from breakpod._core.announce import announce
 from breakpod._core.config import env_flag
 from breakpod._core.errors import AnomalyError, ConfigError, RuleError
-from breakpod._monitor import optimizers, staging
+from breakpod._monitor import optimizers, staging, tiers
 from breakpod._monitor.anomaly import ActionContext, Anomaly
 from breakpod._monitor.compiled import apply_compile_policy, unwrap_compiled
 from breakpod._monitor.detect import Detector, Slot
 from breakpod._monitor.flight.recorder import FlightRecorder, flight_steps
-from breakpod._monitor.pipeline import JUDGE_LABEL, StepPipeline
+from breakpod._monitor.pipeline import JUDGE_LABEL
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
+from breakpod._monitor.sentinel import Sentinel
 from breakpod._monitor.state import Shapes
 from breakpod._monitor.stats import HostBuffers, SlotTable, StepRecord
 from breakpod._monitor.timetravel.capture import Capture, capture_wanted
@@ -84,11 +91,12 @@ def watch(
     sink: Callable[[Anomaly], Any] | None = None,
     snapshot_dir: str | os.PathLike[str] | None = None,
     replay: bool | None = None,  # timetravel: capture for `replay`/`whatif` (see capture.py)
+    tier: str | None = None,  # sentinel (default) or detailed: see tiers.py
 ) -> Monitor:
     """Watch ``model`` with the default rules plus ``rules``; see the README's "Tensor monitors".
 
     ``config`` is a mapping or YAML file with any of ``rules``, ``defaults``,
-    ``check_every``, ``expect`` and ``snapshot_dir``; explicit arguments win.
+    ``check_every``, ``expect``, ``snapshot_dir`` and ``tier``; explicit arguments win.
     With ``BREAKPOD_MONITOR=0`` (or ``AI_DEBUG_MODE=0``) nothing is installed.
     """
     _check_arguments(model, optimizer, expect)
@@ -97,7 +105,9 @@ def watch(
     every = check_every if check_every is not None else settings.get("check_every", 1)
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ConfigError(f"check_every={every!r}: expected a positive integer (1 = every step)")
-    merged = _merge_rules(settings, rules, {**settings.get("expect", {}), **(expect or {})})
+    tier = tiers.tier_of(tier if tier is not None else settings.get("tier"))
+    expected = {**settings.get("expect", {}), **(expect or {})}
+    merged = _merge_rules(settings, rules, expected, detailed=tier == tiers.DETAILED)
     apply_compile_policy()  # explicit in the environment, so honoured even when disabled
     enabled = monitor_enabled()
     if enabled:
@@ -106,7 +116,7 @@ def watch(
     folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
     ctx = ActionContext(model=model, snapshot_dir=folder, sink=sink)
     monitor = Monitor(
-        model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled
+        model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled, tier=tier
     )
     monitor.start_capture(replay)  # timetravel
     return monitor
@@ -151,7 +161,7 @@ def _config(config: Any) -> dict[str, Any]:
         raise ConfigError(
             f"{source}: expected a mapping or a YAML file path, got {type(config).__name__}"
         )
-    unknown = set(config) - {"rules", "defaults", "check_every", "expect", "snapshot_dir"}
+    unknown = set(config) - {"rules", "defaults", "check_every", "expect", "snapshot_dir", "tier"}
     if unknown:
         raise ConfigError(f"{source}: unknown key(s) {sorted(unknown)}")
     settings = dict(config)
@@ -174,22 +184,24 @@ def _check_types(source: str, settings: dict[str, Any]) -> None:
         raise ConfigError(f"{source}: field 'snapshot_dir': expected a folder path, got {folder!r}")
 
 
-def _merge_rules(settings: dict[str, Any], rules: Any, expect: Mapping[str, Any]) -> list[Rule]:
+def _merge_rules(
+    settings: dict[str, Any], rules: Any, expect: Mapping[str, Any], *, detailed: bool
+) -> list[Rule]:
     """Defaults, then the config's rules, then ``rules=``; ``expect`` adds shape rules."""
     defaults = settings.get("defaults", True)
-    merged = load_rules(settings.get("rules"), rules, defaults=defaults)
+    merged = load_rules(settings.get("rules"), rules, defaults=defaults, detailed=detailed)
     for i, (glob, shape) in enumerate(expect.items()):
         spec = {"name": f"shape:{glob}", "check": "shape", "modules": glob, "expect": shape}
         merged.append(parse_rule(spec, i))
     return merged
 
 
-class Monitor(StepPipeline):
+class Monitor(Sentinel):
     """Hooks on one model: :meth:`step` once per step, then :attr:`anomalies`; :meth:`close`.
 
     Built from its parts (see :mod:`~breakpod._monitor.state`): reporting, parameter
-    planning, module hooks, the step pipeline; this class installs them and owns the
-    monitor's lifecycle and its time travel.
+    planning, module hooks, the step pipeline, the sentinel's localization; this class
+    installs them and owns the monitor's lifecycle and its time travel.
     """
 
     def __init__(
@@ -201,8 +213,15 @@ class Monitor(StepPipeline):
         optimizer: Any = None,
         ctx: ActionContext | None = None,
         enabled: bool = True,
+        tier: str = tiers.DETAILED,
+        probe: bool = False,
     ) -> None:
         self.model = model
+        self.tier = tier
+        # a detailed copy the sentinel makes for a replay (see sentinel.py): registered
+        # nowhere, reporting to its parent, its hooks awake while a replay runs
+        self._is_probe = probe
+        self._sees_replay = probe
         self.rules = rules
         self.check_every = check_every
         self.enabled = enabled
@@ -226,7 +245,11 @@ class Monitor(StepPipeline):
         self._host_buffers = HostBuffers()  # the reads' pinned copies, reused (CUDA only)
         self._backward_queued = False
         self._optimizer = optimizer
-        self._urgent = any(r.urgent for r in rules)
+        # a rule that must act before the update, or the sentinel at check_every=1: its one
+        # read a step waits at the step's end, so a bad step's replay comes before the update
+        self._urgent = any(r.urgent for r in rules) or (
+            tier == tiers.SENTINEL and check_every == 1 and not probe
+        )
         # the optimizer ended a step and no training pass ran since: a loss given now is
         # that step's (see record_loss)
         self._updated = False
@@ -240,7 +263,10 @@ class Monitor(StepPipeline):
         self._failed: set[str] = set()
         self.capture: Capture | None = None  # timetravel: set by start_capture()
         self.flight: FlightRecorder | None = None  # the last steps on the device (flight.py)
-        if enabled:
+        self._start_sentinel()
+        if enabled and probe:
+            self._install(optimizer)
+        elif enabled:
             previous = monitor_of(model)
             if previous is not None:  # two monitors would double every hook and report
                 announce("watch(): this model was already watched; closing the previous monitor")
@@ -250,7 +276,8 @@ class Monitor(StepPipeline):
 
     def start_capture(self, wanted: bool | None = None) -> None:
         """Keep each step's root inputs, RNG and output gradient for ``replay``/``whatif``."""
-        if self.enabled and capture_wanted(wanted, any(r.parks for r in self.rules)):
+        parks = any(r.parks for r in self.rules)
+        if self.enabled and capture_wanted(wanted, parks or self.tier == tiers.SENTINEL):
             self.capture = Capture(self.model, lambda: self.step_count)
 
     def replay(self) -> Any:
@@ -264,7 +291,7 @@ class Monitor(StepPipeline):
         return report
 
     def _install(self, optimizer: Any) -> None:
-        steps = flight_steps()
+        steps = 0 if self._is_probe else flight_steps()
         self._flight_columns = steps > 0
         batchnorm: dict[str, frozenset[str]] = {}
         self._bn_modules: list[tuple[str, Any]] = []
@@ -302,6 +329,7 @@ class Monitor(StepPipeline):
         self._leaf_hooks.clear()
         if self.capture is not None:  # timetravel
             self.capture.close()
+        self._close_sentinel()
         if self.flight is not None:
             self.flight.close()
         self._pending, self._inflight, self._current = [], [], self._record(self.step_count)

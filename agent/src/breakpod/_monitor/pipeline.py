@@ -108,7 +108,7 @@ class StepPipeline(ModuleHooks):
             self._read(done)
             self._evaluate_landed(wait=True, frame=frame)
             self._apply_skip(done.step)
-        elif self.step_count % self.check_every == 0 or done.kept:
+        elif self.step_count % self.check_every == 0 or done.kept or done.read_now:
             self._read(done)  # kept tensors (break/snapshot rules) live one step, not check_every
         self._evaluate_landed(wait=False)
 
@@ -204,14 +204,16 @@ class StepPipeline(ModuleHooks):
         for i, step in enumerate(steps):
             data = decode(step, values, copies)
             self._table.expand(data, self._detector.hot_modules())
-            # exporters (breakpod.export): host floats already read, before a stop can raise
-            events.emit_local(
-                events.STEP_STATS,
-                monitor=self,
-                steps=[data],
-                params=self._detector.params,
-                read_done=i == len(steps) - 1,
-            )
+            # exporters (breakpod.export): host floats already read, before a stop can raise;
+            # a probe's replayed step is no training step
+            if not self._is_probe:
+                events.emit_local(
+                    events.STEP_STATS,
+                    monitor=self,
+                    steps=[data],
+                    params=self._detector.params,
+                    read_done=i == len(steps) - 1,
+                )
             self._report(self._detector.run(data), frame)
 
 

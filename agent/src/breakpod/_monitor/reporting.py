@@ -66,7 +66,8 @@ class Reporting(MonitorState):
         def hook(*args: Any) -> None:
             if compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
                 return
-            if replaying():  # timetravel: a replayed step is not a new step
+            # timetravel: a replayed step is not a new step (but a probe's, see sentinel.py)
+            if replaying() and not self._sees_replay:
                 return
             try:
                 fn(*args)

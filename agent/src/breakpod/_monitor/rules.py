@@ -125,8 +125,10 @@ def glob_match(name: str, glob: str) -> bool:
     return glob == "*" or _glob_regex(glob).match(name) is not None
 
 
-def default_rules() -> list[Rule]:
-    """The rules every monitor runs unless told ``defaults: false``."""
+def default_rules(detailed: bool = True) -> list[Rule]:
+    """The rules every monitor runs unless told ``defaults: false``. The sentinel tier
+    (``detailed`` False) hooks no module, so it leaves out ``dead_units``, which reads
+    every ReLU's output: a ``dead_units`` rule of the user's hooks the modules it names."""
     specs: list[dict[str, Any]] = [
         {"check": "nonfinite"},
         {"check": "grad_norm"},
@@ -134,14 +136,17 @@ def default_rules() -> list[Rule]:
         {"check": "batchnorm"},
         {"check": "loss_spike"},
     ]
+    if not detailed:
+        specs = [spec for spec in specs if spec["check"] != "dead_units"]
     return [parse_rule(spec, i) for i, spec in enumerate(specs)]
 
 
-def load_rules(*sources: Any, defaults: bool = True) -> list[Rule]:
+def load_rules(*sources: Any, defaults: bool = True, detailed: bool = True) -> list[Rule]:
     """Rules from lists, ``{"rules": [...], "defaults": bool}`` mappings or YAML file paths.
 
     A later source's rule replaces an earlier one of the same name; any
-    source saying ``defaults: false`` drops the built-in defaults.
+    source saying ``defaults: false`` drops the built-in defaults (``detailed``: the
+    detailed tier's defaults, see :func:`default_rules`).
     """
     merged: dict[str, Rule] = {}
     for source in sources:
@@ -150,7 +155,7 @@ def load_rules(*sources: Any, defaults: bool = True) -> list[Rule]:
         _check_unique(rules)
         merged.update((r.name, r) for r in rules)
     users = list(merged.values())
-    base = [r for r in default_rules() if r.name not in merged] if defaults else []
+    base = [r for r in default_rules(detailed) if r.name not in merged] if defaults else []
     base = [
         dataclasses.replace(r, yields_to=tuple(u for u in users if u.check == r.check))
         for r in base

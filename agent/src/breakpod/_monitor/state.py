@@ -31,6 +31,9 @@ class MonitorState:
 
     # the monitor (monitor.py): what it watches and its public counters
     model: Any
+    tier: str  # sentinel | detailed (tiers.py)
+    _is_probe: bool  # a detailed copy for a replay (sentinel.py)
+    _sees_replay: bool  # its hooks run while a replay runs
     rules: list[Rule]
     check_every: int
     enabled: bool

@@ -54,6 +54,7 @@ class StepRecord:
     # device -> {slot index: units}, for the slots with a dead_units column only
     units: dict[Any, dict[int, int]] = dataclasses.field(default_factory=dict)
     kept: dict[int, Any] = dataclasses.field(default_factory=dict)  # for break/snapshot rules
+    read_now: bool = False  # the sentinel saw a non-finite gradient: read at its end
 
 
 class SlotTable:

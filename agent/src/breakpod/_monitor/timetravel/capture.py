@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -87,8 +88,8 @@ class Capture:
         self._kept: dict[str, Any] = {}  # the last copies of the running statistics
         self._kept_shape: list[Any] = []
         self._handles = [
-            model.register_forward_pre_hook(self._before, with_kwargs=True),
-            model.register_forward_hook(self._after),
+            model.register_forward_pre_hook(_eager(self._before), with_kwargs=True),
+            model.register_forward_hook(_eager(self._after)),
         ]
 
     def _before(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -153,6 +154,24 @@ class Capture:
             handle.remove()
         self._handles.clear()
         self.last = None
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A root hook that runs eagerly under ``torch.compile`` too: dynamo, once loaded
+    (importing it costs seconds, so never for an eager job), graph-breaks at a function
+    it is told not to trace and calls it as it is, so a compiled model's steps are
+    captured for the eager replay."""
+    disabled: list[Callable[..., Any]] = []
+
+    def run(*args: Any) -> Any:
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:
+            return hook(*args)
+        if not disabled:
+            disabled.append(dynamo.disable(hook))
+        return disabled[0](*args)
+
+    return run
 
 
 def rng_states() -> tuple[Any, list[Any]]:

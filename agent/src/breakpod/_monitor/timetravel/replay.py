@@ -58,6 +58,9 @@ class ReplayReport:
     forwards: int
     outputs: list[str] = dataclasses.field(default_factory=list)  # the model's, replayed
     bad_grad: str = ""  # the output gradient the loss sent, when it was non-finite
+    # not reproduced, but the same gradients hold NaN/Inf in the same places (the finite
+    # values differ: gradients accumulated over steps, a non-deterministic sum)
+    same_nonfinite: bool = False
     loss: str = ""  # the monitor's verdict on this step's loss, when it was non-finite
 
     def lines(self) -> list[str]:
@@ -119,7 +122,8 @@ def run_step(model: Any, inputs: StepInputs, *, compare: bool) -> ReplayReport:
         _load_step_state(model, inputs)
         watch = _instrumented_run(model, inputs)
         reproduced, why = _compare(params, real_grads, inputs) if compare else (None, "")
-    return ReplayReport(
+        same = reproduced is False and _same_nonfinite(params, real_grads)
+    report = ReplayReport(
         inputs.step,
         watch.ops,
         time.perf_counter() - started,
@@ -132,6 +136,25 @@ def run_step(model: Any, inputs: StepInputs, *, compare: bool) -> ReplayReport:
         watch.outputs,
         _bad_grad(inputs.output_grads),
     )
+    report.same_nonfinite = same
+    return report
+
+
+def _same_nonfinite(params: list[Any], real: list[Any]) -> bool:
+    """Do the replayed gradients hold their NaN/Inf where the real ones do (and some)?"""
+    import torch
+
+    seen = False
+    for p, g in zip(params, real, strict=True):
+        if (p.grad is None) != (g is None):
+            return False
+        if g is None:
+            continue
+        mask = torch.isfinite(g)
+        if p.grad.shape != g.shape or not torch.equal(torch.isfinite(p.grad), mask):
+            return False
+        seen = seen or not bool(mask.all())
+    return seen
 
 
 def _bad_grad(grads: list[Any]) -> str:

@@ -1,0 +1,228 @@
+"""The sentinel tier's localization: a non-finite value that the step's loss or
+gradient norms show is traced to the module that made it, by replaying the step.
+
+The sentinel hooks no module, so what it finds is where a NaN ended up (the
+loss, a parameter's gradient), not where it was born. At the step's end, before
+the update (the optimizer's pre-hook; a parked job waits there), a non-finite
+finding replays the captured step (:mod:`~breakpod._monitor.timetravel.replay`)
+under a *probe*: a detailed copy of the monitor, its hooks on every module for
+the duration of the replay only, reporting to this monitor instead of acting.
+What the probe finds is what the detailed tier would have reported live (the
+same rule, module, phase and summary); the op that made the value comes from
+the replay's dispatch check. The anomaly says which tier found it and how
+(``tier``, ``how``: ``live`` or ``replay``).
+
+A replay that does not reproduce the step (its gradients differ: a
+non-deterministic op, data-dependent randomness), or a step no longer captured
+(read ``check_every`` steps later), is said so and turns the detailed tier on
+for the next ``BREAKPOD_DETAILED_STEPS`` steps: the probe then runs live, so the
+next occurrence is localized as it happens.
+
+On a CPU, where reading the norms costs no device sync, the end of each
+backward looks at them, and a non-finite one replays its step right there: the
+weights, the inputs and the state around the model are still the step's (the
+update, or a loop that switches its fault off, come later), and the step is read
+at its end whatever ``check_every`` is. On a GPU the step's end is where the
+sentinel reads (with ``watch(optimizer=...)`` before the update); a step read
+later, or after its update, may not reproduce, and the detailed tier takes over.
+"""
+
+from __future__ import annotations
+
+import time
+from types import FrameType
+from typing import Any
+
+from breakpod._core.announce import announce
+from breakpod._monitor.anomaly import Anomaly
+from breakpod._monitor.pipeline import StepPipeline
+from breakpod._monitor.rules import Rule
+from breakpod._monitor.tiers import DETAILED, SENTINEL, detailed_steps
+
+Found = tuple[Anomaly, Rule]
+BEFORE_LOSS = ("input", "forward")  # a probe's sites that come before the loss in a step
+
+
+class Sentinel(StepPipeline):
+    """A sentinel monitor's findings localized by replay; a probe's kept for its parent."""
+
+    def _start_sentinel(self) -> None:
+        self._found: list[Found] = []  # a probe's findings, for its parent
+        # a step localized at the end of its backward (CPU): step -> its findings, and how
+        self._early: dict[int, tuple[dict[str, Found], str]] = {}
+        self._bad_step = -2  # the last step whose gradients were seen non-finite (CPU)
+        self._live: Any = None  # a probe: the detailed tier, live after a failed replay
+        self._live_until = 0
+        self.replay_seconds: list[float] = []  # each localizing replay's time (the bench reads it)
+
+    def _close_sentinel(self) -> None:
+        if self._live is not None:
+            self._live.close()
+            self._live = None
+        self._early.clear()
+
+    # -- reporting: localize first
+    def _report(self, found: list[Found], frame: FrameType | None = None) -> None:
+        if self._is_probe:
+            self._found.extend(found)
+            return
+        if self.tier == SENTINEL and any(r.check == "nonfinite" for _, r in found):
+            found = self._localized(found)
+        for anomaly, _ in found:
+            anomaly.tier = anomaly.tier or self.tier
+        super()._report(found, frame)
+
+    def _localized(self, found: list[Found]) -> list[Found]:
+        step = next(a.step for a, r in found if r.check == "nonfinite")
+        better, note = self._localization(step)
+        out = [
+            (self._choose(a, better.pop(r.name)[0] if r.name in better else None, note), r)
+            if r.check == "nonfinite"
+            else (a, r)
+            for a, r in found
+        ]
+        # a rule the sentinel cannot see (its modules have no parameters): the probe's site
+        return out + list(better.values())
+
+    @staticmethod
+    def _choose(live: Anomaly, localized: Anomaly | None, note: str) -> Anomaly:
+        """The detailed tier's site, in its order: the batch and module outputs come
+        before the loss, the loss before the gradients."""
+        if localized is not None and (localized.phase in BEFORE_LOSS or live.phase != "loss"):
+            localized.details.setdefault("localized", note)
+            return localized
+        live.details["localized"] = note
+        live.tier = SENTINEL
+        return live
+
+    def _localization(self, step: int) -> tuple[dict[str, Found], str]:
+        """Per rule, the first site the detailed checks find in ``step``, and how."""
+        if step in self._early:
+            return self._early.pop(step)
+        if self._live is not None:
+            return self._live_findings(step), "found live by the detailed tier"
+        capture = self.capture
+        if capture is None:
+            return {}, "not localized: replay capture is off (replay=False or BREAKPOD_REPLAY=0)"
+        if capture.last is None or capture.last.step != step:
+            why = f"step {step} is no longer captured: it was read at step {self.step_count - 1}"
+            self._escalate(step, why)
+            return {}, f"not localized: {why}"
+        return self._replayed(step)
+
+    def _replayed(self, step: int) -> tuple[dict[str, Found], str]:
+        from breakpod._monitor.timetravel import replay
+
+        started = time.perf_counter()
+        probe = self._new_probe(step)
+        try:
+            report = replay.replay(self.model, self.capture)
+            found = probe.finish_probe()
+        except Exception as e:  # a replay that fails says so; the finding stays the sentinel's
+            self._escalate(step, f"the replay failed ({type(e).__name__}: {e})")
+            return {}, f"not localized: the replay failed ({type(e).__name__}: {e})"
+        finally:
+            self.shapes.update(probe.shapes)  # for tshape at the park
+            probe.close()
+        seconds = time.perf_counter() - started
+        self.replay_seconds.append(seconds)
+        if report.reproduced is False and not report.same_nonfinite:
+            self._escalate(step, f"its replay did not reproduce it ({report.why_not})")
+            return {}, f"not localized: the replay did not reproduce the step ({report.why_not})"
+        note = f"replayed in {seconds:.3f} s ({report.ops} ops), {_verdict(report)}"
+        bad = report.first or report.first_any
+        first: dict[str, Found] = {}
+        for anomaly, rule in found:
+            if rule.name not in first:
+                anomaly.tier, anomaly.how = SENTINEL, "replay"
+                if bad is not None:
+                    anomaly.details["op"] = bad.where()
+                first[rule.name] = (anomaly, rule)
+        return first, note
+
+    def _new_probe(self, step: int) -> Any:
+        """A detailed monitor of the same model and non-finite rules, for one step."""
+        rules = [r for r in self.rules if r.check == "nonfinite"]
+        make: Any = type(self)  # the Monitor, whose constructor installs the hooks
+        probe = make(self.model, rules, check_every=1, tier=DETAILED, probe=True)
+        probe.step_count, probe._current = step, probe._record(step)
+        probe._said_compiled = True  # its hooks run in the replay, which runs eagerly
+        return probe
+
+    def finish_probe(self) -> list[Found]:
+        """End the probe's one step and judge it now; its findings."""
+        self._end_step(None)
+        self.flush()
+        found, self._found = self._found, []
+        return found
+
+    # -- at the end of a backward
+    def _backward_done(self) -> None:
+        """On a CPU, where reading the gradient norms costs no device sync, a non-finite one
+        is seen at the end of its backward, and its step replayed there: the weights,
+        the captured inputs and the state around the model are still the step's (the
+        update, or a loop that switches its fault off, come later). The step is then read
+        at its end, not ``check_every`` steps later."""
+        if self.capture is None or self._is_probe or self._live is not None:
+            return  # (with the detailed tier live, it sees the step as it runs)
+        norms = [e.vec for e in self._current.entries if e.kind == "grads"]
+        if not norms or any(v.device.type != "cpu" for v in norms):
+            return
+        import torch
+
+        if bool(torch.cat([v.reshape(-1).float() for v in norms]).isfinite().all()):
+            return
+        step = self._current.step
+        ongoing = self._bad_step in (step - 1, step)  # an outbreak reported already
+        self._bad_step = step
+        if ongoing:
+            return
+        self._current.read_now = True
+        last = self.capture.last
+        if step not in self._early and last is not None and last.step == step:
+            self._early = {step: self._replayed(step)}  # the latest step only
+
+    # -- the detailed tier, live for a while
+    def _escalate(self, step: int, why: str) -> None:
+        steps = detailed_steps()
+        if steps == 0 or self._is_probe or not self.enabled:
+            return
+        announce(
+            f"monitor: step {step}'s non-finite value was not localized: {why}; the detailed "
+            f"tier is on for the next {steps} steps, so the next one is localized as it happens"
+        )
+        if self._live is None:
+            self._live = self._new_probe(self.step_count)
+            self._live._sees_replay = False  # live: it checks training steps, not replays
+        self._live_until = self.step_count + steps
+
+    def _live_findings(self, step: int) -> dict[str, Found]:
+        live = self._live
+        first: dict[str, Found] = {}
+        if live is None:
+            return first
+        for anomaly, rule in live._found:
+            if anomaly.step == step and rule.name not in first:
+                anomaly.tier, anomaly.how = DETAILED, "live"
+                first[rule.name] = (anomaly, rule)
+        live._found = [(a, r) for a, r in live._found if a.step > step]
+        return first
+
+    def _end_step(self, loss: Any, frame: FrameType | None = None) -> None:
+        live = self._live
+        if live is not None:  # its step first, so that this step's judgement has it
+            live._end_step(None)
+            live.flush()
+        super()._end_step(loss, frame)
+        if live is not None and self.step_count >= self._live_until:
+            live.close()
+            self._live = None
+            announce(f"monitor: the detailed tier is off again after step {self.step_count - 1}")
+
+
+def _verdict(report: Any) -> str:
+    if report.reproduced:
+        return "reproduced bit-exactly"
+    if report.same_nonfinite:
+        return "its NaN/Inf reproduced in the same places (finite values differ)"
+    return f"not compared: {report.why_not}"
