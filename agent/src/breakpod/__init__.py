@@ -114,9 +114,11 @@ def _connect_broker() -> Any:
 
 def _tensor_commands() -> None:
     """pdb's tensor commands (``tstat``, ``tnan``, ...) in every session once torch is
-    loaded (never loading it for them); they register with the registry as they load."""
+    loaded (never loading it for them)."""
     if "torch" in sys.modules:
-        from breakpod._monitor import tensor_commands  # noqa: F401
+        from breakpod._monitor.tensor_commands import TENSOR_COMMANDS
+
+        TENSOR_COMMANDS.register()
 
 
 wiring.provide(_connect_broker)

@@ -43,7 +43,9 @@ class Park:
         self.address = address
         self._held = False
 
-    def hold(self, held: bool) -> None:
+    def set_held(self, held: bool) -> None:
+        """A held process is not a stalled one (the watchdog reads the count); a park
+        holds once, and lets go once."""
         if held != self._held:
             self._held = held
             (holding.hold if held else holding.release)()
@@ -74,7 +76,7 @@ class Park:
 
     def resumed(self, why: str | None = None, *, said: str | None = None) -> None:
         """The park is over, the job goes on; ``said``: announce ``why`` with it."""
-        self.hold(False)
+        self.set_held(False)
         if said is not None:
             announce(f"{why}; {said}")
         self._emit(protocol.RESUMED, **({"why": why} if why is not None else {}))
@@ -107,15 +109,15 @@ class PdbPark(Park):
 
     def wait(self) -> bool:
         """Wait up to the hold time for a client; True when one attached."""
-        self.hold(True)  # a parked or attached process is not a stalled one
+        self.set_held(True)  # a parked or attached process is not a stalled one
         timeout = None if self.hold_seconds == float("inf") else self.hold_seconds
         try:
             sock = self.listener.wait_for_client(timeout)
         except BaseException:  # a signal handler's exception: the process runs on, unheld
-            self.hold(False)
+            self.set_held(False)
             raise
         if sock is None:
-            self.hold(False)
+            self.set_held(False)
             return False
         self._client = sock
         _attached.append(self)
@@ -126,7 +128,7 @@ class PdbPark(Park):
 
     def end(self, why: str) -> None:
         """The client's session is over (it may wait again: see ``on_detach``)."""
-        self.hold(False)
+        self.set_held(False)
         if self._client is None:
             return
         self.io.write(f"breakpod: {why}\n")
@@ -169,14 +171,14 @@ def open_dap(reason: str, hold_seconds: float) -> Park | None:
     park = Park(reason, hold_seconds, endpoint.address)
     park.backend = protocol.DAP_LISTENER
     park.parked(f"a DAP client on {endpoint.address}", deadline=False)
-    park.hold(True)
+    park.set_held(True)
     try:
         attached = debugger.wait_for_debugpy_client(hold_seconds)
     except BaseException as e:
         park.interrupted(e)
         raise
     finally:
-        park.hold(False)
+        park.set_held(False)
     if not attached:
         announce(f"nobody attached within {format_seconds(hold_seconds)}; continuing")
         park.resumed("hold time passed")

@@ -2,9 +2,10 @@
 
 The debugger owns it; the layers above fill it and it imports none of them. A
 command registers with :func:`command`; a layer whose commands may load only when
-a session starts offers a loader with :func:`add_loader`, which runs as each
-session begins (the package's face offers the monitors' tensor commands, once
-torch is loaded). Light on purpose: ``import breakpod`` loads it, and no pdb.
+a session starts collects them in a :class:`CommandSet` and offers a loader with
+:func:`add_loader`, which runs as each session begins and registers the set (the
+package's face offers the monitors' tensor commands, once torch is loaded).
+Light on purpose: ``import breakpod`` loads it, and no pdb.
 
 A command receives the debugger (for ``message``/``error`` and ``curframe``)
 and the rest of the line; it returns True to leave the prompt (as ``continue``
@@ -35,6 +36,25 @@ def command(name: str) -> Callable[[Command], Command]:
         return fn
 
     return register
+
+
+class CommandSet:
+    """Commands defined in a layer above, put in the registry by :meth:`register`."""
+
+    def __init__(self) -> None:
+        self.commands: dict[str, Command] = {}
+
+    def command(self, name: str) -> Callable[[Command], Command]:
+        """As :func:`command`, into this set."""
+
+        def collect(fn: Command) -> Command:
+            self.commands[name] = fn
+            return fn
+
+        return collect
+
+    def register(self) -> None:
+        COMMANDS.update(self.commands)
 
 
 def add_loader(load: Callable[[], None]) -> None:

@@ -18,12 +18,15 @@ import resource
 import sys
 from typing import Any
 
-from breakpod._debug.pdb_commands import command
+from breakpod._debug.registry import CommandSet
 from breakpod._monitor.anomaly import parked_context
 from breakpod._monitor.flight import table as flight_table
 from breakpod._monitor.monitor import MONITORS, Monitor, monitor_of
 from breakpod._monitor.summaries import nonfinite_counts, summary
 from breakpod._monitor.timetravel import replay, whatif
+
+TENSOR_COMMANDS = CommandSet()  # the package's face registers them once torch is loaded
+command = TENSOR_COMMANDS.command
 
 
 def _eval(debugger: pdb.Pdb, expr: str) -> Any:
