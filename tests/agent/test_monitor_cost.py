@@ -130,7 +130,7 @@ def test_monitored_training_step_under_cuda_sync_debug_error(monkeypatch):
     model = model.cuda()
     model(torch.randn(2, 3, 16, 16, device="cuda"))  # materialise the lazy layer first
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = breakpod.watch(model, expect={"4": (None, 10)}, check_every=2)
+    monitor = breakpod.watch(model, expect={"4": (None, 10)}, check_every=2, tier="detailed")
     x = torch.randn(4, 3, 16, 16, device="cuda")
     y = torch.randint(0, 10, (4,), device="cuda")
     torch.cuda.synchronize()
@@ -176,7 +176,7 @@ def test_reads_on_cuda_reuse_their_pinned_buffers(monkeypatch):
     """Twenty reads, one pinned buffer per read in flight (not one per read), right values."""
     monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).cuda()
-    monitor = breakpod.watch(model, check_every=1)
+    monitor = breakpod.watch(model, check_every=1, tier="detailed")  # non-blocking reads
     x = torch.randn(4, 8, device="cuda")
     for step in range(20):
         loss = model(x if step < 19 else x * float("nan")).pow(2).mean()
@@ -235,7 +235,7 @@ def test_a_model_split_over_two_gpus_is_read_from_both(monkeypatch):
     monkeypatch.delenv("BREAKPOD_MONITOR", raising=False)
     model = TwoGpus()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = breakpod.watch(model, optimizer=optimizer)
+    monitor = breakpod.watch(model, optimizer=optimizer, tier="detailed")
     x = torch.randn(4, 8, device="cuda:0")
     for step in range(4):
         model.scale.bad = step == 3

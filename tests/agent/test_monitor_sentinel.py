@@ -252,3 +252,66 @@ def test_with_replay_off_the_sentinel_says_it_did_not_localize():
     (a,) = nonfinite(monitor)
     assert a.how == "live" and "replay capture is off" in a.details["localized"], a
     monitor.close()
+
+
+def syncs_per_step(monitor: breakpod.Monitor, model: nn.Module, steps: int) -> list[int]:
+    """Host syncs in each step, as CUDA's sync debug mode warns of them."""
+    import warnings
+
+    optimizer = monitor._optimizer
+    x, y = (t.cuda() for t in batch(0))
+    counts = []
+    for _ in range(steps):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loss = nn.functional.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                monitor.record_loss(loss)
+                optimizer.step()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        counts.append(sum("synchroniz" in str(w.message) for w in seen))
+    return counts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("every", [1, 4])
+def test_on_cuda_the_sentinel_reads_at_most_once_a_step_and_never_between_reads(every):
+    torch.manual_seed(0)
+    model = Net().cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = breakpod.watch(model, optimizer=optimizer, check_every=every)
+    syncs_per_step(monitor, model, 3)  # warm-up: lazy allocations
+    counts = syncs_per_step(monitor, model, 8)
+    assert max(counts) <= 1, counts
+    if every > 1:  # steps 3..10: reads at the ends of steps 3 and 7 only
+        assert [c for i, c in enumerate(counts, 3) if (i + 1) % every] == [0] * 6, counts
+    assert monitor.errors == 0
+    monitor.close()
+
+
+def test_a_forward_nan_its_replay_does_not_make_is_not_blamed_on_the_backward():
+    """A fault on the module's Nth call: the replay's forward (one call more) is finite and
+    only the captured output gradient brings the NaN back, so the first backward site is
+    no finding: the step did not reproduce, and the detailed tier takes over."""
+    torch.manual_seed(0)
+    model = Net()
+    calls = [0]
+
+    def poison(module: nn.Module, inputs: object, output: torch.Tensor) -> torch.Tensor | None:
+        calls[0] += 1
+        return output * float("nan") if calls[0] == 3 else None
+
+    model.fc2.register_forward_hook(poison)
+    monitor = breakpod.watch(model)
+    train_skipping_bad_updates(model, monitor, 4)
+    monitor.flush()
+    (a,) = nonfinite(monitor)
+    assert (a.step, a.how) == (2, "live") and a.module != "fc3", a
+    assert "outputs were non-finite in the step and finite in its replay" in a.details["localized"]
+    assert len(hooked(model)) > 1  # the detailed tier's hooks, besides the poison's own
+    monitor.close()

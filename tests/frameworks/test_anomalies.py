@@ -23,7 +23,10 @@ EXPIRE = {"BREAKPOD_HOLD_SECONDS": "0.5", "BREAKPOD_ON_EXPIRE": "skip", "NAN_AT"
 
 def run(spawn: Any, name: str, mode: str, **env: str) -> Any:
     debug = {"ENABLE_REMOTE_DEBUG": "1"} if mode == "zero" else {"MODE": "explicit"}
-    full = {"PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", **debug, **EXPIRE, **env}
+    # the detailed tier: the NaN is the poisoned module's NAN_AT-th training forward, which
+    # the sentinel's replay (one more forward) does not reproduce
+    tier = {"BREAKPOD_MONITOR_TIER": "detailed"}
+    full = {"PYTHONPATH": ROOT, "HF_HUB_OFFLINE": "1", **tier, **debug, **EXPIRE, **env}
     return spawn(script(name), env=full, stdin="closed")
 
 

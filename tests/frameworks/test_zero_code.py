@@ -13,7 +13,12 @@ from tests.frameworks.jobs import ROOT, script
 
 
 def probe(spawn: Any, debug: bool = True, **env: str) -> tuple[str, str]:
-    full = {"PYTHONPATH": ROOT, **({"ENABLE_REMOTE_DEBUG": "1"} if debug else {}), **env}
+    # the detailed tier: the NaN is the poisoned module's NAN_AT-th training forward, which
+    # the sentinel's replay (one more forward) does not reproduce (tests/agent/
+    # test_monitor_sentinel.py covers that path)
+    full = {"PYTHONPATH": ROOT, "BREAKPOD_MONITOR_TIER": "detailed"}
+    full.update({"ENABLE_REMOTE_DEBUG": "1"} if debug else {})
+    full.update(env)
     child = spawn(script("probe"), env=full, stdin="closed")
     assert child.wait(timeout=90) == 0, child.stderr
     return child.stdout(), child.stderr

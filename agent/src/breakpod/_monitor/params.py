@@ -14,6 +14,7 @@ from breakpod._monitor.norms import NormPlan
 from breakpod._monitor.reporting import Reporting
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.stats import Entry, StepRecord, by_device
+from breakpod._monitor.tiers import SENTINEL
 
 REPLACED_EVERY = 64  # gradient collections between looks for replaced parameters
 PROBED = 4  # parameters whose version counters tell that an update was applied
@@ -42,7 +43,9 @@ class ParamPlanning(Reporting):
         """The watched parameters and how their norms, and their gradients', are taken."""
         self._params = self._watched_params()
         state = [
-            (i, p) for i, (info, p) in enumerate(self._params) if _watches_params(info, self.rules)
+            (i, p)
+            for i, (info, p) in enumerate(self._params)
+            if _watches_params(info, self.rules, sentinel=self.tier == SENTINEL)
         ]
         self._grad_norms = NormPlan([p for _, p in self._params])
         self._param_norms = NormPlan([p for _, p in state], keys=[i for i, _ in state])
@@ -140,7 +143,15 @@ def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:
     return where in ("param", "loss") or type(module).__name__ not in rule["skip_types"]
 
 
-def _watches_params(info: ParamInfo, rules: list[Rule]) -> bool:
+def _watches_params(info: ParamInfo, rules: list[Rule], *, sentinel: bool) -> bool:
+    """Are the parameter's values checked at each read? Not for the sentinel's default
+    rule: a non-finite parameter shows in the next step's loss and gradients, and that
+    step's replay names the module and lists the parameter (``nonfinite_params``), so a
+    norm over every parameter at every read would buy a step at the price of a pass."""
     return any(
-        r.name in info.rules and r.check == "nonfinite" and "param" in r["where"] for r in rules
+        r.name in info.rules
+        and r.check == "nonfinite"
+        and "param" in r["where"]
+        and not (sentinel and r.default)
+        for r in rules
     )

@@ -80,6 +80,7 @@ class Rule:
     params: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     # User rules of the same check: a default rule leaves them the modules they watch.
     yields_to: tuple[Rule, ...] = ()
+    default: bool = False  # one of the built-in defaults (default_rules)
 
     def matches(self, name: str, module: object) -> bool:
         """Does this rule watch the module ``name`` (as in ``named_modules()``)?"""
@@ -138,7 +139,7 @@ def default_rules(detailed: bool = True) -> list[Rule]:
     ]
     if not detailed:
         specs = [spec for spec in specs if spec["check"] != "dead_units"]
-    return [parse_rule(spec, i) for i, spec in enumerate(specs)]
+    return [dataclasses.replace(parse_rule(spec, i), default=True) for i, spec in enumerate(specs)]
 
 
 def load_rules(*sources: Any, defaults: bool = True, detailed: bool = True) -> list[Rule]:

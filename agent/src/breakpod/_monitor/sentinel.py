@@ -29,6 +29,7 @@ later, or after its update, may not reproduce, and the detailed tier takes over.
 
 from __future__ import annotations
 
+import sys
 import time
 from types import FrameType
 from typing import Any
@@ -37,6 +38,7 @@ from breakpod._core.announce import announce
 from breakpod._monitor.anomaly import Anomaly
 from breakpod._monitor.pipeline import StepPipeline
 from breakpod._monitor.rules import Rule
+from breakpod._monitor.stats import StepRecord
 from breakpod._monitor.tiers import DETAILED, SENTINEL, detailed_steps
 
 Found = tuple[Anomaly, Rule]
@@ -113,10 +115,13 @@ class Sentinel(StepPipeline):
     def _replayed(self, step: int) -> tuple[dict[str, Found], str]:
         from breakpod._monitor.timetravel import replay
 
+        capture = self.capture
+        if capture is None or capture.last is None:
+            return {}, "not localized: no step captured"
         started = time.perf_counter()
         probe = self._new_probe(step)
         try:
-            report = replay.replay(self.model, self.capture)
+            report = replay.replay(self.model, capture)
             found = probe.finish_probe()
         except Exception as e:  # a replay that fails says so; the finding stays the sentinel's
             self._escalate(step, f"the replay failed ({type(e).__name__}: {e})")
@@ -126,9 +131,10 @@ class Sentinel(StepPipeline):
             probe.close()
         seconds = time.perf_counter() - started
         self.replay_seconds.append(seconds)
-        if report.reproduced is False and not report.same_nonfinite:
-            self._escalate(step, f"its replay did not reproduce it ({report.why_not})")
-            return {}, f"not localized: the replay did not reproduce the step ({report.why_not})"
+        why_not = _not_reproduced(report, found, capture.last)
+        if why_not:
+            self._escalate(step, f"its replay did not reproduce it ({why_not})")
+            return {}, f"not localized: the replay did not reproduce the step ({why_not})"
         note = f"replayed in {seconds:.3f} s ({report.ops} ops), {_verdict(report)}"
         bad = report.first or report.first_any
         first: dict[str, Found] = {}
@@ -196,6 +202,21 @@ class Sentinel(StepPipeline):
             self._live._sees_replay = False  # live: it checks training steps, not replays
         self._live_until = self.step_count + steps
 
+    def _unreplayable(self, done: StepRecord) -> str:
+        """Why the sentinel cannot serve this model, or ``""``: a step with gradients and no
+        capture (the root's forward never ran), or one without gradients (inference)."""
+        if self.tier != SENTINEL or self._is_probe or self.capture is None:
+            return ""
+        grads = any(e.kind == "grads" for e in done.entries)
+        if grads and self.capture.last is None:
+            return (
+                "the watched model's own forward did not run in a training step (its modules "
+                "were called directly, as a LightningModule's training_step calls its networks)"
+            )
+        if not grads and self.capture.last is not None and not done.partial:
+            return "a step ended without gradients (an inference job: the sentinel reads gradients)"
+        return ""
+
     def _live_findings(self, step: int) -> dict[str, Found]:
         live = self._live
         first: dict[str, Found] = {}
@@ -213,7 +234,25 @@ class Sentinel(StepPipeline):
         if live is not None:  # its step first, so that this step's judgement has it
             live._end_step(None)
             live.flush()
+        done = self._current
         super()._end_step(loss, frame)
+        if live is not None and live._found:  # what only the detailed tier saw (no trigger)
+            said = {(a.step, a.rule) for a in self.anomalies}
+            left = [
+                (a, r)
+                for a, r in live._found
+                if a.step < self.step_count and (a.step, a.rule) not in said
+            ]
+            live._found = [(a, r) for a, r in live._found if a.step >= self.step_count]
+            for anomaly, _ in left:
+                anomaly.tier, anomaly.how = DETAILED, "live"
+            super()._report(left, frame)
+        why = self._unreplayable(done) if live is None else ""
+        if why:
+            announce(f"monitor: {why}, so no step can be replayed: the detailed tier is on")
+            self._live = self._new_probe(self.step_count)
+            self._live._sees_replay = False
+            self._live_until = sys.maxsize
         if live is not None and self.step_count >= self._live_until:
             live.close()
             self._live = None
@@ -226,3 +265,16 @@ def _verdict(report: Any) -> str:
     if report.same_nonfinite:
         return "its NaN/Inf reproduced in the same places (finite values differ)"
     return f"not compared: {report.why_not}"
+
+
+def _not_reproduced(report: Any, found: list[Found], captured: Any) -> str:
+    """Why the replay is not the step, or ``""``: its gradients differ (beyond where the
+    NaN/Inf are), or its outputs are finite where the real ones were not (the replay's
+    NaN then only came back through the captured output gradient)."""
+    if report.reproduced is False and not report.same_nonfinite:
+        return str(report.why_not)
+    # the probe's sites before the loss (a non-finite parameter makes the outputs so too)
+    forward_bad = any(a.phase in (*BEFORE_LOSS, "param") for a, _ in found)
+    if not forward_bad and any(not bool(f) for f in captured.finite):
+        return "the model's outputs were non-finite in the step and finite in its replay"
+    return ""

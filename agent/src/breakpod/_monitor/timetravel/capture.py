@@ -69,6 +69,10 @@ class StepInputs:
     output_grads: list[Any] = dataclasses.field(default_factory=list)
     autocast: tuple[tuple[str, Any], ...] = ()  # (device type, dtype) autocast was on for
     forwards: int = 1  # forwards seen in this step (gradient accumulation replays the last)
+    # per output, a 0-d bool on its device: were its values finite? Read only when a
+    # replay's outputs are finite, to tell a step that did not reproduce (a fault that
+    # depends on state outside the capture) from a NaN the loss function made
+    finite: list[Any] = dataclasses.field(default_factory=list)
 
 
 class Capture:
@@ -137,6 +141,7 @@ class Capture:
             return
         outs = grad_outputs(output)
         self.last.output_grads = [None] * len(outs)
+        self.last.finite = [out.detach().isfinite().all() for out in outs]
         for i, out in enumerate(outs):
             out.register_hook(functools.partial(self._on_grad, self.last, i))
 
