@@ -2,8 +2,9 @@
 
 Two models (a small ResNet-style CNN, batch 32 x 3x64x64, and a 4-layer
 transformer encoder, batch 16 x 128 tokens x d_model 256), trained with SGD
-under eleven setups: no monitoring, breakpod disabled, breakpod default rules
-with check_every=1 and 10, the default rules less the flight recorder and
+under eleven setups: no monitoring, breakpod disabled, breakpod's detailed tier
+(per-module hooks; the default sentinel tier is bench/sentinel.py's) with the
+default rules at check_every=1 and 10, the default rules less the flight recorder and
 less the input-gradient checks (what each of those costs), the default
 rules plus a ``break`` rule (judged
 before ``optimizer.step()``: one host read per step), 20 lines of
@@ -160,10 +161,11 @@ class Breakpod(Setup):
     def __init__(self, model: nn.Module, check_every: int, enabled: bool = True) -> None:
         super().__init__(model)
         os.environ["BREAKPOD_MONITOR"] = "1" if enabled else "0"
-        self.monitor = breakpod.watch(model, check_every=check_every)
+        # the detailed tier (per-module hooks); the default sentinel tier: bench/sentinel.py
+        self.monitor = breakpod.watch(model, check_every=check_every, tier="detailed")
         os.environ.pop("BREAKPOD_MONITOR")
         self.name = (
-            f"breakpod default rules, check_every={check_every}" if enabled else "breakpod disabled"
+            f"breakpod detailed tier, check_every={check_every}" if enabled else "breakpod disabled"
         )
         self.key = f"check_every={check_every}" if enabled else "disabled"
 
@@ -188,7 +190,7 @@ class Without(Breakpod):
             rules = [{"name": "nonfinite", "check": "nonfinite", "where": NO_INPUT_GRADS}]
         else:
             os.environ[FLIGHT_ENV] = "0"
-        self.monitor = breakpod.watch(model, rules, check_every=1)
+        self.monitor = breakpod.watch(model, rules, check_every=1, tier="detailed")
         os.environ.pop(FLIGHT_ENV, None)
 
 
@@ -208,7 +210,9 @@ class BreakRule(Breakpod):
     def __init__(self, model: nn.Module) -> None:
         Setup.__init__(self, model)
         rules = [{"name": "nan-break", "check": "nonfinite", "action": "break"}]
-        self.monitor = breakpod.watch(model, rules, optimizer=self.optimizer, check_every=10)
+        self.monitor = breakpod.watch(
+            model, rules, optimizer=self.optimizer, check_every=10, tier="detailed"
+        )
 
 
 class ItemChecks(Setup):

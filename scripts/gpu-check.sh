@@ -5,7 +5,9 @@
 # torch.cuda.set_sync_debug_mode("error"), which fails on any host-device
 # sync in breakpod's hooks, then the monitors bench on CUDA (bench/monitors.py
 # --cuda: step-time ratios, and zero host syncs per monitored step under
-# sync-debug "error" with the default log/event rules). Without a CUDA
+# sync-debug "error" with the detailed tier's log/event rules), then the sentinel
+# tier's host syncs per step (bench/sentinel.py --cuda: at most one a step at
+# check_every=1, none between reads at check_every=10). Without a CUDA
 # device it says so and exits 0. It uses that machine's own python3 with its torch
 # and pytest; breakpod itself needs nothing installed (the agent has no
 # dependencies), and the broker's test fixtures are left out (--noconftest).
@@ -28,3 +30,4 @@ fi
 "$PY" -m pytest tests/agent/test_monitor_cost.py -m gpu --noconftest -p no:cacheprovider \
   -o addopts="" -o filterwarnings=ignore::DeprecationWarning --timeout 300 -v -rs
 "$PY" bench/monitors.py --cuda
+"$PY" bench/sentinel.py --cuda

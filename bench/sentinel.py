@@ -1,0 +1,287 @@
+"""The sentinel tier's cost on CPU training steps, next to its anchor, and its replay time.
+
+The anchor is the naive sentinel a careful user would write: ``isfinite`` of the
+loss and ``torch._foreach_norm`` of every gradient, into one tensor read once a
+step (GradScaler's price: one host read per step). breakpod's sentinel tier
+(``watch(model, optimizer=opt)``, the default) does that plus the rules: the
+gradient-norm baselines per module, the loss spike, BatchNorm's running
+statistics, the flight recorder's loss and the step capture a replay needs. The
+detailed tier (per-module hooks, ``tier="detailed"``) is ``bench/monitors.py``'s
+subject; one row of it here for scale.
+
+Models: the small CNN and the transformer of ``bench/monitors.py``, a ResNet-18
+written out (torchvision's architecture; its wheels here are CUDA builds that do
+not load against the CPU torch), batch 16 x 3x64x64, and MLPs of 200 and 800
+small Linear+ReLU modules. Setups run interleaved, round after round; each ratio is
+the median over rounds of a setup's step time over the baseline's in the same
+round (the fastest of the round's steps each). Then, per model, the time from a
+trigger (a NaN written into the first layer's weight) to the localized report:
+the replay under the detailed checks.
+
+    python bench/sentinel.py [--rounds N] [--quick] [--cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from monitors import Setup, _quiet_warnings, measure, mlp, resnet, transformer  # bench/
+from torch import nn
+
+import breakpod
+
+TIER1_TARGET = 1.02  # CNN, transformer, ResNet-18: tier 1 at check_every=1
+MLP_SLACK = 0.02  # MLPs: tier 1 at most the naive sentinel's ratio + this
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet-18 block: two 3x3 convolutions, a projection when the shape changes."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or c_in != c_out:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        return self.relu(self.bn2(self.conv2(out)) + identity)
+
+
+class ResNet18(nn.Module):
+    def __init__(self, classes: int = 10) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        widths = [(64, 64, 1), (64, 128, 2), (128, 256, 2), (256, 512, 2)]
+        for i, (c_in, c_out, stride) in enumerate(widths, 1):
+            blocks = nn.Sequential(BasicBlock(c_in, c_out, stride), BasicBlock(c_out, c_out, 1))
+            setattr(self, f"layer{i}", blocks)
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        for i in range(1, 5):
+            x = getattr(self, f"layer{i}")(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet18() -> tuple[nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:
+    x, y = torch.randn(16, 3, 64, 64), torch.randint(0, 10, (16,))
+    return ResNet18(), lambda: (x, y)
+
+
+class NaiveSentinel(Setup):
+    """The anchor: the loss's isfinite and every gradient's norm, one read a step."""
+
+    name = "naive sentinel (isfinite + _foreach_norm)"
+    key = "naive"
+
+    def after(self, loss: torch.Tensor) -> None:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        norms = torch._foreach_norm(grads)
+        flags = torch.cat([torch.stack(norms), loss.detach().reshape(1)])
+        self.reads += 1
+        if not bool(torch.isfinite(flags).all()):
+            raise RuntimeError("the bench's model went non-finite")
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        started = time.perf_counter()
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.after(loss)  # before the update, as GradScaler reads
+        self.optimizer.step()
+        return time.perf_counter() - started
+
+
+class Tier(Setup):
+    """``watch(model, optimizer=opt)``: the step judged at the optimizer's pre-hook."""
+
+    def __init__(self, model: nn.Module, tier: str, check_every: int) -> None:
+        self._counted = 0  # the monitor's reads before the count was last reset
+        super().__init__(model)
+        self.monitor = breakpod.watch(
+            model, optimizer=self.optimizer, check_every=check_every, tier=tier
+        )
+        self.key = f"{tier} {check_every}"
+        self.name = f"breakpod {tier} tier, check_every={check_every}"
+
+    @property
+    def reads(self) -> int:
+        return self.monitor.reads - self._counted
+
+    @reads.setter
+    def reads(self, value: int) -> None:  # the bench resets it after the warm-up
+        monitor = getattr(self, "monitor", None)
+        self._counted = (monitor.reads if monitor is not None else 0) - value
+
+    def after(self, loss: torch.Tensor) -> None:
+        self.monitor.step(loss)
+
+
+def sentinel_setups(detailed: bool) -> Callable[[Callable[[], Any]], Any]:
+    def make(build: Callable[[], Any]) -> Any:
+        def model() -> nn.Module:
+            torch.manual_seed(0)
+            made: nn.Module = build()[0]
+            return made
+
+        yield Setup(model())
+        yield NaiveSentinel(model())
+        yield Tier(model(), "sentinel", 1)
+        yield Tier(model(), "sentinel", 10)
+        if detailed:
+            yield Tier(model(), "detailed", 1)
+
+    return make
+
+
+MODELS: dict[str, tuple[Callable[[], Any], bool]] = {
+    "cnn": (resnet, True),
+    "transformer": (transformer, True),
+    "resnet18": (resnet18, True),
+    "mlp200": (mlp(200), False),
+    "mlp800": (mlp(800), False),
+}
+
+
+def cost(rounds: int, names: list[str]) -> list[str]:
+    header = f"{'model':<12}{'naive':>10}{'tier 1, 1':>12}{'tier 1, 10':>12}{'tier 2, 1':>12}"
+    lines = [header, "-" * len(header)]
+    verdicts = []
+    for name in names:
+        build, detailed = MODELS[name]
+        big = name in ("transformer", "resnet18")
+        rows = measure(build, max(3, rounds // 2) if big else rounds, 1 if big else 3, warmup=2,
+                       make=sentinel_setups(detailed))  # fmt: skip
+        ratio = {getattr(s, "key", ""): r for s, r, _ in rows}
+        reads = {getattr(s, "key", ""): n for s, _, n in rows}
+        tier2 = f"{ratio['detailed 1']:>11.3f}x" if detailed else f"{'-':>12}"
+        lines.append(
+            f"{name:<12}{ratio['naive']:>9.3f}x{ratio['sentinel 1']:>11.3f}x"
+            f"{ratio['sentinel 10']:>11.3f}x{tier2}"
+            f"   (host reads/step {reads['sentinel 1']:.1f}, {reads['sentinel 10']:.2f} at 10)"
+        )
+        target = ratio["naive"] + MLP_SLACK if name.startswith("mlp") else TIER1_TARGET
+        said = f"naive {ratio['naive']:.3f}x + {MLP_SLACK}" if name.startswith("mlp") else ""
+        ok = "ok" if ratio["sentinel 1"] <= target else "MISSED"
+        verdicts.append(
+            f"{name}: tier 1 at check_every=1 {ratio['sentinel 1']:.3f}x "
+            f"(target <= {target:.3f}x{' = ' + said if said else ''}) {ok}"
+        )
+    return lines + verdicts
+
+
+def replay_time(build: Callable[[], Any]) -> tuple[float, str]:
+    """Seconds from the trigger to the localized report, and what it named."""
+    torch.manual_seed(0)
+    model, data = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    monitor = breakpod.watch(model, optimizer=optimizer, tier="sentinel", sink=lambda a: None)
+    first = next(m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)))
+    for step in range(3):
+        if step == 2:
+            with torch.no_grad():
+                first.weight.view(-1)[0] = float("nan")
+        x, y = data()
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        monitor.step(loss)
+    monitor.close()
+    found = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    said = f"{found[0].phase} {found[0].module} ({found[0].how})" if found else "nothing"
+    return (monitor.replay_seconds or [float("nan")])[0], said
+
+
+def replay_times(names: list[str]) -> list[str]:
+    lines = [f"{'model':<12}{'replay s':>10}  localized"]
+    for name in names:
+        with _quiet_warnings():
+            seconds, said = replay_time(MODELS[name][0])
+        lines.append(f"{name:<12}{seconds:>10.3f}  {said}")
+    return lines
+
+
+def cuda_check(steps: int = 20) -> list[str]:
+    """On CUDA: the sentinel's host syncs per step, counted under sync-debug ``warn``
+    (``error`` would forbid the one read it is allowed): at most one a step at
+    check_every=1, none on the steps between reads at check_every=10."""
+    lines = [f"{'model':<12}{'check_every':>12}{'syncs/step (max)':>18}{'between reads':>15}"]
+    for name, (build, _) in MODELS.items():
+        for every in (1, 10):
+            torch.manual_seed(0)
+            model, data = build()
+            model = model.cuda()
+            x, y = (t.cuda() for t in data())
+            setup = Tier(model, "sentinel", every)
+            for _ in range(3):
+                setup.step(x, y)
+            torch.cuda.synchronize()
+            counts = []
+            for _ in range(steps):
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    torch.cuda.set_sync_debug_mode("warn")
+                    try:
+                        setup.step(x, y)
+                    finally:
+                        torch.cuda.set_sync_debug_mode(0)
+                syncs = sum("synchroniz" in str(w.message) for w in seen)
+                counts.append((setup.monitor.step_count, syncs))
+            worst = max(c for _, c in counts)
+            between = max((c for n, c in counts if n % every), default=0)
+            assert worst <= 1, f"{name} check_every={every}: {worst} host syncs in a step"
+            assert every == 1 or between == 0, f"{name}: {between} syncs between reads"
+            assert setup.monitor.errors == 0, f"{name}: monitor errors"
+            lines.append(f"{name:<12}{every:>12}{worst:>18}{between:>15}")
+            setup.monitor.close()
+    lines.append("tier 1: at most one host sync per step, none between reads: ok")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20, help="interleaved rounds")
+    parser.add_argument("--quick", action="store_true", help="the MLPs only")
+    parser.add_argument("--cuda", action="store_true", help="the CUDA sync check")
+    parser.add_argument("--models", default="", help="comma list (default: all)")
+    args = parser.parse_args(argv)
+    if args.cuda:
+        print("\n".join(cuda_check()))
+        return 0
+    torch.set_num_threads(1)
+    names = [n for n in args.models.split(",") if n] or list(MODELS)
+    if args.quick:
+        names = [n for n in names if n.startswith("mlp")]
+    print(
+        f"torch {torch.__version__}, CPU, 1 thread; ratio = median over {args.rounds} interleaved "
+        "rounds of step time / baseline step time in the same round"
+    )
+    print("\n".join(cost(args.rounds, names)))
+    print("\ntime from a trigger to the localized report (the replay under the detailed checks)")
+    print("\n".join(replay_times(names)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
