@@ -44,7 +44,7 @@ class BrokerProcess:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 20.0) -> BrokerProcess:
+    def start(self, timeout: float = 45.0) -> BrokerProcess:  # a loaded machine: 20 s ran out
         env = {k: v for k, v in os.environ.items() if not k.startswith("BREAKPOD_")}
         env.update(BREAKPOD_BROKER_TOKENS=TOKENS, BREAKPOD_METRICS_CACHE_SECONDS="0")
         env.update(self.env)
