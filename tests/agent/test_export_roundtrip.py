@@ -53,7 +53,7 @@ def test_tensorboard_round_trip_tells_every_point_apart(tmp_path: Path) -> None:
 
 def test_tensorboard_counts_nonfinite_tensors_per_module(tmp_path: Path) -> None:
     model = Net()
-    monitor = breakpod.watch(model, check_every=2)
+    monitor = breakpod.watch(model, check_every=2, tier="detailed")  # per module: tier 2
     with breakpod.export.tensorboard(tmp_path / "tb"):
         train(monitor, model, [1.0])
         model.poison.mode = "forward"  # -inf out of `poison` from here on

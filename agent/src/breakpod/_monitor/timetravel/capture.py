@@ -51,7 +51,8 @@ def capture_wanted(
     """``replay=`` argument > ``BREAKPOD_REPLAY`` > on when a rule parks or in debug mode."""
     if explicit is not None:
         return bool(explicit)
-    return env_flag(REPLAY_ENV, parks or env_flag(DEBUG_ENV, False, environ), environ)
+    debug = env_flag(DEBUG_ENV, False, environ)  # read first: a typo in it is said either way
+    return env_flag(REPLAY_ENV, parks or debug, environ)
 
 
 @dataclasses.dataclass
