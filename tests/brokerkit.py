@@ -69,9 +69,15 @@ class BrokerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
+        self._end()  # one that answers too late must not outlive the test
         raise AssertionError(f"broker did not start:\n{self.log_path.read_text()}")
 
     def stop(self) -> None:
+        self._end()
+        self.proc = None
+
+    def _end(self) -> None:
+        """SIGTERM (an embedded broker stops its redis-server), then SIGKILL."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -79,7 +85,6 @@ class BrokerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-        self.proc = None
 
     def client(self, token: str | None = None) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}

@@ -177,3 +177,14 @@ def test_the_aof_check_leaves_damage_before_the_end_alone(tmp_path, damaged):
     aof.write_bytes(damaged)
     repair_aof(tmp_path)
     assert aof.read_bytes() == damaged
+
+
+@pytest.mark.timeout(60)
+def test_a_broker_that_answers_too_late_is_stopped_with_its_server(tmp_path):
+    """A start that gives up must not leave the broker (and its redis-server) running:
+    five brokers outlived a loaded run by an hour."""
+    broker = EmbeddedBroker(tmp_path / "data", tmp_path / "log")
+    with pytest.raises(AssertionError, match="broker did not start"):
+        broker.start(timeout=0.01)  # gives up before any broker could answer
+    assert broker.proc is not None and broker.proc.poll() is not None
+    assert wait_until(lambda: not redis_servers(tmp_path / "data"), timeout=15)
