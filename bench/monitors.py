@@ -65,6 +65,8 @@ CLOCK = time.perf_counter
 
 
 class Block(nn.Module):
+    """torchvision's ResNet-18 block: two 3x3 convolutions, a projection when the shape changes."""
+
     def __init__(self, c_in: int, c_out: int, stride: int) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
@@ -72,15 +74,16 @@ class Block(nn.Module):
         self.relu = nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(c_out)
-        self.skip = nn.Sequential()
+        self.downsample: nn.Module | None = None
         if stride != 1 or c_in != c_out:
-            self.skip = nn.Sequential(
+            self.downsample = nn.Sequential(
                 nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
-        return torch.relu(self.bn2(self.conv2(out)) + self.skip(x))
+        return self.relu(self.bn2(self.conv2(out)) + identity)
 
 
 def resnet() -> tuple[nn.Module, Callable[[], tuple[torch.Tensor, torch.Tensor]]]:

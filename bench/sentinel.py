@@ -31,35 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from monitors import Setup, _quiet_warnings, measure, mlp, resnet, transformer  # bench/
+from monitors import Block, Setup, _quiet_warnings, measure, mlp, resnet, transformer  # bench/
 from torch import nn
 
 import breakpod
 
 TIER1_TARGET = 1.02  # CNN, transformer, ResNet-18: tier 1 at check_every=1
 MLP_SLACK = 0.02  # MLPs: tier 1 at most the naive sentinel's ratio + this
-
-
-class BasicBlock(nn.Module):
-    """torchvision's ResNet-18 block: two 3x3 convolutions, a projection when the shape changes."""
-
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c_out)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
-        self.downsample: nn.Module | None = None
-        if stride != 1 or c_in != c_out:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out)
-            )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(self.bn2(self.conv2(out)) + identity)
 
 
 class ResNet18(nn.Module):
@@ -71,7 +49,7 @@ class ResNet18(nn.Module):
         self.maxpool = nn.MaxPool2d(3, 2, 1)
         widths = [(64, 64, 1), (64, 128, 2), (128, 256, 2), (256, 512, 2)]
         for i, (c_in, c_out, stride) in enumerate(widths, 1):
-            blocks = nn.Sequential(BasicBlock(c_in, c_out, stride), BasicBlock(c_out, c_out, 1))
+            blocks = nn.Sequential(Block(c_in, c_out, stride), Block(c_out, c_out, 1))
             setattr(self, f"layer{i}", blocks)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(512, classes)
