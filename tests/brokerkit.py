@@ -98,29 +98,44 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server.stop()
 
 
-@pytest.fixture
-def redis_url(redis_server: EmbeddedRedis) -> str:
-    """The shared real Redis, flushed for this test."""
+SHARED_BROKER_DB = 1  # a database of its own: see _shared_broker
+
+
+def _database(redis_server: EmbeddedRedis, number: int) -> str:
+    """The URL of one of the shared server's databases, flushed."""
     import redis
 
-    with redis.Redis.from_url(redis_server.url) as r:
-        r.flushall()
-    return redis_server.url
+    url = f"{redis_server.url.rsplit('/', 1)[0]}/{number}"
+    with redis.Redis.from_url(url) as r:
+        r.flushdb()
+    return url
+
+
+@pytest.fixture
+def redis_url(redis_server: EmbeddedRedis) -> str:
+    """The shared real Redis, flushed for this test (the brokers a test starts use it)."""
+    return _database(redis_server, 0)
 
 
 @pytest.fixture(scope="session")
 def _shared_broker(
     redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[BrokerProcess]:
+    """One broker for the session, on a database no test's own broker uses: it
+    lives on through every later test, and its sweepers (deaths, notifier jobs)
+    must not claim work off brokers a test starts with settings of its own."""
     log = tmp_path_factory.mktemp("broker") / "broker.log"
-    broker = BrokerProcess(redis_server.url, log).start()
+    url = _database(redis_server, SHARED_BROKER_DB)
+    broker = BrokerProcess(url, log).start()
     yield broker
     broker.stop()
 
 
 @pytest.fixture
-def broker(_shared_broker: BrokerProcess, redis_url: str) -> BrokerProcess:
-    """A running broker process on the (flushed) shared Redis."""
+def broker(_shared_broker: BrokerProcess, redis_server: EmbeddedRedis) -> BrokerProcess:
+    """A running broker process on its (flushed) database of the shared Redis;
+    ``broker.redis_url`` reaches that database."""
+    _database(redis_server, SHARED_BROKER_DB)
     return _shared_broker
 
 

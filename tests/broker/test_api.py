@@ -141,7 +141,7 @@ def test_events_are_deduplicated_and_filtered(broker):
         assert [e["id"] for e in latest] == ["e3"]
 
 
-def test_state_events_move_the_session_and_silence_shows_lost(broker, redis_url):
+def test_state_events_move_the_session_and_silence_shows_lost(broker):
     register(broker, "s1", pid=7)
     post_events(broker, event("e1", kind="parked", address="127.0.0.1:5999", reason="bp"))
     with broker.client(VIEWER) as c:
@@ -154,7 +154,7 @@ def test_state_events_move_the_session_and_silence_shows_lost(broker, redis_url)
         )
         post_events(broker, event("e2", kind="resumed"))
         assert c.get("/v1/sessions/s1").json()["state"] == "running"
-        with redis.Redis.from_url(redis_url) as r:
+        with redis.Redis.from_url(broker.redis_url) as r:
             assert 0 < r.ttl(keys.alive("s1")) <= 60  # the heartbeat TTL
             r.delete(keys.alive("s1"))  # what the TTL does when heartbeats stop
         assert c.get("/v1/sessions/s1").json()["state"] == "lost"

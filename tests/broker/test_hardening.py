@@ -46,14 +46,14 @@ def test_names_that_reach_kubectl_must_be_kubernetes_names(broker, fields):
     assert any(name in response.json()["message"] for name in fields)
 
 
-def test_port_forward_is_an_argv_list_and_stored_bad_names_are_dropped(broker, redis_url):
+def test_port_forward_is_an_argv_list_and_stored_bad_names_are_dropped(broker):
     register(broker, "k", runtime="kubernetes", pod="train-0.a", namespace="ml", address="h:5678")
     with broker.client(VIEWER) as c:
         info = c.get("/v1/sessions/k/attach", params={"local_port": 4000}).json()
         assert info["port_forward_argv"] == [
             *("kubectl", "port-forward", "-n", "ml", "pod/train-0.a", "4000:5678")
         ]
-        with redis.Redis.from_url(redis_url) as r:  # written by an older, laxer broker
+        with redis.Redis.from_url(broker.redis_url) as r:  # written by an older, laxer broker
             r.hset(keys.session("k"), "pod", EVIL_POD)
         stale = c.get("/v1/sessions/k/attach")
     assert stale.status_code == 200 and stale.json()["port_forward_argv"] is None
@@ -241,12 +241,12 @@ def test_redelivered_commands_keep_their_order_and_delivered_is_recorded_once(br
     assert delivered == sent
 
 
-def test_bad_cursors_and_corrupt_token_records_get_4xx(broker, redis_url):
+def test_bad_cursors_and_corrupt_token_records_get_4xx(broker):
     top = f"{2**64 - 1}-{2**64 - 1}"
     with broker.client(VIEWER) as c:
         assert c.get("/v1/events", params={"since": top}).status_code == 422
         assert c.get("/v1/events", params={"since": "1-2"}).status_code == 200
-    with redis.Redis.from_url(redis_url) as r:
+    with redis.Redis.from_url(broker.redis_url) as r:
         from breakpod_broker.tokens import digest
 
         for token, record in [("corrupt-token-1", "{not json"), ("corrupt-token-2", '{"x": 1}')]:
@@ -304,14 +304,14 @@ def test_an_integer_past_64_bits_is_stored_as_the_same_number(broker):
     assert stored["fields"]["loss"] == big
 
 
-def test_agent_encoded_nan_and_stored_nan_read_as_strings(broker, redis_url):
+def test_agent_encoded_nan_and_stored_nan_read_as_strings(broker):
     register(broker, "s1")
     body = {"events": [event("e1", loss=math.nan, grad=[math.inf, -math.inf, 1.5])]}
     with broker.client(AGENT) as c:
         raw = protocol.dumps(body)  # what the agent sends
         response = c.post("/v1/events", content=raw, headers={"content-type": "application/json"})
         assert response.status_code == 200, response.text
-    with redis.Redis.from_url(redis_url) as r:  # one stored by an older broker, NaN and all
+    with redis.Redis.from_url(broker.redis_url) as r:  # one stored by an older broker, NaN and all
         doc = {**event("e2", loss=math.nan), "namespace": None, "time": 1.0, "received": 1.0}
         r.xadd(keys.EVENTS, {"event": json.dumps(doc)})
     expected = [{"loss": "nan", "grad": ["inf", "-inf", 1.5]}, {"loss": "nan"}]
@@ -333,9 +333,9 @@ def _data_lines(response, n):
     return lines
 
 
-def test_ingest_never_recreates_an_expired_session_hash(broker, redis_url):
+def test_ingest_never_recreates_an_expired_session_hash(broker):
     """What INGEST_LUA does when another replica's view of the session is stale."""
-    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+    with redis.Redis.from_url(broker.redis_url, decode_responses=True) as r:
         change = [1, "parked", "bp", "", "", "", "{}"]  # events._changes: one per state change
         args = [100, 100, 60, 3600, keys.seen("gone", ""), 1, "e1", "{}", *change]
         reply = r.eval(scripts.INGEST_LUA, 3, *broker_events._lua_keys("gone"), *args)
@@ -347,9 +347,9 @@ def test_ingest_never_recreates_an_expired_session_hash(broker, redis_url):
         assert r.ttl(keys.session("live")) > 0
 
 
-def test_pruning_keeps_a_session_that_came_back_meanwhile(broker, redis_url):
+def test_pruning_keeps_a_session_that_came_back_meanwhile(broker):
     """read_many saw no hash for these ids; one was re-registered before the prune."""
-    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+    with redis.Redis.from_url(broker.redis_url, decode_responses=True) as r:
         r.zadd(keys.SESSIONS, {"back": 1, "gone": 1})
         r.hset(keys.session("back"), "state", "running")
         ids = ["back", "gone"]
@@ -371,10 +371,10 @@ def test_namespace_limited_queries_filter_before_decoding_and_still_match(broker
         assert [e["id"] for e in anomalies] == ["a1"]
 
 
-def test_lua_scripts_are_loaded_again_when_redis_forgot_them(broker, redis_url):
+def test_lua_scripts_are_loaded_again_when_redis_forgot_them(broker):
     """Scripts run by SHA; a restarted Redis has an empty script cache (SCRIPT FLUSH here)."""
     register(broker, "flushed")
-    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+    with redis.Redis.from_url(broker.redis_url, decode_responses=True) as r:
         r.script_flush()
         register(broker, "flushed", pod="train-0")  # the register script, called alone
         r.script_flush()
@@ -385,7 +385,7 @@ def test_lua_scripts_are_loaded_again_when_redis_forgot_them(broker, redis_url):
         r.script_flush()
     with broker.client(VIEWER) as c:  # the prune script, on an expired session
         assert "flushed" not in {s["id"] for s in c.get("/v1/sessions").json()["sessions"]}
-    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+    with redis.Redis.from_url(broker.redis_url, decode_responses=True) as r:
         assert r.zscore(keys.SESSIONS, "flushed") is None
 
 

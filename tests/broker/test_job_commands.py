@@ -37,7 +37,7 @@ def ack(broker, session_id, command_id, token=AGENT, ok=True):
 
 
 @pytest.mark.timeout(60)
-def test_one_request_stores_one_command_that_each_session_of_the_job_gets_once(broker, redis_url):
+def test_one_request_stores_one_command_that_each_session_of_the_job_gets_once(broker):
     for i in range(3):
         register(broker, f"r{i}", job=JOB, rank=i)
     register(broker, "other-job", job="train-43")
@@ -46,7 +46,7 @@ def test_one_request_stores_one_command_that_each_session_of_the_job_gets_once(b
     assert sent.status_code == 202, sent.text
     command = sent.json()
     assert command["job"] == JOB and command["namespace"] is None
-    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+    with redis.Redis.from_url(broker.redis_url, decode_responses=True) as r:
         assert r.xlen(f"breakpod:job-commands:{{/{JOB}}}") == 1  # stored once
         assert r.keys("breakpod:commands:*") == []  # not one queue entry per session
     for i in range(3):
@@ -162,7 +162,7 @@ def test_waiting_polls_on_one_replica_are_woken_by_a_job_command_sent_to_another
 
 
 @pytest.mark.timeout(120)
-def test_cli_send_to_a_job_is_one_request(broker, redis_url):
+def test_cli_send_to_a_job_is_one_request(broker):
     for i in range(3):
         register(broker, f"c{i}", job=JOB, rank=i, namespace="ml")
     cmd = [sys.executable, "-m", "breakpod._cli.main", "send", JOB, "break"]
@@ -170,6 +170,6 @@ def test_cli_send_to_a_job_is_one_request(broker, redis_url):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("queued break for c") == 3, done.stdout
-    with redis.Redis.from_url(redis_url, decode_responses=True) as r:
+    with redis.Redis.from_url(broker.redis_url, decode_responses=True) as r:
         assert r.xlen(f"breakpod:job-commands:{{ml/{JOB}}}") == 1
     assert [c["command"] for c in poll(broker, "c1")] == ["break"]

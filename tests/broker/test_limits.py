@@ -72,11 +72,11 @@ def test_nan_and_infinity_where_a_number_is_typed_get_422(broker):
         assert c.post("/v1/sessions/s1/commands", content=body).status_code in (403, 422)
 
 
-def test_stored_records_no_read_can_fail_on_are_skipped(broker, redis_url):
+def test_stored_records_no_read_can_fail_on_are_skipped(broker):
     register(broker, "s1")
     post_events(broker, event("before"))
     deep = {**event("deep", **nested(400)), "time": 1.0, "received": 1.0}
-    with redis.Redis.from_url(redis_url) as r:
+    with redis.Redis.from_url(broker.redis_url) as r:
         r.xadd(keys.EVENTS, {"event": json.dumps(deep)})
         r.xadd(keys.EVENTS, {"event": "[" * 5000})
         r.xadd(keys.EVENTS, {"event": '{"id": "no-fields"}'})
@@ -142,11 +142,11 @@ def test_half_of_a_utf16_pair_gets_422_on_every_route_and_a_pair_is_text(broker)
         assert c.get("/v1/sessions/s2").status_code == 404
 
 
-def test_a_stored_half_pair_reads_as_a_replacement_character(broker, redis_url):
+def test_a_stored_half_pair_reads_as_a_replacement_character(broker):
     register(broker, "s1")
     now = time.time()
     stored = {**event("old", reason="a\ud800b"), "time": now, "received": now}
-    with redis.Redis.from_url(redis_url) as r:
+    with redis.Redis.from_url(broker.redis_url) as r:
         r.xadd(keys.EVENTS, {"event": json.dumps(stored)})
     post_events(broker, event("new"))
     with broker.client(VIEWER) as c:

@@ -100,11 +100,11 @@ def test_logout_and_revoking_the_token_end_the_login(broker):
     assert client.get("/v1/sessions").status_code == 401
 
 
-def test_redis_holds_no_usable_cookie_and_logins_expire(broker, start_broker, redis_url):
+def test_redis_holds_no_usable_cookie_and_logins_expire(start_broker):
     short = start_broker(BREAKPOD_LOGIN_SECONDS="60")
     client, _ = logged_in(short, VIEWER)
     cookie = client.cookies["breakpod_login"]
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    r = redis.Redis.from_url(short.redis_url, decode_responses=True)
     keys = r.keys("breakpod:login:*")
     assert keys and all(cookie not in k and cookie not in (r.get(k) or "") for k in keys)
     assert 0 < r.ttl(keys[0]) <= 60

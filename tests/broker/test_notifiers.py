@@ -281,3 +281,18 @@ def test_by_default_an_on_call_hook_hears_every_death_and_no_clean_exit(start_br
     assert (told["termed"]["state"], told["termed"]["summary"]) == ("killed", "signal 15 (SIGTERM)")
     assert told["silent"]["event"]["kind"] == "lost" and told["silent"]["state"] == "lost"
     assert told["silent"]["summary"].startswith("no heartbeat")
+
+
+def test_a_tests_own_broker_shares_no_database_with_the_sessions_broker(broker, start_broker):
+    """The session-wide broker lives on through every later test; on the same
+    database its deaths sweeper claimed the silent session above and recorded its
+    death with no notifier (the test then waited 40 s for a hook that never came)."""
+    own = start_broker()
+    register(own, "mine")
+    register(broker, "theirs")
+    with (
+        redis.Redis.from_url(own.redis_url) as mine,
+        redis.Redis.from_url(broker.redis_url) as shared,
+    ):
+        assert mine.exists(keys.session("mine")) and not mine.exists(keys.session("theirs"))
+        assert shared.exists(keys.session("theirs")) and not shared.exists(keys.session("mine"))

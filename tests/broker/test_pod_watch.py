@@ -107,7 +107,7 @@ def test_a_running_pod_says_nothing():
     assert read({"containerStatuses": [running]}) == []
 
 
-def test_the_watch_records_each_death_once_on_the_pods_live_sessions(broker, redis_url):
+def test_the_watch_records_each_death_once_on_the_pods_live_sessions(broker):
     kube = {"runtime": "kubernetes", "namespace": "ml", "pod": "train-0", "job": "train"}
     register(broker, "mine", container="a1" * 6, rank=0, **kube)
     register(broker, "restarted", container="b2" * 6, rank=0, **kube)
@@ -116,7 +116,7 @@ def test_the_watch_records_each_death_once_on_the_pods_live_sessions(broker, red
     evicted = pod({"phase": "Failed", "reason": "Evicted", "message": "low on memory"})
 
     async def watch() -> list[int]:
-        settings = BrokerSettings(redis_url=redis_url, broker_tokens="", docker_watch="off")
+        settings = BrokerSettings(redis_url=broker.redis_url, broker_tokens="", docker_watch="off")
         async with broker_app._running(settings) as running:
             seen = PodWatch(running, api=None, namespaces=["ml"])
             counts = [await seen.handle("ml", oom), await seen.handle("ml", oom)]
