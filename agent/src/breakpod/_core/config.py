@@ -103,6 +103,12 @@ FEATURE_ENV: dict[str, tuple[str, str, str]] = {
         "steps the detailed tier stays on after a replay that did not reproduce its step",
         "monitors.md",
     ),
+    "BREAKPOD_SKIP_ON_DEVICE": (
+        "on",
+        "a fused optimizer (`fused=True`) skips an update whose gradients are NaN/Inf on the "
+        "device, with no host read, as GradScaler does; `0` applies it",
+        "monitors.md",
+    ),
     "BREAKPOD_ON_EXPIRE": (
         "skip a non-finite update, else continue",
         "an anomaly park nobody attached to: `continue`, `skip` the update, or `exit` 75",

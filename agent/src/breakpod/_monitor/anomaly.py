@@ -93,6 +93,7 @@ class ActionContext:
     # the step whose update to drop: asked by the skip action, the pdb ``skip`` command or
     # the hold expiry
     skip: int | None = None
+    parked_step: int | None = None  # the last step an anomaly park held: its update is decided
 
     def take_skip(self, step: int) -> bool:
         """Drop ``step``'s update? A skip asked for an earlier step comes too late: that
@@ -245,6 +246,7 @@ def park(anomaly: Anomaly, ctx: ActionContext) -> None:
     if added:
         frame.f_locals[LOCAL] = anomaly
     _PARKED.append((ctx, anomaly.step))
+    ctx.parked_step = anomaly.step
     try:
         attached = breakpoints.hold(frame, header=f"anomaly: {anomaly}")
     finally:

@@ -52,6 +52,7 @@ from breakpod._monitor.anomaly import ActionContext, Anomaly
 from breakpod._monitor.compiled import apply_compile_policy, unwrap_compiled
 from breakpod._monitor.detect import Detector, Slot
 from breakpod._monitor.flight.recorder import FlightRecorder, flight_steps
+from breakpod._monitor.gate import gate_for
 from breakpod._monitor.pipeline import JUDGE_LABEL
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
 from breakpod._monitor.sentinel import Sentinel
@@ -307,11 +308,16 @@ class Monitor(Sentinel):
         self._install_input_hook()
         self._table = SlotTable(self._slots)
         self._stager = staging.Stager(self._table)
-        self.flight = FlightRecorder(self._slots, steps) if steps else None
+        params = [(info.name, p.numel()) for info, p in self._params]
+        self.flight = FlightRecorder(self._slots, steps, params) if steps else None
         self._install_grad_hooks()
         if optimizer is not None:  # before the update, so a bad step can still be dropped
             hook = self._guarded("optimizer step hook", self._before_update)
             self._handles.append(optimizer.register_step_pre_hook(hook))
+        self._gate = None if self._is_probe else gate_for(optimizer)
+        if self._gate is not None:
+            hook = self._guarded("optimizer step hook", self._gate.after_update)
+            self._handles.append(optimizer.register_step_post_hook(hook))
         self._batchnorm = batchnorm
         self._detector = Detector(
             self.rules, [info for info, _ in self._params], batchnorm, self._norm_source

@@ -86,7 +86,12 @@ class StepPipeline(ModuleHooks):
     def _before_update(self, optimizer: Any, *_: Any) -> None:
         """The optimizer's step pre-hook ends the step: checks run before the update."""
         frame = _user_frame(sys._getframe())
+        record = self._current  # the step that ends here
         self._end_step(None, frame)
+        if self._gate is not None:  # a park decided the update; else the device does
+            parked = self._ctx.parked_step == record.step
+            if self._gate.settle(record.step, parked, self.anomalies[-8:]):
+                self.skipped_steps += 1
         self._updated = True
         boundary.boundary(self.step_count, frame, now=True)  # a `break`: before the update
 
@@ -95,6 +100,8 @@ class StepPipeline(ModuleHooks):
             self._put_loss(loss)
         if not self._current.grads_done and self._params:
             self._collect_grads()  # no backward ran through the model's output hook
+        if self._gate is not None:  # only an optimizer's pre-hook ends a step: an update follows
+            self._gate.close(self._current)
         done, self._current = self._current, self._record(self.step_count + 1)
         self._ignore_pass = False
         self._stager.end_step()
@@ -214,7 +221,13 @@ class StepPipeline(ModuleHooks):
                     params=self._detector.params,
                     read_done=i == len(steps) - 1,
                 )
-            self._report(self._detector.run(data), frame)
+            found = self._detector.run(data)
+            self._mark_skipped(data.step, [a for a, _ in found])
+            self._report(found, frame)
+
+    def _mark_skipped(self, step: int, anomalies: list[Anomaly]) -> None:
+        if self._gate is not None and self._gate.mark(step, anomalies):
+            self.skipped_steps += 1
 
 
 def _optimizer_params(optimizer: Any) -> list[Any]:

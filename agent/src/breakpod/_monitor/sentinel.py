@@ -92,6 +92,9 @@ class Sentinel(StepPipeline):
         before the loss, the loss before the gradients."""
         if localized is not None and (localized.phase in BEFORE_LOSS or live.phase != "loss"):
             localized.details.setdefault("localized", note)
+            if live.skipped:  # on the device (gate.py): the step's fate, whoever names it
+                localized.skipped = True
+                localized.details["skipped"] = live.details.get("skipped")
             return localized
         live.details["localized"] = note
         live.tier = SENTINEL

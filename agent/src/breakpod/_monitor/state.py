@@ -17,6 +17,7 @@ from typing import Any
 from breakpod._monitor.anomaly import ActionContext, Anomaly
 from breakpod._monitor.detect import Detector, ParamInfo, Slot
 from breakpod._monitor.flight.recorder import FlightRecorder
+from breakpod._monitor.gate import UpdateGate
 from breakpod._monitor.norms import NormPlan
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.staging import Stager
@@ -46,6 +47,7 @@ class MonitorState:
     flight: FlightRecorder | None
     _ctx: ActionContext
     _optimizer: Any
+    _gate: UpdateGate | None  # a fused optimizer: NaN/Inf updates skipped on the device
     _handles: list[Any]
     _leaf_hooks: weakref.WeakKeyDictionary[Any, Any]
     _flight_columns: bool
