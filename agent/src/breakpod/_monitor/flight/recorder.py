@@ -5,9 +5,11 @@ table's buffer: ``|x|_2``, ``min`` and ``max`` (two kernels, see
 :func:`~breakpod._monitor.checks.write_flight`). Each step's end copies that
 buffer into one row of a ring per device and the loss into a ring beside it
 (one kernel each, no allocation, no host read); the host notes which slots ran,
-their sizes, the step number and its time. Only a dump reads the rings (one
-copy per device): with every ``anomaly`` and ``stall`` event, the ``flight``
-pdb command, and ``breakpod flight SESSION``.
+their sizes, the step number and its time. Every parameter gradient's norm, as
+the step computed it (one vector per device, in both tiers: in the sentinel tier
+it is the row a module's would be), goes into a third ring (one copy per device).
+Only a dump reads the rings (one copy per device): with every ``anomaly`` and
+``stall`` event, the ``flight`` pdb command, and ``breakpod flight SESSION``.
 
 A dump reads as a table (:mod:`~breakpod._monitor.flight.table`): per module,
 the first kept step where its values went non-finite or out of range, with its
@@ -41,7 +43,9 @@ MAX_STEPS = 4096
 DUMP_WAIT = 1.0  # a stalled device may never finish the copy: a dump gives up then
 LOSS = "<loss>"  # the loss's row in the table
 BATCH = "<batch>"  # the model's input, checked at its forward
-LOSS_AT, BACKWARDS_AT = 10**6, 2 * 10**6  # a step's order: forwards, the loss, backwards
+# a step's order: forwards, the loss, backwards, the parameter gradients' norms
+LOSS_AT, BACKWARDS_AT, GRADS_AT = 10**6, 2 * 10**6, 3 * 10**6
+GRAD = "grad"  # the phase of a parameter gradient's series
 
 
 def flight_steps(environ: Mapping[str, str] | None = None) -> int:
@@ -70,16 +74,21 @@ class _Row:
     seconds: float  # since the previous step's end (NaN for the first)
     ran: dict[Any, dict[int, int]]  # device -> {slot index: numel}
     loss_device: Any = None
+    grads: dict[Any, Sequence[int]] | None = None  # device -> the parameters its ring row holds
 
 
 class FlightRecorder:
     """Device rings of the last ``size`` steps of a monitor's slot table."""
 
-    def __init__(self, slots: Sequence[Slot], size: int) -> None:
+    def __init__(
+        self, slots: Sequence[Slot], size: int, params: Sequence[tuple[str, int]] = ()
+    ) -> None:
         self.slots = list(slots)
         self.size = size
+        self.params = list(params)  # (name, numel) by parameter key, as the norms' keys say
         self._rings: dict[Any, Any] = {}
         self._losses: dict[Any, Any] = {}
+        self._grads: dict[Any, Any] = {}
         self._rows: list[_Row | None] = [None] * size
         self._count = 0  # steps recorded
         self._last_end: float | None = None
@@ -101,7 +110,8 @@ class FlightRecorder:
         ran = record.ran
         if _same_run(ran, self._last_ran):  # the same slots as the step before: share it
             ran = self._last_ran
-        self._rows[pos], self._last_ran = _Row(record.step, seconds, ran), ran
+        grads = self._record_grads(record, pos)
+        self._rows[pos], self._last_ran = _Row(record.step, seconds, ran, grads=grads), ran
         self._count += 1
         loss = next((e.vec for e in record.entries if e.kind == "loss"), None)
         if loss is not None:
@@ -114,6 +124,18 @@ class FlightRecorder:
             return
         self._ring(self._losses, loss.device, 0)[(self._count - 1) % self.size].copy_(loss[0])
         row.loss_device = loss.device
+
+    def _record_grads(self, record: StepRecord, pos: int) -> dict[Any, Sequence[int]] | None:
+        """The step's gradient norms (a vector per device) into their ring rows."""
+        grads = [e for e in record.entries if e.kind == "grads" and hasattr(e.vec, "numel")]
+        if not grads or not self.params:
+            return None
+        kept: dict[Any, Any] = {}
+        for entry in grads:
+            ring = self._ring(self._grads, entry.vec.device, len(self.params))
+            ring[pos, : entry.vec.numel()].copy_(entry.vec)
+            kept[entry.vec.device] = entry.keys  # the plan's list, shared step to step
+        return kept
 
     def _ring(self, rings: dict[Any, Any], device: Any, width: int) -> Any:
         ring = rings.get(device)
@@ -128,6 +150,7 @@ class FlightRecorder:
         """Read the rings (one copy per device); None when a device did not answer."""
         rings = {("slots", d): r for d, r in self._rings.items()}
         rings.update({("loss", d): r for d, r in self._losses.items()})
+        rings.update({("grads", d): r for d, r in self._grads.items()})
         copies = {key: to_host(ring) for key, ring in rings.items()}
         marks = copy_events({key[1]: copy for key, copy in copies.items()})
         deadline = time.monotonic() + wait
@@ -141,6 +164,7 @@ class FlightRecorder:
         order = [(self._count - n) % self.size for n in range(min(self._count, self.size), 0, -1)]
         rows = [(pos, row) for pos in order if (row := self._rows[pos]) is not None]
         series: dict[int, Series] = {}
+        grads: dict[int, Series] = {}
         loss = Series(LOSS, "loss")
         for pos, row in rows:
             position = 0  # in the step's execution: forwards (the loss after) and backwards
@@ -155,12 +179,26 @@ class FlightRecorder:
             if row.loss_device is not None:
                 value = host[("loss", row.loss_device)][pos]
                 loss.add(row.step, LOSS_AT, value, abs(value), _kind(value, value, value))
+            for device, keys in (row.grads or {}).items():
+                self._add_grads(grads, row.step, keys, host[("grads", device)][pos])
         seconds = [row.seconds for _, row in rows if not math.isnan(row.seconds)]
         return Flight(
             steps=[row.step for _, row in rows],
             step_seconds=seconds,
-            series=[loss, *series.values()] if loss.steps else list(series.values()),
+            series=([loss] if loss.steps else []) + [*series.values(), *grads.values()],
         )
+
+    def _add_grads(
+        self, grads: dict[int, Series], step: int, keys: Sequence[int], norms: Sequence[float]
+    ) -> None:
+        """One row's gradient norms: per parameter, its RMS (norm / sqrt(numel)) and norm."""
+        for key, norm in zip(keys, norms, strict=False):
+            if key >= len(self.params):
+                continue  # a parameter planned after the recorder (a lazy module's)
+            name, numel = self.params[key]
+            found = grads.setdefault(key, Series(name, GRAD))
+            kind = "nan" if math.isnan(norm) else "inf" if math.isinf(norm) else ""
+            found.add(step, GRADS_AT + key, norm / math.sqrt(max(numel, 1)), norm, kind)
 
     def fields(self) -> dict[str, Any]:
         """:meth:`dump` as an event carries it; the events of one step (anomalies of

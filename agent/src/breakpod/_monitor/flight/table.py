@@ -54,7 +54,8 @@ class Series:
             if len(before) >= BASELINE and self.phase != "loss":
                 median = _median(before)
                 if median > 0 and value > JUMP * median:
-                    return i, f"max|x| {value:.3g} = {value / median:.0f}x median"
+                    what = "|g|" if self.phase == "grad" else "max|x|"  # a gradient's norm
+                    return i, f"{what} {value:.3g} = {value / median:.0f}x median"
             if math.isfinite(value):
                 bisect.insort(before, value)
         return None
