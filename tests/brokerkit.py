@@ -98,44 +98,41 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedR
     server.stop()
 
 
-SHARED_BROKER_DB = 1  # a database of its own: see _shared_broker
-
-
-def _database(redis_server: EmbeddedRedis, number: int) -> str:
-    """The URL of one of the shared server's databases, flushed."""
+def _flushed(server: EmbeddedRedis) -> str:
     import redis
 
-    url = f"{redis_server.url.rsplit('/', 1)[0]}/{number}"
-    with redis.Redis.from_url(url) as r:
-        r.flushdb()
-    return url
+    with redis.Redis.from_url(server.url) as r:
+        r.flushall()
+    return server.url
 
 
 @pytest.fixture
 def redis_url(redis_server: EmbeddedRedis) -> str:
     """The shared real Redis, flushed for this test (the brokers a test starts use it)."""
-    return _database(redis_server, 0)
+    return _flushed(redis_server)
 
 
 @pytest.fixture(scope="session")
-def _shared_broker(
-    redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[BrokerProcess]:
-    """One broker for the session, on a database no test's own broker uses: it
-    lives on through every later test, and its sweepers (deaths, notifier jobs)
-    must not claim work off brokers a test starts with settings of its own."""
+def _shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    """One broker for the session, on a Redis server of its own: it lives on through
+    every later test, and on the same server its sweepers (deaths, notifier jobs) would
+    claim work off the brokers a test starts with settings of its own, and its
+    subscriptions would count as theirs (pub/sub spans a server's databases)."""
+    server = EmbeddedRedis(tmp_path_factory.mktemp("shared-redis")).start()
     log = tmp_path_factory.mktemp("broker") / "broker.log"
-    url = _database(redis_server, SHARED_BROKER_DB)
-    broker = BrokerProcess(url, log).start()
+    broker = BrokerProcess(server.url, log).start()
     yield broker
     broker.stop()
+    server.stop()
 
 
 @pytest.fixture
-def broker(_shared_broker: BrokerProcess, redis_server: EmbeddedRedis) -> BrokerProcess:
-    """A running broker process on its (flushed) database of the shared Redis;
-    ``broker.redis_url`` reaches that database."""
-    _database(redis_server, SHARED_BROKER_DB)
+def broker(_shared_broker: BrokerProcess) -> BrokerProcess:
+    """A running broker process on its own (flushed) Redis; ``broker.redis_url`` reaches it."""
+    import redis
+
+    with redis.Redis.from_url(_shared_broker.redis_url) as r:
+        r.flushall()
     return _shared_broker
 
 

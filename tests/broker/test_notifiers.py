@@ -283,10 +283,11 @@ def test_by_default_an_on_call_hook_hears_every_death_and_no_clean_exit(start_br
     assert told["silent"]["summary"].startswith("no heartbeat")
 
 
-def test_a_tests_own_broker_shares_no_database_with_the_sessions_broker(broker, start_broker):
-    """The session-wide broker lives on through every later test; on the same
-    database its deaths sweeper claimed the silent session above and recorded its
-    death with no notifier (the test then waited 40 s for a hook that never came)."""
+def test_a_tests_own_broker_shares_no_redis_with_the_sessions_broker(broker, start_broker):
+    """The session-wide broker lives on through every later test; on the same Redis
+    its deaths sweeper claimed the silent session above and recorded its death with
+    no notifier (the test then waited 40 s for a hook that never came), and its
+    subscription counted as one of a test's replicas."""
     own = start_broker()
     register(own, "mine")
     register(broker, "theirs")
@@ -296,3 +297,4 @@ def test_a_tests_own_broker_shares_no_database_with_the_sessions_broker(broker, 
     ):
         assert mine.exists(keys.session("mine")) and not mine.exists(keys.session("theirs"))
         assert shared.exists(keys.session("theirs")) and not shared.exists(keys.session("mine"))
+        assert wait_until(lambda: mine.pubsub_numsub(keys.COMMANDS_QUEUED)[0][1] == 1)

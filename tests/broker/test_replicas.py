@@ -10,8 +10,8 @@ import httpx
 from tests.brokerkit import ADMIN, AGENT, VIEWER, post_events, register
 
 
-def test_an_event_posted_to_one_replica_reaches_the_other_replicas_sse(broker, start_broker):
-    other = start_broker()
+def test_an_event_posted_to_one_replica_reaches_the_other_replicas_sse(start_broker):
+    broker, other = start_broker(), start_broker()
     register(broker, "s1")
     received: list[dict] = []
     headers = {"Authorization": f"Bearer {VIEWER}"}
@@ -28,8 +28,8 @@ def test_an_event_posted_to_one_replica_reaches_the_other_replicas_sse(broker, s
     assert received[0]["id"] == "e1" and received[0]["fields"] == {"reason": "nan"}
 
 
-def test_a_command_posted_to_one_replica_reaches_an_agent_polling_the_other(broker, start_broker):
-    other = start_broker()
+def test_a_command_posted_to_one_replica_reaches_an_agent_polling_the_other(start_broker):
+    broker, other = start_broker(), start_broker()
     register(other, "s1")
     reply: dict = {}
 
