@@ -16,7 +16,11 @@ small Linear+ReLU modules. Setups run interleaved, round after round; each ratio
 the median over rounds of a setup's step time over the baseline's in the same
 round (the fastest of the round's steps each). Then, per model, the time from a
 trigger (a NaN written into the first layer's weight) to the localized report:
-the replay under the detailed checks.
+the replay under the detailed checks. Then, from ``torch.profiler``, the torch
+ops per step that run a kernel (the launches on a GPU) and the host reads per
+step, next to GradScaler's (``torch.amp.GradScaler``: one fused non-finite check
+and one read a step), and the peak RSS of a process training with tier 1 next
+to one without (each in its own process: the peak is a process-wide maximum).
 
     python bench/sentinel.py [--rounds N] [--quick] [--cuda]
 """
@@ -24,6 +28,7 @@ the replay under the detailed checks.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 import warnings
@@ -31,13 +36,25 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from monitors import Block, Setup, _quiet_warnings, measure, mlp, resnet, transformer  # bench/
+from monitors import (  # bench/
+    Block,
+    Setup,
+    _peak_rss_mib,
+    _quiet_warnings,
+    launches,
+    measure,
+    mlp,
+    resnet,
+    transformer,
+)
 from torch import nn
 
 import breakpod
 
 TIER1_TARGET = 1.02  # CNN, transformer, ResNet-18: tier 1 at check_every=1
 MLP_SLACK = 0.02  # MLPs: tier 1 at most the naive sentinel's ratio + this
+RSS_TARGET = 1.02  # peak RSS with tier 1 at most the baseline's + 2%
+SYNCING = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero")  # host reads
 
 
 class ResNet18(nn.Module):
@@ -87,6 +104,26 @@ class NaiveSentinel(Setup):
         loss.backward()
         self.after(loss)  # before the update, as GradScaler reads
         self.optimizer.step()
+        return time.perf_counter() - started
+
+
+class Scaler(Setup):
+    """GradScaler's price: a fused non-finite check of the gradients, one read a step."""
+
+    name = "GradScaler"
+    key = "scaler"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=10**9)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        started = time.perf_counter()
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        self.optimizer.zero_grad()
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
         return time.perf_counter() - started
 
 
@@ -200,6 +237,83 @@ def replay_times(names: list[str]) -> list[str]:
     return lines
 
 
+def counted_setups(build: Callable[[], Any]) -> list[Setup]:
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        made: nn.Module = build()[0]
+        return made
+
+    tiers = [Tier(model(), "sentinel", 1), Tier(model(), "sentinel", 10)]
+    return [Setup(model()), Scaler(model()), NaiveSentinel(model()), *tiers]
+
+
+def per_step_counts(names: list[str], steps: int = 10) -> list[str]:
+    """Per step, from the profiler: the torch ops that run a kernel (added over the
+    baseline), the ops that read a value to the host (``item``, ``is_nonzero``), and
+    breakpod's reads of its flags (non-blocking copies, judged once landed). On a CPU
+    the sentinel also looks at the gradient norms at the end of each backward (a read
+    of host memory there; on a GPU it is not made: see sentinel.py)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = [f"{'model':<12}{'setup':<14}{'ops added':>10}{'host reads':>12}{'flag reads':>12}"]
+    for name in names:
+        build = MODELS[name][0]
+        data = build()[1]
+        base = 0.0
+        for setup in counted_setups(build):
+            with _quiet_warnings():
+                for _ in range(3):
+                    setup.step(*data())
+                flags = setup.monitor.reads if isinstance(setup, Tier) else 0
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for _ in range(steps):
+                        setup.step(*data())
+            top = launches(prof.events())
+            ops, synced = len(top) / steps, sum(e.name in SYNCING for e in top) / steps
+            base = base or ops
+            if isinstance(setup, Tier):
+                said = f"{(setup.monitor.reads - flags) / steps:>12.1f}"
+            else:
+                said = f"{'-':>12}"
+            key = getattr(setup, "key", "baseline")
+            added = f"{ops:>10.0f}" if key == "baseline" else f"{ops - base:>+10.0f}"
+            lines.append(f"{name:<12}{key:<14}{added}{synced:>12.1f}{said}")
+    return lines
+
+
+RSS_MODELS = ("transformer", "resnet18", "mlp800")
+
+
+def rss_child(name: str, key: str, steps: int) -> None:
+    """In a fresh process: ``steps`` steps of one setup; prints the peak RSS in MiB."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    build = MODELS[name][0]
+    model, data = build()
+    setup = Tier(model, "sentinel", 1) if key == "sentinel" else Setup(model)
+    with _quiet_warnings():
+        for _ in range(steps):
+            setup.step(*data())
+    print(_peak_rss_mib())
+
+
+def peak_rss(steps: int = 30) -> list[str]:
+    lines = [f"{'model':<12}{'baseline MiB':>14}{'tier 1 MiB':>12}{'ratio':>8}"]
+    for name in RSS_MODELS:
+        peaks = {}
+        for key in ("baseline", "sentinel"):
+            argv = [sys.executable, __file__, "--rss-child", name, key, str(steps)]
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=True)
+            peaks[key] = float(out.stdout.split()[-1])
+        ratio = peaks["sentinel"] / peaks["baseline"]
+        ok = "ok" if ratio <= RSS_TARGET else "MISSED"
+        lines.append(
+            f"{name:<12}{peaks['baseline']:>14.0f}{peaks['sentinel']:>12.0f}{ratio:>7.3f}x"
+            f"   target <= {RSS_TARGET}x: {ok}"
+        )
+    return lines
+
+
 def cuda_check(steps: int = 20) -> list[str]:
     """On CUDA: the sentinel's host syncs per step, counted under sync-debug ``warn``
     (``error`` would forbid the one read it is allowed): at most one a step at
@@ -243,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the MLPs only")
     parser.add_argument("--cuda", action="store_true", help="the CUDA sync check")
     parser.add_argument("--models", default="", help="comma list (default: all)")
+    parser.add_argument("--rss-child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rss_child:
+        rss_child(args.rss_child[0], args.rss_child[1], int(args.rss_child[2]))
+        return 0
     if args.cuda:
         print("\n".join(cuda_check()))
         return 0
@@ -258,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(cost(args.rounds, names)))
     print("\ntime from a trigger to the localized report (the replay under the detailed checks)")
     print("\n".join(replay_times(names)))
+    print("\nper step, from the profiler: torch ops that run a kernel (the launches on a GPU;")
+    print("the baseline's, then what each setup adds), host reads, breakpod's flag reads")
+    print("\n".join(per_step_counts(names)))
+    print("\npeak RSS, each setup in its own process")
+    print("\n".join(peak_rss()))
     return 0
 
 
