@@ -30,8 +30,11 @@ $(TOOLS): $(STAMP) requirements-dev.txt
 
 install: $(STAMP) $(TOOLS)
 
+# Three workers on two cores: most tests wait on real processes, brokers and timeouts
+# (TEST_WORKERS=0 runs the suite in one process).
+TEST_WORKERS ?= 3
 test: $(TOOLS)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 # Fault injection, long: kill -9 of redis-server and of the broker 20 times each
 # (`make test` runs the same tests with CHAOS_ROUNDS=2).
