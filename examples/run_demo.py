@@ -14,12 +14,15 @@ Tokens reach the CLI through its environment, never as flags (they would show in
 `ps`); the command printed for another terminal reads the viewer token from a file.
 Whatever happens (an error, Ctrl-C, SIGTERM), the broker, its redis-server and the
 job are stopped on the way out: the broker runs in a process group of its own,
-killed once it has had its time.
+killed once it has had its time. A demo killed outright (SIGKILL) takes the broker
+with it too: the kernel sends it SIGTERM when the demo dies (PR_SET_PDEATHSIG), and
+the broker stops its redis-server on the way out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import re
@@ -45,6 +48,7 @@ HOLD_SECONDS = float(os.environ.get("BREAKPOD_HOLD_SECONDS", "300"))
 COUNTDOWN_EVERY = 30.0
 BROKER_SHUTDOWN_SECONDS = 5  # the broker's own deadline (BREAKPOD_SHUTDOWN_SECONDS)
 STOP_WAIT_SECONDS = 15.0  # then its process group is killed
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 CLI_ENV: dict[str, str] = {}
 
 
@@ -58,6 +62,7 @@ def main() -> int:
         CLI_ENV.update(BREAKPOD_BROKER_URL=url, BREAKPOD_BROKER_TOKEN=TOKENS["viewer"])
         broker = start_broker(url, data)
         try:
+            wait_healthy(url)
             return run_job(url, auto, Path(data))
         finally:
             stop_group(broker)
@@ -101,9 +106,16 @@ def start_broker(url: str, data: str) -> subprocess.Popen[bytes]:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,  # its own process group, with its redis-server: see stop_group
+        preexec_fn=_end_with_the_demo,  # the demo has no other thread yet
     )
-    wait_healthy(url)
     return broker
+
+
+def _end_with_the_demo() -> None:
+    """In the broker's process, before its program starts: SIGTERM when the demo dies,
+    however it dies (a SIGKILL runs none of the demo's own cleanup)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def run_job(url: str, auto: bool, data: Path) -> int:

@@ -81,6 +81,32 @@ def test_an_interrupted_demo_leaves_no_broker_redis_or_job_behind():
         pass  # the parked job is gone too
 
 
+@pytest.mark.timeout(180)
+def test_a_demo_killed_outright_takes_its_broker_and_redis_with_it():
+    """SIGKILL runs none of the demo's cleanup: the broker still gets SIGTERM from the
+    kernel as the demo dies, and stops its redis-server on the way out."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BREAKPOD_", "DEMO_"))}
+    demo = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "run_demo.py")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**clean, "DEMO_AUTOATTACH": "0", "BREAKPOD_HOLD_SECONDS": "100"},
+    )
+    try:
+        said = read_until(demo, "2/4 training job")
+        data = Path(re.search(r"data in (\S+)\)", said).group(1)) / "redis"
+        broker, redis = (int((data / name).read_text()) for name in ("lock", "redis.pid"))
+    finally:
+        demo.kill()
+        demo.wait()
+    deadline = time.monotonic() + 60  # the broker's shutdown deadline, on a loaded machine
+    while (alive(broker) or alive(redis)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(broker) and not alive(redis)
+
+
 def read_until(proc: subprocess.Popen[str], marker: str) -> str:
     said = ""
     assert proc.stdout is not None
