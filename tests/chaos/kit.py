@@ -113,13 +113,19 @@ class Ingester(threading.Thread):
         self.join(30)
 
 
-def stored_ids(url: str) -> list[str]:
-    """Every event id in the broker's global stream, read page by page, in order."""
+def stored_ids(url: str, patience: float = 30.0) -> list[str]:
+    """Every event id in the broker's global stream, read page by page, in order. A 503
+    ("Redis is unavailable; retry later": a pooled connection from before the last
+    kill meets the restarted Redis) is retried, as the broker asks, for ``patience``."""
     found: list[str] = []
     since = "0"
+    deadline = time.monotonic() + patience
     with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {VIEWER}"}) as c:
         while True:
             response = c.get("/v1/events", params={"since": since, "limit": 1000}, timeout=30)
+            if response.status_code == 503 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
             assert response.status_code == 200, response.text
             page = response.json()
             found += [e["id"] for e in page["events"]]

@@ -308,7 +308,7 @@ class Monitor(Sentinel):
         self._install_input_hook()
         self._table = SlotTable(self._slots)
         self._stager = staging.Stager(self._table)
-        params = [(info.name, p.numel()) for info, p in self._params]
+        params = [(info.name, p) for info, p in self._params]
         self.flight = FlightRecorder(self._slots, steps, params) if steps else None
         self._install_grad_hooks()
         if optimizer is not None:  # before the update, so a bad step can still be dropped

@@ -81,11 +81,11 @@ class FlightRecorder:
     """Device rings of the last ``size`` steps of a monitor's slot table."""
 
     def __init__(
-        self, slots: Sequence[Slot], size: int, params: Sequence[tuple[str, int]] = ()
+        self, slots: Sequence[Slot], size: int, params: Sequence[tuple[str, Any]] = ()
     ) -> None:
         self.slots = list(slots)
         self.size = size
-        self.params = list(params)  # (name, numel) by parameter key, as the norms' keys say
+        self.params = list(params)  # (name, parameter) by key, as the norms' keys say
         self._rings: dict[Any, Any] = {}
         self._losses: dict[Any, Any] = {}
         self._grads: dict[Any, Any] = {}
@@ -165,6 +165,7 @@ class FlightRecorder:
         rows = [(pos, row) for pos in order if (row := self._rows[pos]) is not None]
         series: dict[int, Series] = {}
         grads: dict[int, Series] = {}
+        sizes = [_numel(param) for _, param in self.params]  # for an RMS: norm / sqrt(size)
         loss = Series(LOSS, "loss")
         for pos, row in rows:
             position = 0  # in the step's execution: forwards (the loss after) and backwards
@@ -180,7 +181,7 @@ class FlightRecorder:
                 value = host[("loss", row.loss_device)][pos]
                 loss.add(row.step, LOSS_AT, value, abs(value), _kind(value, value, value))
             for device, keys in (row.grads or {}).items():
-                self._add_grads(grads, row.step, keys, host[("grads", device)][pos])
+                self._add_grads(grads, sizes, row.step, keys, host[("grads", device)][pos])
         seconds = [row.seconds for _, row in rows if not math.isnan(row.seconds)]
         return Flight(
             steps=[row.step for _, row in rows],
@@ -189,16 +190,20 @@ class FlightRecorder:
         )
 
     def _add_grads(
-        self, grads: dict[int, Series], step: int, keys: Sequence[int], norms: Sequence[float]
+        self,
+        grads: dict[int, Series],
+        sizes: Sequence[int],
+        step: int,
+        keys: Sequence[int],
+        norms: Sequence[float],
     ) -> None:
-        """One row's gradient norms: per parameter, its RMS (norm / sqrt(numel)) and norm."""
+        """One row's gradient norms: per parameter, its RMS (norm / sqrt(size)) and norm."""
         for key, norm in zip(keys, norms, strict=False):
             if key >= len(self.params):
                 continue  # a parameter planned after the recorder (a lazy module's)
-            name, numel = self.params[key]
-            found = grads.setdefault(key, Series(name, GRAD))
+            found = grads.setdefault(key, Series(self.params[key][0], GRAD))
             kind = "nan" if math.isnan(norm) else "inf" if math.isinf(norm) else ""
-            found.add(step, GRADS_AT + key, norm / math.sqrt(max(numel, 1)), norm, kind)
+            found.add(step, GRADS_AT + key, norm / math.sqrt(sizes[key]), norm, kind)
 
     def fields(self) -> dict[str, Any]:
         """:meth:`dump` as an event carries it; the events of one step (anomalies of
@@ -225,6 +230,14 @@ def _same_run(ran: dict[Any, dict[int, int]], last: dict[Any, dict[int, int]]) -
     if ran != last or list(ran) != list(last):
         return False
     return all(list(ran[device]) == list(last[device]) for device in ran)
+
+
+def _numel(param: Any) -> int:
+    """At least 1; a lazy module's parameter counts 1 until it is materialized."""
+    try:
+        return max(int(param.numel()), 1)
+    except ValueError:  # torch's UninitializedParameter refuses numel()
+        return 1
 
 
 def _stats(values: Sequence[float], slot: Slot, numel: int) -> tuple[float, float, str]:
