@@ -58,3 +58,29 @@ def test_a_calm_warm_up_keeps_its_baseline():
     assert float(base._log_base[0].exp()) == pytest.approx(2.0)
     verdicts, _ = base.judge({0: 500.0})
     assert verdicts[0][0] == "exploding"
+
+
+def test_a_group_whose_gradients_were_gone_from_the_start_takes_no_baseline():
+    """A 200-layer MLP's first layers: norms of 1e-23 through the warm-up, then 0 (an
+    underflow). "0 is 0x its baseline 4e-23" is no news: no baseline, no vanishing."""
+    base = _baselines()
+    for norm in (4e-23, 3e-23, 5e-23, 4e-23):
+        base.judge({0: norm})
+    assert math.isnan(float(base._log_base[0]))
+    verdicts, _ = base.judge({0: 0.0})
+    assert verdicts == {}
+
+
+def test_a_group_without_a_baseline_is_judged_again_once_per_warm_up(monkeypatch):
+    """Norms of exactly 0 never give a baseline: their window's median is taken once per
+    warm-up's worth of steps, not on every step."""
+    base = _baselines(warmup=5)
+    medians = []
+    quantile = torch.quantile
+    monkeypatch.setattr(torch, "quantile", lambda *a, **k: medians.append(1) or quantile(*a, **k))
+    for _ in range(50):
+        base.judge({0: 0.0})
+    assert len(medians) == 10
+    for norm in (1.0, 1.1, 0.9, 1.0, 1.05):  # a group that comes alive takes one
+        base.judge({0: norm})
+    assert float(base._log_base[0].exp()) == pytest.approx(1.0)
