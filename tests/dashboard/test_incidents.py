@@ -240,6 +240,7 @@ def test_a_link_names_what_is_open_and_survives_a_reload(broker, page):
 def test_keyboard_only(broker, page):
     register(broker, "kb0", job="train-kb", rank=0, world_size=1)
     page.goto(broker.url + "/")
+    page.wait_for_selector("#login:not([hidden]) #token")  # shown once a request got its 401
     page.focus("#token")
     page.keyboard.type(ADMIN)
     page.keyboard.press("Enter")
