@@ -585,3 +585,25 @@ def test_an_attention_mask_of_minus_inf_is_no_bad_batch():
         model(torch.randn(2, 5, 16), mask).sum().backward()
         monitor.step()
     assert monitor.flush() == [] and monitor.anomalies == [] and monitor.errors == 0
+
+
+def test_batchnorm_statistics_of_mixed_dtypes_read_as_each_alone():
+    """The running statistics of every BatchNorm in a few foreach ops, the same values as
+    a module at a time: NaN kept, and modules of two dtypes (a half-precision head)."""
+    from breakpod._monitor import checks
+
+    torch.manual_seed(0)
+    modules = [torch.nn.BatchNorm2d(c) for c in (3, 8, 16)] + [torch.nn.BatchNorm1d(4).half()]
+    for m in modules:
+        m.running_mean.normal_()
+        m.running_var.uniform_(0.5, 2.0)
+    modules[1].running_var[2] = float("nan")
+    each = [
+        torch.stack([*torch.aminmax(m.running_mean), *torch.aminmax(m.running_var)]).float()
+        for m in modules
+    ]
+    got = checks.batchnorm_stats(modules)
+    assert torch.equal(got.nan_to_num(7.0), torch.cat(each).nan_to_num(7.0))
+    assert torch.equal(
+        checks.batchnorm_stats(modules[:3]).nan_to_num(7.0), torch.cat(each[:3]).nan_to_num(7.0)
+    )
