@@ -66,3 +66,17 @@ def test_a_lazy_model_is_captured_from_its_first_step():
     found = monitor.replay()
     monitor.close()
     assert monitor.errors == 0 and found.step == 0 and found.ops > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.complex64])
+def test_the_captured_outputs_finiteness_sees_nan_and_inf_in_any_float_dtype(dtype):
+    """Kept per step for the replay's verdict, from one min/max pass (isfinite().all()
+    wrote a bool per value first: 8 ms a step on a language model's logits)."""
+    from breakpod._monitor.timetravel.capture import _all_finite
+
+    t = torch.randn(10).to(dtype)
+    assert bool(_all_finite(t))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t[3] = bad
+        assert not bool(_all_finite(t))
+    assert bool(_all_finite(torch.empty(0, dtype=dtype)))
