@@ -56,15 +56,7 @@ def test_the_demo_told_not_to_attach_counts_down_the_hold():
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_an_interrupted_demo_leaves_no_broker_redis_or_job_behind():
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BREAKPOD_", "DEMO_"))}
-    demo = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "run_demo.py")],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**clean, "DEMO_AUTOATTACH": "0", "BREAKPOD_HOLD_SECONDS": "100"},
-    )
+    demo = start_demo()
     try:
         said = read_until(demo, "4/4 attach from another terminal")
         data = Path(re.search(r"data in (\S+)\)", said).group(1)) / "redis"
@@ -85,15 +77,7 @@ def test_an_interrupted_demo_leaves_no_broker_redis_or_job_behind():
 def test_a_demo_killed_outright_takes_its_broker_and_redis_with_it():
     """SIGKILL runs none of the demo's cleanup: the broker still gets SIGTERM from the
     kernel as the demo dies, and stops its redis-server on the way out."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BREAKPOD_", "DEMO_"))}
-    demo = subprocess.Popen(
-        [sys.executable, str(ROOT / "examples" / "run_demo.py")],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**clean, "DEMO_AUTOATTACH": "0", "BREAKPOD_HOLD_SECONDS": "100"},
-    )
+    demo = start_demo()
     try:
         said = read_until(demo, "2/4 training job")
         data = Path(re.search(r"data in (\S+)\)", said).group(1)) / "redis"
@@ -105,6 +89,19 @@ def test_a_demo_killed_outright_takes_its_broker_and_redis_with_it():
     while (alive(broker) or alive(redis)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive(broker) and not alive(redis)
+
+
+def start_demo() -> subprocess.Popen[str]:
+    """``run_demo.py`` as a newcomer runs it, nobody attaching (the job holds 100 s)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("BREAKPOD_", "DEMO_"))}
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "run_demo.py")],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**clean, "DEMO_AUTOATTACH": "0", "BREAKPOD_HOLD_SECONDS": "100"},
+    )
 
 
 def read_until(proc: subprocess.Popen[str], marker: str) -> str:
