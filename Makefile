@@ -34,7 +34,7 @@ install: $(STAMP) $(TOOLS)
 # (TEST_WORKERS=0 runs the suite in one process).
 TEST_WORKERS ?= 3
 test: $(TOOLS)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist worksteal --durations=10
 
 # Fault injection, long: kill -9 of redis-server and of the broker 20 times each
 # (`make test` runs the same tests with CHAOS_ROUNDS=2).
