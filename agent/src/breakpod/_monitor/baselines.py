@@ -60,6 +60,7 @@ class NormBaselines:
         self._warmed = torch.zeros(size, dtype=torch.long)  # norms seen during warm-up
         self._alpha = 2 / (rule["window"] + 1)
         self._said = False  # an exploding warm-up was announced
+        self._everyone = torch.ones(size, dtype=torch.bool)  # seen, when every id has a grad
 
     def judge(self, grads: dict[int, float]) -> Judgement:
         """This step's groups out of range and the groups it saw; the others warm up or
@@ -72,8 +73,11 @@ class NormBaselines:
         norms = torch.tensor([grads.get(i, 0.0) for i in self.ids], dtype=torch.float64)
         norm = torch.zeros(len(self.names), dtype=torch.float64)  # a missing one adds 0
         norm.index_add_(0, self._group_of, norms.square()).sqrt_()
-        seen = torch.zeros(len(self.names), dtype=torch.bool)
-        seen[self._group_of[torch.tensor([i in grads for i in self.ids])]] = True
+        if len(grads) == len(self.ids) and all(i in grads for i in self.ids):
+            seen = self._everyone  # every group: the usual step, a tensor less to build
+        else:
+            seen = torch.zeros(len(self.names), dtype=torch.bool)
+            seen[self._group_of[torch.tensor([i in grads for i in self.ids])]] = True
         judged = seen & torch.isfinite(norm)  # the nonfinite rule reports the others
         absolute = self._absolute(norm, judged, out)
         relative = judged & ~absolute
@@ -162,6 +166,10 @@ class NormBaselines:
         rule, base = self.rule, self._log_base.exp()
         exploding = judged & (norm > rule["explode_factor"] * base)
         vanishing = judged & ~exploding & (norm < rule["vanish_factor"] * base)
+        healthy = judged & ~exploding & ~vanishing & (norm > 0)
+        if bool(healthy.all()):  # the usual step: every group moves its baseline, none says
+            self._log_base.lerp_(torch.log(norm), self._alpha)
+            return
         for kind, hit, factor in (
             (EXPLODING, exploding, "explode_factor"),
             (VANISHING, vanishing, "vanish_factor"),
@@ -173,7 +181,6 @@ class NormBaselines:
                     f"baseline {was:.4g} ({factor} {rule[factor]:g})"
                 )
                 out[g] = (kind, value, summary)
-        healthy = judged & ~exploding & ~vanishing & (norm > 0)
         moved = self._log_base[healthy]
         self._log_base[healthy] = moved + self._alpha * (torch.log(norm[healthy]) - moved)
 
