@@ -72,11 +72,11 @@ def test_a_lazy_model_is_captured_from_its_first_step():
 def test_the_captured_outputs_finiteness_sees_nan_and_inf_in_any_float_dtype(dtype):
     """Kept per step for the replay's verdict, from one min/max pass (isfinite().all()
     wrote a bool per value first: 8 ms a step on a language model's logits)."""
-    from breakpod._monitor.timetravel.capture import _all_finite
+    from breakpod._monitor.checks import all_finite
 
     t = torch.randn(10).to(dtype)
-    assert bool(_all_finite(t))
+    assert bool(all_finite(t))
     for bad in (float("nan"), float("inf"), -float("inf")):
         t[3] = bad
-        assert not bool(_all_finite(t))
-    assert bool(_all_finite(torch.empty(0, dtype=dtype)))
+        assert not bool(all_finite(t))
+    assert bool(all_finite(torch.empty(0, dtype=dtype)))

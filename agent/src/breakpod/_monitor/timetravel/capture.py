@@ -23,6 +23,7 @@ from typing import Any
 
 from breakpod._core.announce import announce
 from breakpod._core.config import ENV, env_flag
+from breakpod._monitor.checks import all_finite
 
 REPLAY_ENV = "BREAKPOD_REPLAY"
 DEBUG_ENV = ENV["enabled"]  # debug mode: ENABLE_REMOTE_DEBUG
@@ -142,7 +143,7 @@ class Capture:
             return
         outs = grad_outputs(output)
         self.last.output_grads = [None] * len(outs)
-        self.last.finite = [_all_finite(out.detach()) for out in outs]
+        self.last.finite = [all_finite(out.detach()) for out in outs]
         for i, out in enumerate(outs):
             out.register_hook(functools.partial(self._on_grad, self.last, i))
 
@@ -160,19 +161,6 @@ class Capture:
             handle.remove()
         self._handles.clear()
         self.last = None
-
-
-def _all_finite(t: Any) -> Any:
-    """A 0-d bool on ``t``'s device: no NaN/Inf in it. Its min and max in one pass, not
-    ``isfinite().all()``, which writes a bool per value first: 8 ms a step on a language
-    model's 2M logits on a CPU, against 0.45 ms."""
-    import torch
-
-    if t.is_complex():
-        t = torch.view_as_real(t.resolve_conj())
-    if not t.numel() or not t.is_floating_point():
-        return torch.ones((), dtype=torch.bool, device=t.device)
-    return torch.isfinite(torch.stack(torch.aminmax(t))).all()
 
 
 def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:

@@ -34,6 +34,7 @@ from types import FrameType
 from typing import Any
 
 from breakpod._debug.pdb_commands import is_library
+from breakpod._monitor.checks import all_finite
 from breakpod._monitor.summaries import summary
 
 # aten ops with no deterministic CUDA kernel (torch.use_deterministic_algorithms' list).
@@ -284,9 +285,7 @@ def _weak_table() -> Any:
 
 
 def _nonfinite(tensors: list[Any]) -> list[Any]:
-    import torch
-
-    return [t for t in tensors if not bool(torch.isfinite(t).all())]
+    return [t for t in tensors if not bool(all_finite(t))]
 
 
 def _entered(watch: OpWatch, info: tuple[str, str, str]) -> Any:
