@@ -25,7 +25,14 @@ async def _break_everyone(broker_url, poll_url, ids):
     sent_at: dict[str, float] = {}
 
     async def poll(session_id):
-        reply = await agent.get(f"/v1/sessions/{session_id}/commands", params={"wait": 30})
+        for attempt in range(3):  # as an agent's poller does: a reset connection polls again
+            try:
+                url = f"/v1/sessions/{session_id}/commands"
+                reply = await agent.get(url, params={"wait": 30})
+                break
+            except httpx.TransportError:  # 600 connections at once, on a loaded machine
+                if attempt == 2:
+                    raise
         return session_id, reply.status_code, reply.json(), time.monotonic()
 
     async with agent, admin:
