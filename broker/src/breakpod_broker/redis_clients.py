@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -35,7 +36,15 @@ POOL = 256
 CLUSTER_CONNECTIONS = 1000  # per node; RedisCluster fails (not waits) past it
 
 
-_SERIALIZER = HiredisRespSerializer() if HIREDIS_AVAILABLE else None
+def _hiredis_serializer() -> Any:
+    """hiredis' packer, or None (redis-py 8 left its constructor untyped)."""
+    if not HIREDIS_AVAILABLE:
+        return None
+    make: Callable[..., Any] = HiredisRespSerializer
+    return make()
+
+
+_SERIALIZER = _hiredis_serializer()
 
 
 class _LostConnection:
