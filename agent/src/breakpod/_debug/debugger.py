@@ -21,7 +21,7 @@ from types import FrameType, TracebackType
 from typing import Any, NamedTuple
 
 from breakpod import protocol
-from breakpod._core import events, net, wiring
+from breakpod._core import events, net, threads, wiring
 from breakpod._core.announce import announce
 from breakpod._core.config import BACKENDS, ENV, Settings
 from breakpod._core.errors import BreakpodError, ConfigError
@@ -234,7 +234,7 @@ def _end_debugpy_wait_soon(ended: threading.Event, after: float = 0.0) -> None:
                 debugpy.wait_for_client.cancel()
             ended.wait(0.02)
 
-    threading.Thread(target=cancel_until_ended, name="breakpod-debugpy-wait", daemon=True).start()
+    threads.start_daemon(cancel_until_ended, "breakpod-debugpy-wait")
 
 
 def debugpy_post_mortem(exc: BaseException | None, tb: TracebackType) -> None:

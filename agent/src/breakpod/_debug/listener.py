@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 
-from breakpod._core import net
+from breakpod._core import net, threads
 from breakpod._core.config import LISTENER_TOKEN_ENV
 from breakpod._core.throttle import GuessThrottle
 
@@ -191,7 +191,7 @@ class Listener:
         self._waiting = 0  # waits under way (one nests in another in a signal handler)
         self.interrupted = ""  # why interrupt() ended the last wait ("": it did not)
         self._interrupt_why = ""
-        threading.Thread(target=self._serve, name="breakpod-listener", daemon=True).start()
+        threads.start_daemon(self._serve, "breakpod-listener")
 
     @property
     def requires_token(self) -> bool:

@@ -37,7 +37,7 @@ from types import FrameType
 from typing import Any
 
 from breakpod import protocol
-from breakpod._core import events, holding, wiring
+from breakpod._core import events, holding, threads, wiring
 from breakpod._core.announce import announce
 from breakpod._core.errors import ConfigError
 from breakpod._debug import breakpoints
@@ -121,7 +121,7 @@ class Watchdog:
         self._wake.set()
 
     def start(self) -> None:
-        self._thread.start()
+        threads.start(self._thread)
 
     def current_timeout(self) -> float:
         """The fixed timeout, or in debug mode 10x the p99 step time (with a floor)."""

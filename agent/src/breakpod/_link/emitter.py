@@ -38,7 +38,7 @@ from collections.abc import Callable
 from typing import Any
 
 from breakpod import protocol
-from breakpod._core import events, identity, wiring
+from breakpod._core import events, identity, threads, wiring
 from breakpod._core.announce import announce
 from breakpod._core.config import AGENT_TOKEN_ENV, BROKER_URL_ENV, parse_int, token_value
 from breakpod._core.errors import BreakpodError, BrokerRequestError, ConfigError
@@ -156,9 +156,7 @@ class Emitter:
     def start(self) -> Emitter:
         targets = [self._send_loop] + ([self._poll_loop] if self._poller is not None else [])
         for target in targets:
-            thread = threading.Thread(target=target, name=f"breakpod{target.__name__}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            self._threads.append(threads.start_daemon(target, f"breakpod{target.__name__}"))
         events.add_sink(self.sink)
         atexit.register(self.finish)
         exit_report.install(self.finish)

@@ -15,10 +15,11 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
+
+from breakpod._core import threads
 
 REPORT_SECONDS = 3.0  # longest a SIGTERM waits for the report before the process dies
 Report = Callable[[dict[str, Any]], None]
@@ -71,11 +72,9 @@ def _on_signal(report: Report) -> Callable[[int, FrameType | None], None]:
     def handler(signum: int, frame: FrameType | None) -> None:
         if os.getpid() == _installed_pid:  # a forked child (DataLoader worker) stays silent
             # in a thread: the interrupted main thread may hold a lock the report needs
-            thread = threading.Thread(
-                target=_safely, args=(report, {"signal": signum}), daemon=True
-            )
-            thread.start()
-            thread.join(REPORT_SECONDS)
+            fields = {"signal": signum}
+            reporting = threads.start_daemon(_safely, "breakpod-exit-report", report, fields)
+            reporting.join(REPORT_SECONDS)
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)  # die of it, as without breakpod
 

@@ -19,11 +19,11 @@ import contextlib
 import functools
 import queue
 import re
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from breakpod._core import threads
 from breakpod._core.announce import announce
 from breakpod._core.errors import ConfigError
 
@@ -53,8 +53,7 @@ class MlflowWriter:
         self._dropped = 0
         self._closing = False
         self._raised = False  # the failure was raised to the exporter already
-        self._thread = threading.Thread(target=self._drain, name="breakpod-mlflow", daemon=True)
-        self._thread.start()
+        self._thread = threads.start_daemon(self._drain, "breakpod-mlflow")
 
     def scalars(self, step: int, values: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
