@@ -98,6 +98,11 @@ def test_breakpoint_in_the_child_parks(breakpod_run, pdb_client):
     assert child.stdout() == "done 42\n"
 
 
+# A signal that lands between Python's last check for signals and the start of a long
+# time.sleep() is seen only when that sleep ends: the children sleep in short steps.
+SLEEPS = "for _ in range(300):\n    time.sleep(0.1)\n"
+
+
 def test_signals_are_forwarded_to_the_child(breakpod_run):
     trap = """
         import signal, sys, time
@@ -106,7 +111,8 @@ def test_signals_are_forwarded_to_the_child(breakpod_run):
             sys.exit(7)
         signal.signal(signal.SIGTERM, stop)
         print("ready", flush=True)
-        time.sleep(30)
+        for _ in range(300):  # short sleeps (see SLEEPS)
+            time.sleep(0.1)
     """
     child = breakpod_run(trap)
     assert child.proc.stdout.readline() == b"ready\n"
@@ -116,7 +122,7 @@ def test_signals_are_forwarded_to_the_child(breakpod_run):
 
 
 def test_a_signal_that_kills_the_child_gives_128_plus_n(breakpod_run):
-    child = breakpod_run("import time\nprint('ready', flush=True)\ntime.sleep(30)\n")
+    child = breakpod_run(f"import time\nprint('ready', flush=True)\n{SLEEPS}")
     assert child.proc.stdout.readline() == b"ready\n"
     child.proc.send_signal(signal.SIGINT)
     assert child.wait() == 130  # KeyboardInterrupt: Python re-raises SIGINT at exit

@@ -50,7 +50,8 @@ def test_a_program_s_own_sigterm_handler_is_left_alone(broker, spawn):
         from breakpod._link import emitter
         emitter.ensure_started()
         print("ready", flush=True)
-        time.sleep(30)
+        for _ in range(300):  # short sleeps: a signal just before a long one waits it out
+            time.sleep(0.1)
         """,
         env=agent_env(broker),
         stdin="closed",
