@@ -84,3 +84,55 @@ def test_a_group_without_a_baseline_is_judged_again_once_per_warm_up(monkeypatch
     for norm in (1.0, 1.1, 0.9, 1.0, 1.05):  # a group that comes alive takes one
         base.judge({0: norm})
     assert float(base._log_base[0].exp()) == pytest.approx(1.0)
+
+
+def _three_groups() -> list[NormBaselines]:
+    rule = parse_rule({"check": "grad_norm", "warmup_steps": 3}, 0)
+    params = [
+        ParamInfo(f"{module}.{kind}", module, frozenset({rule.name}))
+        for module in ("a", "b", "c")
+        for kind in ("weight", "bias")
+    ]
+    return [NormBaselines(rule, params) for _ in range(2)]
+
+
+def test_the_norm_vector_and_the_quiet_step_judge_as_the_floats_do():
+    """A step's norms as the host floats (a dict) and as the plan's vector (its own,
+    permuted, index list, the same object each step) give the same verdicts and the
+    same baselines, through warm-up, quiet steps, a spike, a dip, a NaN and a zero."""
+    by_floats, by_vector = _three_groups()
+    keys = [5, 3, 1, 0, 2, 4]  # a plan's order: not the parameters' own
+    gen = torch.Generator().manual_seed(0)
+    steps = [torch.rand(6, generator=gen, dtype=torch.float64) + 0.5 for _ in range(12)]
+    steps[6][2] = 400.0  # b.weight explodes
+    steps[8][4] = 1e-6  # c's norm dips...
+    steps[8][5] = 1e-6  # ...both its parameters
+    steps[9][0] = math.nan
+    steps[10][1] = 0.0  # a.bias has a zero gradient: a's norm stays positive
+    quiet, said = 0, {}
+    for step, norms in enumerate(steps):
+        floats = {i: float(norms[i]) for i in range(6)}
+        vector = norms[keys]
+        got = by_vector.judge(floats, [(keys, vector)])
+        assert by_floats.judge(floats) == got
+        quiet += got.seen is by_vector._seen_all
+        same(by_floats._log_base, by_vector._log_base)
+        said.update({(step, g): kind for g, (kind, _, _) in got.out_of_range.items()})
+    assert said == {(6, 1): "exploding", (8, 2): "vanishing"}
+    assert quiet >= 4  # the healthy steps after the warm-up took the quiet path
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+
+
+def test_a_parameter_missing_from_the_vector_is_judged_from_the_floats():
+    by_floats, by_vector = _three_groups()
+    for step in range(6):
+        floats = {i: 1.0 + 0.1 * i + 0.01 * step for i in range(6)}
+        if step == 5:
+            del floats[3]  # b.bias had no gradient this step
+        keys = sorted(floats)
+        vector = torch.tensor([floats[k] for k in keys], dtype=torch.float64)
+        assert by_floats.judge(floats) == by_vector.judge(floats, [(keys, vector)])
+    same(by_floats._log_base, by_vector._log_base)

@@ -61,19 +61,28 @@ class NormBaselines:
         self._alpha = 2 / (rule["window"] + 1)
         self._said = False  # an exploding warm-up was announced
         self._everyone = torch.ones(size, dtype=torch.bool)  # seen, when every id has a grad
+        self._seen_all = [True] * size
+        self._all_based = False  # every group has a baseline
+        self._keys: Sequence[int] | None = None  # the last norm vector's parameter indices
+        self._order: Any = None  # where self.ids are in them (None: one is missing)
 
-    def judge(self, grads: dict[int, float]) -> Judgement:
+    def judge(
+        self, grads: dict[int, float], vectors: Sequence[tuple[Sequence[int], Any]] = ()
+    ) -> Judgement:
         """This step's groups out of range and the groups it saw; the others warm up or
-        move their baselines."""
+        move their baselines. ``vectors``: the same norms as float64 tensors per device
+        (parameter indices, norms), taken as they are when one holds them all."""
         import torch
 
         out: dict[int, tuple[str, float, str]] = {}
         if not self.ids:
             return Judgement(out, [])
-        norms = torch.tensor([grads.get(i, 0.0) for i in self.ids], dtype=torch.float64)
+        norms, everyone = self._norms(grads, vectors)
         norm = torch.zeros(len(self.names), dtype=torch.float64)  # a missing one adds 0
         norm.index_add_(0, self._group_of, norms.square()).sqrt_()
-        if len(grads) == len(self.ids) and all(i in grads for i in self.ids):
+        if everyone and self._quiet(norm):
+            return Judgement(out, self._seen_all)
+        if everyone:
             seen = self._everyone  # every group: the usual step, a tensor less to build
         else:
             seen = torch.zeros(len(self.names), dtype=torch.bool)
@@ -86,6 +95,43 @@ class NormBaselines:
         self._warm_up(norm, relative & ~based)
         self._relative(norm, relative & based, out)
         return Judgement(out, seen.tolist())
+
+    def _norms(
+        self, grads: dict[int, float], vectors: Sequence[tuple[Sequence[int], Any]]
+    ) -> tuple[Any, bool]:
+        """The norm of each of the rule's parameters (0 without a gradient), and whether
+        every one had a gradient. One device's vector is indexed as it is: its list of
+        parameter indices is the plan's own, the same object step after step."""
+        import torch
+
+        if len(vectors) == 1:
+            keys, vector = vectors[0]
+            if keys is not self._keys:
+                position = {key: j for j, key in enumerate(keys)}
+                where = [position.get(i) for i in self.ids]
+                self._keys = keys
+                self._order = None if None in where else torch.tensor(where, dtype=torch.long)
+            if self._order is not None:
+                return vector[self._order], True
+        norms = torch.tensor([grads.get(i, 0.0) for i in self.ids], dtype=torch.float64)
+        return norms, len(grads) >= len(self.ids) and all(i in grads for i in self.ids)
+
+    def _quiet(self, norm: Any) -> bool:
+        """The usual step, in a few ops: every group has a baseline, no absolute limit is
+        set, and every norm is positive and within its factors (so finite); each group's
+        baseline moves. Anything else is judged group by group."""
+        import torch
+
+        rule = self.rule
+        if not self._all_based or rule["max_norm"] is not None or rule["min_norm"] is not None:
+            return False
+        base = self._log_base.exp()
+        calm = (norm > 0) & (norm <= rule["explode_factor"] * base)
+        calm &= norm >= rule["vanish_factor"] * base
+        if not bool(calm.all()):
+            return False
+        self._log_base.lerp_(torch.log(norm), self._alpha)
+        return True
 
     def _absolute(self, norm: Any, judged: Any, out: dict[int, tuple[str, float, str]]) -> Any:
         """``max_norm`` and ``min_norm``: out of range whatever the baseline."""
@@ -124,6 +170,7 @@ class NormBaselines:
             calm = self._calm(window)
             alive = (median > DEAD) & calm
             self._log_base[full[alive]] = median[alive].log()
+            self._all_based = not bool(self._log_base.isnan().any())
             self._say_exploding(full[~calm], window[:, ~calm])
 
     def _restart(self, groups: Any) -> None:

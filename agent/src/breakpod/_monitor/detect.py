@@ -108,6 +108,8 @@ class StepData:
     forward: list[Sample] = dataclasses.field(default_factory=list)
     backward: list[Sample] = dataclasses.field(default_factory=list)
     grads: dict[int, float] = dataclasses.field(default_factory=dict)
+    # the same norms as float64 tensors, (parameter indices, norms) per device
+    grad_vectors: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
     loss: float | None = None
     loss_tensor: Any = None
     params: dict[int, float] | None = None
@@ -295,7 +297,7 @@ class Detector:
         baselines = self._baselines.get(rule.name)
         if baselines is None:
             baselines = self._baselines[rule.name] = NormBaselines(rule, self.params)
-        verdicts, seen = baselines.judge(data.grads)
+        verdicts, seen = baselines.judge(data.grads, data.grad_vectors)
         keys = (*self._streak, *self._active)
         streaks = {k[1] for k in keys if len(k) == 3 and k[0] == rule.name}
         # out of range now, or before (a streak to count or clear): the others need nothing
