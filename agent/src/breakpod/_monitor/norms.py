@@ -10,9 +10,11 @@ parameters:
   off the garbage collector, in the middle of the step, where the autograd
   graph's own objects are alive: they are promoted, die old, and bring on
   full collections, each a pass over every object of a process that imported
-  torch (a few hundred ms). So small tensors of one shape are stacked, a
-  float32 scratch block's worth at a time, and reduced by one norm over the
-  block's rows; large ones take a norm each.
+  torch (a few hundred ms). So small tensors of a shape that many of them
+  share (an MLP's hundreds of layers) are stacked, a float32 scratch block's
+  worth at a time, and reduced by one norm over the block's rows. The others
+  (large tensors, and shapes that few share: a CNN's) take one foreach: a
+  stack and a norm per part would cost more dispatches than they save.
 
 Whatever the plan did not foresee (a parameter moved alone to another device
 after the plan, a sparse gradient, a complex one) falls back to grouping the
@@ -27,6 +29,7 @@ from typing import Any
 
 MAX_NUMEL = 1 << 15  # larger tensors take a norm each: their pass outweighs a dispatch
 SCRATCH_BYTES = 1 << 18  # a shape's scratch block: rows stacked and reduced together
+STACKED = 16  # a shape with this many small tensors is stacked; fewer join the foreach
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,21 +148,18 @@ def _narrow(t: Any) -> bool:
 
 
 def _cpu_parts(like: list[Any], positions: tuple[int, ...]) -> tuple[_Part, ...]:
-    """Small tensors of one shape share float32 scratch blocks; large ones, one foreach."""
+    """Many small tensors of one shape share float32 scratch blocks; the others (large
+    ones, and shapes with few tensors) take one foreach."""
     import torch
 
     shapes: dict[Any, list[int]] = {}
-    others = []
     for i in positions:
         if 0 < like[i].numel() <= MAX_NUMEL:
             shapes.setdefault(like[i].shape, []).append(i)
-        else:
-            others.append(i)
+    stacked = {shape: same for shape, same in shapes.items() if len(same) >= STACKED}
+    others = [i for i in positions if like[i].shape not in stacked or not 0 < like[i].numel()]
     parts = [_Part(tuple(others))] if others else []
-    for shape, same in shapes.items():
-        if len(same) == 1:
-            parts.append(_Part(tuple(same)))
-            continue
+    for shape, same in stacked.items():
         rows = max(1, min(len(same), SCRATCH_BYTES // (4 * like[same[0]].numel())))
         scratch = torch.empty((rows, *shape), dtype=torch.float32)
         parts += [_Part(tuple(same[s : s + rows]), scratch) for s in range(0, len(same), rows)]
