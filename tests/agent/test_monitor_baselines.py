@@ -96,30 +96,52 @@ def _three_groups() -> list[NormBaselines]:
     return [NormBaselines(rule, params) for _ in range(2)]
 
 
+def _judged_both_ways(steps: list[torch.Tensor]) -> tuple[dict[tuple[int, int], str], int]:
+    """Each step judged from the floats and from the vector, which must agree; what was
+    said (step, group) -> kind, and how many steps took the quiet path."""
+    by_floats, by_vector = _three_groups()
+    keys = [5, 3, 1, 0, 2, 4]  # a plan's order: not the parameters' own
+    quiet, said = 0, {}
+    for step, norms in enumerate(steps):
+        floats = {i: float(norms[i]) for i in range(6)}
+        got = by_vector.judge(floats, [(keys, norms[keys])])
+        assert by_floats.judge(floats) == got
+        quiet += got.seen is by_vector._seen_all
+        same(by_floats._log_base, by_vector._log_base)
+        said.update({(step, g): kind for g, (kind, _, _) in got.out_of_range.items()})
+    return said, quiet
+
+
+def _steps(count: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.rand(6, generator=gen, dtype=torch.float64) + 0.5 for _ in range(count)]
+
+
 def test_the_norm_vector_and_the_quiet_step_judge_as_the_floats_do():
     """A step's norms as the host floats (a dict) and as the plan's vector (its own,
     permuted, index list, the same object each step) give the same verdicts and the
     same baselines, through warm-up, quiet steps, a spike, a dip, a NaN and a zero."""
-    by_floats, by_vector = _three_groups()
-    keys = [5, 3, 1, 0, 2, 4]  # a plan's order: not the parameters' own
-    gen = torch.Generator().manual_seed(0)
-    steps = [torch.rand(6, generator=gen, dtype=torch.float64) + 0.5 for _ in range(12)]
+    steps = _steps(12)
     steps[6][2] = 400.0  # b.weight explodes
     steps[8][4] = 1e-6  # c's norm dips...
     steps[8][5] = 1e-6  # ...both its parameters
     steps[9][0] = math.nan
     steps[10][1] = 0.0  # a.bias has a zero gradient: a's norm stays positive
-    quiet, said = 0, {}
-    for step, norms in enumerate(steps):
-        floats = {i: float(norms[i]) for i in range(6)}
-        vector = norms[keys]
-        got = by_vector.judge(floats, [(keys, vector)])
-        assert by_floats.judge(floats) == got
-        quiet += got.seen is by_vector._seen_all
-        same(by_floats._log_base, by_vector._log_base)
-        said.update({(step, g): kind for g, (kind, _, _) in got.out_of_range.items()})
+    said, quiet = _judged_both_ways(steps)
     assert said == {(6, 1): "exploding", (8, 2): "vanishing"}
-    assert quiet >= 4  # the healthy steps after the warm-up took the quiet path
+    assert quiet >= 8  # the warm-up and the healthy steps took the quiet path
+
+
+def test_a_group_that_never_takes_a_baseline_leaves_the_others_quiet():
+    """c's gradients are gone (1e-23, then 0): no baseline, no word, and a's spike is
+    still said."""
+    steps = _steps(14)
+    for i, norms in enumerate(steps):
+        norms[4] = norms[5] = 1e-23 if i < 7 else 0.0
+    steps[10][0] = 300.0
+    said, quiet = _judged_both_ways(steps)
+    assert said == {(10, 0): "exploding"}
+    assert quiet >= 10
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> None:

@@ -8,7 +8,10 @@ themselves. Here a step's norms become one vector: group norms by one
 ``explode_factor`` of each other: a warm-up that already explodes gives no
 baseline, and one that goes non-finite starts again) and the baseline (an EMA of log norms
 over about ``window`` steps, moved only by healthy steps) are all vector
-operations, and Python sees only the groups that are out of range.
+operations, and Python sees only the groups that are out of range. The usual
+step (no absolute limit set, every group with a baseline within its factors, the
+others finite) is judged in about a dozen such operations on the norm vector as
+the host copy holds it; only a step with something to say goes group by group.
 
 A group whose warm-up median is at most ``DEAD`` has no baseline: its gradients
 were gone from the start (a deep stack without normalization underflows to 1e-23
@@ -62,7 +65,7 @@ class NormBaselines:
         self._said = False  # an exploding warm-up was announced
         self._everyone = torch.ones(size, dtype=torch.bool)  # seen, when every id has a grad
         self._seen_all = [True] * size
-        self._all_based = False  # every group has a baseline
+        self._unbased: Any = torch.ones(size, dtype=torch.bool)  # warming up; None: no group
         self._keys: Sequence[int] | None = None  # the last norm vector's parameter indices
         self._order: Any = None  # where self.ids are in them (None: one is missing)
 
@@ -117,20 +120,25 @@ class NormBaselines:
         return norms, len(grads) >= len(self.ids) and all(i in grads for i in self.ids)
 
     def _quiet(self, norm: Any) -> bool:
-        """The usual step, in a few ops: every group has a baseline, no absolute limit is
-        set, and every norm is positive and within its factors (so finite); each group's
-        baseline moves. Anything else is judged group by group."""
+        """The usual step, in a few ops: no absolute limit is set, every group with a
+        baseline is positive and within its factors (so finite), and every group still
+        warming up is finite. The baselines move, the others warm up; anything else is
+        judged group by group."""
         import torch
 
         rule = self.rule
-        if not self._all_based or rule["max_norm"] is not None or rule["min_norm"] is not None:
+        if rule["max_norm"] is not None or rule["min_norm"] is not None:
             return False
         base = self._log_base.exp()
         calm = (norm > 0) & (norm <= rule["explode_factor"] * base)
         calm &= norm >= rule["vanish_factor"] * base
+        if self._unbased is not None:
+            calm |= self._unbased & torch.isfinite(norm)
         if not bool(calm.all()):
             return False
-        self._log_base.lerp_(torch.log(norm), self._alpha)
+        self._log_base.lerp_(torch.log(norm), self._alpha)  # a NaN (no baseline) stays NaN
+        if self._unbased is not None:
+            self._warm_up(norm, self._unbased)
         return True
 
     def _absolute(self, norm: Any, judged: Any, out: dict[int, tuple[str, float, str]]) -> Any:
@@ -170,7 +178,8 @@ class NormBaselines:
             calm = self._calm(window)
             alive = (median > DEAD) & calm
             self._log_base[full[alive]] = median[alive].log()
-            self._all_based = not bool(self._log_base.isnan().any())
+            unbased = self._log_base.isnan()
+            self._unbased = unbased if bool(unbased.any()) else None
             self._say_exploding(full[~calm], window[:, ~calm])
 
     def _restart(self, groups: Any) -> None:

@@ -157,7 +157,7 @@ def _cpu_parts(like: list[Any], positions: tuple[int, ...]) -> tuple[_Part, ...]
         if 0 < like[i].numel() <= MAX_NUMEL:
             shapes.setdefault(like[i].shape, []).append(i)
     stacked = {shape: same for shape, same in shapes.items() if len(same) >= STACKED}
-    others = [i for i in positions if like[i].shape not in stacked or not 0 < like[i].numel()]
+    others = [i for i in positions if like[i].shape not in stacked]  # a shape: one numel
     parts = [_Part(tuple(others))] if others else []
     for shape, same in stacked.items():
         rows = max(1, min(len(same), SCRATCH_BYTES // (4 * like[same[0]].numel())))
