@@ -54,10 +54,14 @@ def test_the_broker_gets_one_job_stall_event_naming_the_culprit(broker, tmp_path
         assert sorted(r["rank"] for r in event["fields"]["ranks"]) == [0, 1, 2]
         assert "fetch_batch" in event["fields"]["culprit_stacks"]["2"]
 
-        listing = wait_until(lambda: _all_stalled(cli(broker, VIEWER, "sessions", "--job", JOB)))
+        listing = wait_until(
+            lambda: _all_stalled(cli(broker, VIEWER, "sessions", "--job", JOB)), timeout=30
+        )
         assert f"job {JOB}: rank 0 stalled, rank 1 stalled, rank 2 stalled" in listing
         # every rank's REASON names the culprit the job waits for, and where it is
-        listing = wait_until(lambda: _all_blamed(cli(broker, VIEWER, "sessions", "--job", JOB)))
+        listing = wait_until(
+            lambda: _all_blamed(cli(broker, VIEWER, "sessions", "--job", JOB)), timeout=30
+        )
         assert "culprit rank 2 at" in listing and "fetch_batch" in listing
 
         stacks = cli(broker, ADMIN, "stacks", JOB)
