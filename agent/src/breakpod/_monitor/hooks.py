@@ -19,7 +19,7 @@ from breakpod._monitor.rules import Rule
 from breakpod._monitor.state import Shapes
 from breakpod._monitor.stats import StepRecord
 from breakpod._monitor.tiers import DETAILED, OUTPUT_CHECKS, sentinel_blind
-from breakpod._monitor.timetravel.capture import REPLAYING
+from breakpod._monitor.timetravel.capture import REPLAYING, own_ops
 
 ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
 
@@ -274,7 +274,15 @@ class ModuleHooks(ShapeContracts):
         """The slot's statistics into this step's buffer; the host notes that it ran.
 
         ``mode``: :func:`.staging.unit_mode` of the slot (made once per hook, not per call).
+        A probe's, in a replay, are the monitor's own ops (the op check looks past them).
         """
+        if REPLAYING[0]:
+            with own_ops():
+                self._stage_stats(slot, x, nonnegative, mode)
+        else:
+            self._stage_stats(slot, x, nonnegative, mode)
+
+    def _stage_stats(self, slot: Slot, x: Any, nonnegative: bool, mode: str) -> None:
         if x.layout is not self._strided or x.is_nested or x.is_meta:
             x = checks.dense_values(x)  # sparse, nested, mkldnn: their values; meta: none
             if x is None:

@@ -15,7 +15,7 @@ from breakpod._monitor.anomaly import Anomaly, dispatch, merge_same_tensor
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.state import MonitorState
 from breakpod._monitor.stats import StepRecord
-from breakpod._monitor.timetravel.capture import replaying
+from breakpod._monitor.timetravel.capture import own_ops, replaying
 
 
 class Reporting(MonitorState):
@@ -66,11 +66,16 @@ class Reporting(MonitorState):
         def hook(*args: Any) -> None:
             if compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
                 return
-            # timetravel: a replayed step is not a new step (but a probe's, see sentinel.py)
+            # timetravel: a replayed step is not a new step (but a probe's, see sentinel.py,
+            # whose ops are its own: the replay's op check looks past them)
             if replaying() and not self._sees_replay:
                 return
             try:
-                fn(*args)
+                if replaying():
+                    with own_ops():
+                        fn(*args)
+                else:
+                    fn(*args)
             except AnomalyError:
                 raise
             except Exception as e:

@@ -46,6 +46,21 @@ def replay_in_progress() -> Iterator[None]:
         REPLAYING[0] -= 1
 
 
+OWN_OPS = [0]  # > 0 while a probe's hook runs in a replay: its ops are not the model's
+
+
+@contextlib.contextmanager
+def own_ops() -> Iterator[None]:
+    """The monitor's own tensor ops (a probe's statistics in a replay), which the replay's
+    op check must not take for the model's: a fresh staging block is uninitialized memory,
+    and may read as NaN."""
+    OWN_OPS[0] += 1
+    try:
+        yield
+    finally:
+        OWN_OPS[0] -= 1
+
+
 def capture_wanted(
     explicit: bool | None, parks: bool, environ: Mapping[str, str] | None = None
 ) -> bool:

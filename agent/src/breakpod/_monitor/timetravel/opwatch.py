@@ -36,6 +36,7 @@ from typing import Any
 from breakpod._debug.pdb_commands import is_library
 from breakpod._monitor.checks import all_finite
 from breakpod._monitor.summaries import summary
+from breakpod._monitor.timetravel.capture import OWN_OPS
 
 # aten ops with no deterministic CUDA kernel (torch.use_deterministic_algorithms' list).
 NONDETERMINISTIC_CUDA = frozenset(
@@ -318,7 +319,7 @@ def modes(watch: OpWatch) -> tuple[Any, Any]:
     class Functions(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             out = func(*args, **(kwargs or {}))
-            if watch.phase == "forward":
+            if watch.phase == "forward" and not OWN_OPS[0]:
                 watch.remember_nodes((args, kwargs), out)
             return out
 
@@ -332,6 +333,8 @@ def modes(watch: OpWatch) -> tuple[Any, Any]:
             return "torch._dynamo" in sys.modules
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if OWN_OPS[0]:  # the monitor's statistics, not the model's op
+                return func(*args, **(kwargs or {}))
             before = watch.before(func, args, kwargs or {})
             out = func(*args, **(kwargs or {}))
             watch.saw(func, args, kwargs or {}, out, before)
