@@ -159,6 +159,7 @@ class ModuleHooks(ShapeContracts):
             self._handles.append(self.model.register_forward_hook(hook))
         self._on_output_grad = self._guarded("output gradient hook", self._queue_backward_end)
         self._backward_end = self._guarded("gradient norms", self._on_backward_end)
+        self._backward_last = self._guarded("gradient norms", self._queue_last)
 
     def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
         if self._aside:  # the pass inside a transform ends here: later calls are checked
@@ -374,8 +375,16 @@ class ModuleHooks(ShapeContracts):
             return
         from torch.autograd import Variable
 
-        Variable._execution_engine.queue_callback(self._backward_end)
+        Variable._execution_engine.queue_callback(self._backward_last)
         self._backward_queued = True
+
+    def _queue_last(self) -> None:
+        """Queued again from the engine's final callbacks, so that it runs after all that
+        the backward queued: DDP's reducer finalizes there, writing the averaged
+        gradients (the norms read before were this rank's own)."""
+        from torch.autograd import Variable
+
+        Variable._execution_engine.queue_callback(self._backward_end)
 
     def _on_backward_end(self) -> None:
         self._backward_queued = False

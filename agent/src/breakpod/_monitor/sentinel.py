@@ -43,6 +43,11 @@ from breakpod._monitor.tiers import DETAILED, SENTINEL, detailed_steps
 
 Found = tuple[Anomaly, Rule]
 BEFORE_LOSS = ("input", "forward")  # a probe's sites that come before the loss in a step
+FROM_ANOTHER_RANK = (
+    "not localized on this rank: its own step replayed finite, so the NaN/Inf most likely "
+    "reached its gradients through DDP's all-reduce, from another rank (whose report names "
+    "the module)"
+)
 
 
 class Sentinel(StepPipeline):
@@ -134,6 +139,8 @@ class Sentinel(StepPipeline):
             probe.close()
         seconds = time.perf_counter() - started
         self.replay_seconds.append(seconds)
+        if not found and report.first is None and _averaged(self.model):
+            return {}, FROM_ANOTHER_RANK  # that rank's own replay names the module
         why_not = _not_reproduced(report, found, capture.last)
         if why_not:
             self._escalate(step, f"its replay did not reproduce it ({why_not})")
@@ -258,6 +265,14 @@ class Sentinel(StepPipeline):
             live.close()
             self._live = None
             announce(f"monitor: the detailed tier is off again after step {self.step_count - 1}")
+
+
+def _averaged(model: Any) -> bool:
+    """Are the model's gradients averaged over ranks (DDP in a job of several)?"""
+    import torch
+
+    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    return ddp and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def _verdict(report: Any) -> str:

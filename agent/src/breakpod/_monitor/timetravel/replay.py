@@ -183,7 +183,7 @@ def _instrumented_run(model: Any, inputs: StepInputs) -> OpWatch:
     functions, ops = modes(watch)
     hooks = module_tracking(watch)
     try:
-        with functions, ops, autocast_as(inputs.autocast):
+        with functions, ops, autocast_as(inputs.autocast), _locally(model):
             result = model(*inputs.args, **inputs.kwargs)
         watch.reached(result)
         watch.outputs = [summary(t) for t in floats(result)[:OUTPUTS_SHOWN]]
@@ -198,6 +198,29 @@ def _instrumented_run(model: Any, inputs: StepInputs) -> OpWatch:
         for handle in hooks:
             handle.remove()
     return watch
+
+
+@contextlib.contextmanager
+def _locally(model: Any) -> Iterator[None]:
+    """A data-parallel wrapper's call runs the module it holds, its own hooks included
+    (the monitors' batch check is one): DDP's forward would prepare its reducer for an
+    all-reduce (and broadcast buffers) that the other ranks, not replaying, never join;
+    ``DataParallel``'s would scatter over the devices again."""
+    import torch
+
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
+    if not isinstance(model, wrappers):
+        yield
+        return
+    own = model.__dict__.get("forward")
+    model.__dict__["forward"] = model.module  # Module.__call__ reads self.forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.__dict__["forward"]
+        else:
+            model.__dict__["forward"] = own
 
 
 def _compare(params: list[Any], real: list[Any], inputs: StepInputs) -> tuple[bool | None, str]:

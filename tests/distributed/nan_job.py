@@ -1,0 +1,45 @@
+"""A DDP job (gloo, CPU) watched by the sentinel tier; one rank's batch holds a NaN.
+
+Env: BAD_RANK (whose batch), BAD_AT (at which step), STEPS."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import breakpod
+
+BAD_RANK, BAD_AT = int(os.environ["BAD_RANK"]), int(os.environ["BAD_AT"])
+STEPS = int(os.environ.get("STEPS", "6"))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)  # the same weights on every rank, as DDP requires
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = DistributedDataParallel(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = breakpod.watch(model, optimizer=opt)
+    torch.manual_seed(1 + rank)  # each rank its own batches
+    for step in range(STEPS):
+        x = torch.randn(16, 4)
+        if rank == BAD_RANK and step == BAD_AT:
+            x[0, 0] = float("nan")
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    monitor.close()
+    for a in monitor.anomalies:
+        said = f"{a} | how={a.how} | {a.details.get('localized')}"
+        print(f"found on rank {rank}: {said}", file=sys.stderr)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
