@@ -71,19 +71,39 @@ def test_a_group_whose_gradients_were_gone_from_the_start_takes_no_baseline():
     assert verdicts == {}
 
 
-def test_a_group_without_a_baseline_is_judged_again_once_per_warm_up(monkeypatch):
-    """Norms of exactly 0 never give a baseline: their window's median is taken once per
+def test_a_group_gone_from_the_start_warms_up_again_only_when_its_gradient_returns(
+    monkeypatch,
+):
+    """Norms of exactly 0 never give a baseline: the first warm-up's median finds the
+    group gone, and no other median is taken while it stays so; once its norm is back,
+    it warms up afresh from that step."""
+    base = _baselines(warmup=5)
+    medians = []
+    quantile = torch.quantile
+    monkeypatch.setattr(torch, "quantile", lambda *a, **k: medians.append(1) or quantile(*a, **k))
+    for _ in range(48):
+        base.judge({0: 0.0})
+    assert len(medians) == 1
+    for norm in (1e-23, 1.0, 1.1, 0.9, 1.0):  # a group that comes alive takes one...
+        base.judge({0: norm})
+    assert math.isnan(float(base._log_base[0]))  # ...a warm-up's worth after it is back
+    verdicts, _ = base.judge({0: 1.05})
+    assert verdicts == {}
+    assert float(base._log_base[0].exp()) == pytest.approx(1.0)
+    assert len(medians) == 2
+
+
+def test_an_exploding_warm_up_is_judged_again_once_per_warm_up(monkeypatch):
+    """A warm-up that explodes gives no baseline, and is looked at again once per
     warm-up's worth of steps, not on every step."""
     base = _baselines(warmup=5)
     medians = []
     quantile = torch.quantile
     monkeypatch.setattr(torch, "quantile", lambda *a, **k: medians.append(1) or quantile(*a, **k))
-    for _ in range(50):
-        base.judge({0: 0.0})
+    for step in range(50):
+        base.judge({0: 10.0 ** (step % 5)})  # 1 ... 1e4, over and over
     assert len(medians) == 10
-    for norm in (1.0, 1.1, 0.9, 1.0, 1.05):  # a group that comes alive takes one
-        base.judge({0: norm})
-    assert float(base._log_base[0].exp()) == pytest.approx(1.0)
+    assert math.isnan(float(base._log_base[0]))
 
 
 def _three_groups() -> list[NormBaselines]:

@@ -15,9 +15,12 @@ the host copy holds it; only a step with something to say goes group by group.
 
 A group whose warm-up median is at most ``DEAD`` has no baseline: its gradients
 were gone from the start (a deep stack without normalization underflows to 1e-23
-and then to 0), and "0 is 0x its baseline 4e-23" is no news. A group that cannot
-take a baseline yet is judged again once per ``warmup_steps`` steps, not every
-step (a median over the window each step cost a 200-module MLP 5% of its step).
+and then to 0), and "0 is 0x its baseline 4e-23" is no news. Such a group is
+*gone*: it stops warming up, and warms up afresh from the step its norm comes back
+above ``DEAD`` (half a 200-layer MLP's groups are gone: warming them every step,
+and a median over them every ``warmup_steps``, cost it 1-2% of its step). Another
+group that cannot take a baseline yet (its warm-up exploded) is judged again once
+per ``warmup_steps`` steps, not every step.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ class NormBaselines:
         self._everyone = torch.ones(size, dtype=torch.bool)  # seen, when every id has a grad
         self._seen_all = [True] * size
         self._unbased: Any = torch.ones(size, dtype=torch.bool)  # warming up; None: no group
+        self._gone = torch.zeros(size, dtype=torch.bool)  # gradients gone since the start
+        self._any_gone = False
         self._keys: Sequence[int] | None = None  # the last norm vector's parameter indices
         self._order: Any = None  # where self.ids are in them (None: one is missing)
 
@@ -94,8 +99,10 @@ class NormBaselines:
         absolute = self._absolute(norm, judged, out)
         relative = judged & ~absolute
         based = ~torch.isnan(self._log_base)
+        if self._any_gone:  # back: warms up afresh from this step
+            self._revive(judged & self._gone & (norm > DEAD))
         self._restart(seen & ~judged & ~based)  # a warm-up that went non-finite says nothing
-        self._warm_up(norm, relative & ~based)
+        self._warm_up(norm, relative & ~based & ~self._gone)
         self._relative(norm, relative & based, out)
         return Judgement(out, seen.tolist())
 
@@ -134,6 +141,8 @@ class NormBaselines:
         calm &= norm >= rule["vanish_factor"] * base
         if self._unbased is not None:
             calm |= self._unbased & torch.isfinite(norm)
+        if self._any_gone:
+            calm |= self._gone & (norm <= DEAD)
         if not bool(calm.all()):
             return False
         self._log_base.lerp_(torch.log(norm), self._alpha)  # a NaN (no baseline) stays NaN
@@ -178,9 +187,21 @@ class NormBaselines:
             calm = self._calm(window)
             alive = (median > DEAD) & calm
             self._log_base[full[alive]] = median[alive].log()
-            unbased = self._log_base.isnan()
-            self._unbased = unbased if bool(unbased.any()) else None
+            self._gone[full[(median <= DEAD) & calm]] = True
+            self._changed()
             self._say_exploding(full[~calm], window[:, ~calm])
+
+    def _revive(self, groups: Any) -> None:
+        if bool(groups.any()):
+            self._gone[groups] = False
+            self._restart(groups)
+            self._changed()
+
+    def _changed(self) -> None:
+        """Which groups warm up, and whether any is gone, after either changed."""
+        unbased = self._log_base.isnan() & ~self._gone
+        self._unbased = unbased if bool(unbased.any()) else None
+        self._any_gone = bool(self._gone.any())
 
     def _restart(self, groups: Any) -> None:
         """Groups whose norm went non-finite before they had a baseline warm up afresh."""
