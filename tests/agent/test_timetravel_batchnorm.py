@@ -47,6 +47,9 @@ def test_replay_through_batchnorm_reproduces_and_leaves_the_statistics():
     assert report.reproduced is True, report.lines()
     assert "aten.sqrt" in "\n".join(report.lines())
     assert torch.equal(model.bn.running_mean, after_forward)  # left as it came
+    model.bn.running_mean = torch.full((8,), 7.0)  # replaced (load_state_dict(assign=True))
+    model(torch.randn(16, 6))
+    assert torch.equal(monitor.capture.last.buffers["bn.running_mean"], torch.full((8,), 7.0))
     model.bn.eval()  # the set of captured buffers changes: copies made anew, none stale
     model(torch.randn(16, 6))
     assert monitor.capture.last.buffers == {}

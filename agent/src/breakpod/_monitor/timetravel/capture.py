@@ -107,7 +107,8 @@ class Capture:
             if getattr(m, "track_running_stats", False)
         ]
         self._kept: dict[str, Any] = {}  # the last copies of the running statistics
-        self._kept_shape: list[Any] = []
+        self._kept_to: list[Any] = []  # the same, in order
+        self._kept_from: list[Any] = []  # the buffers they copy
         self._handles = [
             model.register_forward_pre_hook(_eager(self._before), with_kwargs=True),
             model.register_forward_hook(_eager(self._after)),
@@ -134,24 +135,37 @@ class Capture:
     def _running_stats(self) -> dict[str, Any]:
         """The running statistics a forward in training mode will change, copied into
         buffers kept from step to step (one fused copy, nothing allocated; allocated
-        again only when the set of buffers changes, e.g. a module set to eval)."""
+        again only when the set of buffers changes, e.g. a module set to eval, or a
+        buffer replaced). Step after step the same buffer objects: told in one pass."""
+        import torch
+
+        live = [
+            b for _, m in self._stateful if m.training for b in m._buffers.values() if b is not None
+        ]
+        if len(live) != len(self._kept_from) or any(
+            b is not k for b, k in zip(live, self._kept_from, strict=True)
+        ):
+            self._keep(live)
+        elif live:
+            torch._foreach_copy_(self._kept_to, live)
+        return self._kept
+
+    def _keep(self, live: list[Any]) -> None:
+        """Copies of ``live``'s buffers, by name (a lazy module's, not made yet: none)."""
         import torch
 
         is_lazy = torch.nn.parameter.is_lazy
-        live = [
+        named = [
             (f"{name}.{key}" if name else key, b.detach())
             for name, m in self._stateful
             if m.training
-            for key, b in m.named_buffers(recurse=False)
+            for key, b in m._buffers.items()
             if b is not None and not is_lazy(b)  # a lazy module's, before its first forward
         ]
-        shape = [(n, b.shape, b.dtype, b.device) for n, b in live]
-        if shape != self._kept_shape:
-            self._kept_shape = shape
-            self._kept = {n: b.clone() for n, b in live}
-        elif live:
-            torch._foreach_copy_(list(self._kept.values()), [b for _, b in live])
-        return self._kept
+        self._kept = {n: b.clone() for n, b in named}
+        self._kept_to = list(self._kept.values())
+        lazy = len(named) != len(live)  # looked at again next step, until they are made
+        self._kept_from = [] if lazy else live
 
     def _after(self, module: Any, args: Any, output: Any) -> None:
         if replaying() or _compiling() or self.last is None:
