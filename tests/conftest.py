@@ -52,12 +52,37 @@ class Child:
             return self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             raise AssertionError(
-                f"still running after {timeout}s; stderr:\n{self.stderr}"
+                f"still running after {timeout}s; stderr:\n{self.stderr}\n"
+                f"processes:\n{signal_states(self.proc.pid)}"
             ) from None
 
     def stdout(self) -> str:
         assert self.proc.stdout is not None
         return self.proc.stdout.read().decode(errors="replace")
+
+
+def signal_states(pid: int) -> str:
+    """Each process of the tree from ``pid``: its command line and the kernel's view of
+    its signals (pending, blocked, ignored, caught) and state, to tell why one that was
+    sent a signal did not end."""
+    import psutil
+
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return "(gone)"
+    lines = []
+    for proc in tree:
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            kept = [line for line in status.splitlines() if line.startswith(STATUS_FIELDS)]
+            lines.append(f"{proc.pid} {' '.join(proc.cmdline())[:160]}: {'; '.join(kept)}")
+        except (OSError, psutil.Error) as e:
+            lines.append(f"{proc.pid}: {e}")
+    return "\n".join(lines)
+
+
+STATUS_FIELDS = ("State", "Threads", "SigQ", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
 
 
 @pytest.fixture
