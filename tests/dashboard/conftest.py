@@ -28,7 +28,11 @@ CHROMIUM_ARGS = [
 ]
 
 
-@pytest.fixture(scope="session")
+# One browser per test module, not per session: Playwright's sync API keeps its event loop
+# running in this thread while it is open, so a later asyncio.run() on the same
+# pytest-xdist worker (a broker test's) failed with "cannot be called from a running
+# event loop".
+@pytest.fixture(scope="module")
 def chromium() -> Iterator[Any]:
     if not CHROMIUM.exists():
         pytest.skip(f"no {CHROMIUM}: apt-get install -y chromium (.ci/run does)")
