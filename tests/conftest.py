@@ -61,6 +61,16 @@ class Child:
         return self.proc.stdout.read().decode(errors="replace")
 
 
+def _terminal_signals() -> None:
+    """In the child, before exec: SIGINT, SIGHUP and SIGQUIT as a terminal's job gets them.
+    A pytest-xdist worker was once seen with all three ignored mid-run (inherited by its
+    children across exec: a Ctrl-C sent to one did nothing)."""
+    import signal
+
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def signal_states(pid: int) -> str:
     """Each process of the tree from ``pid``: its command line and the kernel's view of
     its signals (pending, blocked, ignored, caught) and state, to tell why one that was
@@ -118,6 +128,7 @@ def spawn(tmp_path: Path) -> Iterator[object]:
                 stdout=subprocess.PIPE,
                 stderr=err,
                 env=full_env,
+                preexec_fn=_terminal_signals,
             )
         child = Child(proc, stderr_path)
         children.append(child)
