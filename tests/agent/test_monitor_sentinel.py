@@ -315,3 +315,28 @@ def test_a_forward_nan_its_replay_does_not_make_is_not_blamed_on_the_backward():
     assert "outputs were non-finite in the step and finite in its replay" in a.details["localized"]
     assert len(hooked(model)) > 1  # the detailed tier's hooks, besides the poison's own
     monitor.close()
+
+
+def test_a_localizing_replay_counts_the_models_ops_only_not_its_probes():
+    """The probe's statistics (detaches, staging blocks of uninitialized memory) are the
+    monitor's own ops: the localizing replay sees as many ops as a plain replay, and its
+    first bad op is the model's, never one of the probe's."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    monitor = breakpod.watch(net, optimizer=opt, sink=lambda a: None)
+    plain = None
+    for step in range(4):
+        x = torch.randn(16, 4)
+        if step == 3:
+            x[0, 0] = float("nan")
+        loss = net(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if step == 3:
+            plain = monitor.replay().ops
+        opt.step()
+    monitor.close()
+    found = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert found and found[0].how == "replay", found
+    assert f"({plain} ops)" in found[0].details["localized"], (plain, found[0].details)

@@ -19,7 +19,7 @@ from breakpod._monitor.rules import Rule
 from breakpod._monitor.state import Shapes
 from breakpod._monitor.stats import StepRecord
 from breakpod._monitor.tiers import DETAILED, OUTPUT_CHECKS, sentinel_blind
-from breakpod._monitor.timetravel.capture import REPLAYING, own_ops
+from breakpod._monitor.timetravel.capture import REPLAYING, as_own
 
 ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
 
@@ -129,7 +129,7 @@ class ModuleHooks(ShapeContracts):
         # the first tensor only: a later argument may hold -inf by design (an attention mask)
         x = checks.first_tensor(inputs) if slot is not None and not self._ignore_pass else None
         if slot is not None and x is not None and (x.is_floating_point() or x.is_complex()):
-            self._write_stats(slot, x.detach())
+            self._write_stats(slot, x)
 
     def _sort_pass(self, record: StepRecord) -> None:
         """Evaluation under no_grad is not the training step: a training pass drops the
@@ -233,8 +233,7 @@ class ModuleHooks(ShapeContracts):
                         else checks.first_tensor(output, values_only=True)
                     )
                     if value is not None and _claim(value, fwd_marks, name, self._pass):
-                        # the value, not the graph
-                        self._write_stats(slot, value.detach(), nonnegative, mode)
+                        self._write_stats(slot, value, nonnegative, mode)
                 if back is not None:
                     changed = out if inplace else None
                     self._hook_inputs(name, back, grad_hooks, inputs, changed)
@@ -261,7 +260,7 @@ class ModuleHooks(ShapeContracts):
             if grad is None:  # an output no loss depends on has no gradient
                 return
             try:
-                self._write_stats(slot, grad.detach())
+                self._write_stats(slot, grad)
                 if not self._backward_queued:
                     self._queue_backward_end()
             except AnomalyError:
@@ -275,15 +274,10 @@ class ModuleHooks(ShapeContracts):
         """The slot's statistics into this step's buffer; the host notes that it ran.
 
         ``mode``: :func:`.staging.unit_mode` of the slot (made once per hook, not per call).
-        A probe's, in a replay, are the monitor's own ops (the op check looks past them).
+        The value is detached here, not by the hooks, so that a probe's every op is in
+        :meth:`ops_are_own`'s reach.
         """
-        if REPLAYING[0]:
-            with own_ops():
-                self._stage_stats(slot, x, nonnegative, mode)
-        else:
-            self._stage_stats(slot, x, nonnegative, mode)
-
-    def _stage_stats(self, slot: Slot, x: Any, nonnegative: bool, mode: str) -> None:
+        x = x.detach()  # the value, not the graph
         if x.layout is not self._strided or x.is_nested or x.is_meta:
             x = checks.dense_values(x)  # sparse, nested, mkldnn: their values; meta: none
             if x is None:
@@ -369,6 +363,12 @@ class ModuleHooks(ShapeContracts):
                 self._leaf_hooks[x] = x.register_hook(hook)
             else:
                 node.register_prehook(hook)
+
+    def ops_are_own(self) -> None:
+        """A replay's probe: its statistics are the monitor's own tensor ops, which the
+        replay's op check looks past (``capture.own_ops``). Set on the probe only, so a
+        training step's hooks pay nothing for it."""
+        self._write_stats = functools.partial(as_own, self._write_stats)  # type: ignore[method-assign]
 
     def _queue_backward_end(self, *_: Any) -> None:
         if self._backward_queued or not self._params:

@@ -15,7 +15,7 @@ from breakpod._monitor.anomaly import Anomaly, dispatch, merge_same_tensor
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.state import MonitorState
 from breakpod._monitor.stats import StepRecord
-from breakpod._monitor.timetravel.capture import own_ops, replaying
+from breakpod._monitor.timetravel.capture import as_own, replaying
 
 
 class Reporting(MonitorState):
@@ -68,12 +68,12 @@ class Reporting(MonitorState):
                 return
             # timetravel: a replayed step is not a new step (but a probe's, see sentinel.py,
             # whose ops are its own: the replay's op check looks past them)
-            if replaying() and not self._sees_replay:
+            replay = replaying()
+            if replay and not self._sees_replay:
                 return
             try:
-                if replaying():
-                    with own_ops():
-                        fn(*args)
+                if replay:
+                    as_own(fn, *args)
                 else:
                     fn(*args)
             except AnomalyError:

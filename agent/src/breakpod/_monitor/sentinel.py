@@ -128,6 +128,7 @@ class Sentinel(StepPipeline):
             return {}, "not localized: no step captured"
         started = time.perf_counter()
         probe = self._new_probe(step)
+        probe.ops_are_own()
         try:
             report = replay.replay(self.model, capture)
             found = probe.finish_probe()

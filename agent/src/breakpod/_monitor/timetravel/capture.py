@@ -61,6 +61,12 @@ def own_ops() -> Iterator[None]:
         OWN_OPS[0] -= 1
 
 
+def as_own(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, its tensor ops the monitor's own (:func:`own_ops`)."""
+    with own_ops():
+        return fn(*args)
+
+
 def capture_wanted(
     explicit: bool | None, parks: bool, environ: Mapping[str, str] | None = None
 ) -> bool:
