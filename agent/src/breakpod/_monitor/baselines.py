@@ -78,7 +78,7 @@ class NormBaselines:
         self, grads: dict[int, float], vectors: Sequence[tuple[Sequence[int], Any]] = ()
     ) -> Judgement:
         """This step's groups out of range and the groups it saw; the others warm up or
-        move their baselines. ``vectors``: the same norms as float64 tensors per device
+        move their baselines. ``vectors``: the same norms as tensors per device
         (parameter indices, norms), taken as they are when one holds them all."""
         import torch
 
@@ -122,7 +122,7 @@ class NormBaselines:
                 self._keys = keys
                 self._order = None if None in where else torch.tensor(where, dtype=torch.long)
             if self._order is not None:
-                return vector[self._order], True
+                return vector[self._order].double(), True
         norms = torch.tensor([grads.get(i, 0.0) for i in self.ids], dtype=torch.float64)
         return norms, len(grads) >= len(self.ids) and all(i in grads for i in self.ids)
 

@@ -108,7 +108,7 @@ class StepData:
     forward: list[Sample] = dataclasses.field(default_factory=list)
     backward: list[Sample] = dataclasses.field(default_factory=list)
     grads: dict[int, float] = dataclasses.field(default_factory=dict)
-    # the same norms as float64 tensors, (parameter indices, norms) per device
+    # the same norms, (parameter indices, host copy's slice) per device: read while judged
     grad_vectors: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
     loss: float | None = None
     loss_tensor: Any = None

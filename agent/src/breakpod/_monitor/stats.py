@@ -329,7 +329,7 @@ def decode(step: StepRecord, values: dict[Any, list[float]], hosts: dict[Any, An
             columns = hosts[device][offset : offset + n]
             data.slot_groups.append((e.keys, columns, e.tensor, e.units or {}))
         elif e.kind == "grads":  # the baselines judge them as a vector: no list rebuilt
-            data.grad_vectors.append((e.keys, hosts[device][offset : offset + n].double()))
+            data.grad_vectors.append((e.keys, hosts[device][offset : offset + n]))
             _place(data, e, values[device][offset : offset + n])
         else:
             _place(data, e, values[device][offset : offset + n])
