@@ -6,11 +6,15 @@ focus and a selection kept; links that survive a reload; keyboard-only use; a
 
 from __future__ import annotations
 
+import math
+import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
+import breakpod_broker
 from tests.broker.test_incidents import REPORT
 from tests.brokerkit import ADMIN, AGENT, post_events, register, wait_until
 from tests.dashboard.pagekit import LOOP, agent_env, login, send, sessions, until, watch_state
@@ -159,6 +163,11 @@ def test_a_park_counts_down_its_hold_and_the_attach_block_fits_the_runtime(broke
     assert "kubectl" not in block.text_content()
 
 
+# how often the page re-reads the listing, as app.js says
+APP_JS = Path(breakpod_broker.__file__).with_name("static") / "app.js"
+REFRESH_SECONDS = int(re.search(r"const REFRESH_MS = (\d+);", APP_JS.read_text())[1]) / 1000
+
+
 @pytest.mark.timeout(240)
 def test_500_sessions_with_events_flowing_redraw_only_what_changed(start_broker, page):
     broker = start_broker(BREAKPOD_HEARTBEAT_TTL_SECONDS="3600")  # registering takes a while
@@ -205,6 +214,7 @@ def test_500_sessions_with_events_flowing_redraw_only_what_changed(start_broker,
     page.wait_for_selector(f".rank[data-session='{ids[101]}'][data-state=stalled]")
     time.sleep(1)
     after = page.evaluate("({...app.stats})")
+    window = time.monotonic() - started
     panel = after["panel"] - before["panel"]
     cards = after["cards"] - before["cards"]
     long_ms = page.evaluate("window.__longTasks")
@@ -213,7 +223,10 @@ def test_500_sessions_with_events_flowing_redraw_only_what_changed(start_broker,
         f"{after['renders'] - before['renders']} render passes, {cards} cards redrawn, "
         f"{panel} panel redraws, {long_ms:.0f} ms of long tasks"
     )
-    assert cards <= 2, cards  # the stalled rank's card (the sessions re-read may add one)
+    # the stalled rank's card, and at most one more per re-read of the listing in the window
+    # (each may bring what only the listing has: 5.6 s on a loaded machine held two)
+    rereads = math.ceil(window / REFRESH_SECONDS)
+    assert cards <= 1 + rereads, (cards, rereads)
     assert panel <= 2, panel  # the open session's one log event (plots, timeline)
     assert long_ms < 2000, long_ms
     assert page.evaluate("getSelection().toString()").startswith("export BREAKPOD_BROKER_URL")
