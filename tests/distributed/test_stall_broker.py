@@ -54,14 +54,10 @@ def test_the_broker_gets_one_job_stall_event_naming_the_culprit(broker, tmp_path
         assert sorted(r["rank"] for r in event["fields"]["ranks"]) == [0, 1, 2]
         assert "fetch_batch" in event["fields"]["culprit_stacks"]["2"]
 
-        listing = wait_until(
-            lambda: _all_stalled(cli(broker, VIEWER, "sessions", "--job", JOB)), timeout=30
-        )
+        listing = until_listed(broker, _all_stalled)
         assert f"job {JOB}: rank 0 stalled, rank 1 stalled, rank 2 stalled" in listing
         # every rank's REASON names the culprit the job waits for, and where it is
-        listing = wait_until(
-            lambda: _all_blamed(cli(broker, VIEWER, "sessions", "--job", JOB)), timeout=30
-        )
+        listing = until_listed(broker, _all_blamed)
         assert "culprit rank 2 at" in listing and "fetch_batch" in listing
 
         stacks = cli(broker, ADMIN, "stacks", JOB)
@@ -78,6 +74,21 @@ def test_the_broker_gets_one_job_stall_event_naming_the_culprit(broker, tmp_path
             assert "every watched tensor stayed finite and in range" in block, flight
     finally:
         job.kill()
+
+
+def until_listed(broker, wanted) -> str:
+    """The job's listing once ``wanted`` takes it (each look runs the CLI; 30 s, as other
+    torchrun jobs load the machine); failing, the last listing read."""
+    seen = [""]
+
+    def look() -> str | None:
+        seen[0] = cli(broker, VIEWER, "sessions", "--job", JOB)
+        return wanted(seen[0])
+
+    try:
+        return str(wait_until(look, timeout=30))
+    except AssertionError as e:
+        raise AssertionError(f"{e}; the last listing:\n{seen[0]}") from None
 
 
 def _all_blamed(listing: str) -> str | None:
