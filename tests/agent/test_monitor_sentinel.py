@@ -9,6 +9,8 @@ from torch import nn
 
 import breakpod
 from breakpod._core.errors import ConfigError
+from breakpod._monitor import checks
+from tests.agent import nets
 from tests.agent.nets import Net, batch, train
 
 pytestmark = pytest.mark.timeout(120)
@@ -165,6 +167,31 @@ def test_a_replay_that_does_not_reproduce_says_so_and_turns_the_detailed_tier_on
     assert (second.step, second.module, second.phase) == (5, "1", "backward"), second
     assert (second.tier, second.how) == ("detailed", "live"), second
     assert "the detailed tier is on for the next 100 steps" in capfd.readouterr().err
+    monitor.close()
+
+
+def test_the_detailed_tier_turned_on_mid_outbreak_does_not_report_it_again():
+    """A NaN weight from step 2 on: one outbreak. Its step's replay cannot be compared
+    (the loop never zeroes the gradients, so they accumulate), so the detailed tier
+    turns on, and its first look, at step 3, finds the weight NaN: that is the same
+    outbreak, said once (it used to be said again at step 3)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    with torch.no_grad():  # hidden unit 0 is never active: the NaN below leaves grads finite
+        model[0].weight[0].zero_()
+        model[0].bias[0] = -1.0
+    rules = [{"check": "nonfinite", "where": ["param"]}]
+    monitor = breakpod.watch(model, rules, config={"defaults": False})
+    for step in range(5):
+        if step == 2:
+            with torch.no_grad():
+                model[2].weight[0, 0] = float("nan")
+        model(torch.randn(3, 4)).sum().backward()
+        monitor.step()
+    monitor.flush()
+    assert [(a.step, a.module) for a in monitor.anomalies] == [(2, "2")]
+    assert "did not reproduce" in monitor.anomalies[0].details["localized"]
+    assert monitor.errors == 0
     monitor.close()
 
 
@@ -340,3 +367,58 @@ def test_a_localizing_replay_counts_the_models_ops_only_not_its_probes():
     found = [a for a in monitor.anomalies if a.check == "nonfinite"]
     assert found and found[0].how == "replay", found
     assert f"({plain} ops)" in found[0].details["localized"], (plain, found[0].details)
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.poison = nets.Poison()
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.bn(self.poison(self.fc1(x))))
+
+
+def batchnorm_reads(monkeypatch, rules: list[dict] | None, steps: int) -> list[int]:
+    """The steps at whose reads the monitor took BatchNorm's running statistics."""
+    torch.manual_seed(0)
+    model = BNNet()
+    monitor = breakpod.watch(model, rules)
+    taken: list[int] = []
+    real = checks.batchnorm_stats
+
+    def spy(modules):  # type: ignore[no-untyped-def]
+        taken.append(monitor.step_count - 1)  # the step just ended
+        return real(modules)
+
+    monkeypatch.setattr(checks, "batchnorm_stats", spy)
+    train(model, monitor, steps)
+    monitor.close()
+    return taken
+
+
+def test_the_sentinels_batchnorm_rule_reads_the_statistics_once_in_ten_steps(monkeypatch):
+    """Its ranges are crossed by a drift over many steps: a read of 7 foreach ops on every
+    step bought nothing. A rule of the user's own reads them at every read."""
+    assert batchnorm_reads(monkeypatch, None, 25) == [0, 10, 20]
+    mine = [{"check": "batchnorm", "var_range": [1e-8, 1e8]}]
+    assert batchnorm_reads(monkeypatch, mine, 5) == [0, 1, 2, 3, 4]
+
+
+def test_a_nan_step_reads_the_batchnorm_statistics_at_once():
+    """The NaN the forward wrote into the running mean is said with its own step, not
+    up to ten steps later."""
+    torch.manual_seed(0)
+    model = BNNet()
+    monitor = breakpod.watch(model)
+
+    def before(step: int) -> None:
+        model.poison.mode = "forward" if step == 4 else None
+
+    train(model, monitor, 6, before=before)
+    monitor.flush()
+    said = [(a.step, a.check, a.module) for a in monitor.anomalies]
+    assert (4, "batchnorm", "bn") in said, said
+    monitor.close()

@@ -179,14 +179,17 @@ def batchnorm_stats(modules: Sequence[Any]) -> torch.Tensor:
 def all_finite(t: torch.Tensor) -> torch.Tensor:
     """A 0-d bool on ``t``'s device: no NaN/Inf in it. Its min and max in one pass, not
     ``isfinite().all()``, which writes a bool per value first: on a CPU, 8 ms against
-    0.45 ms for a language model's 2M logits (each step's capture, every op of a replay)."""
+    0.45 ms for a language model's 2M logits (each step's capture, every op of a replay).
+    Then ``low * 0 == high * 0``, four ops in all: a NaN or an Inf times 0 is NaN, which
+    equals nothing (``isfinite`` of the pair and ``all`` were six)."""
     import torch
 
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
     if not t.numel() or not t.is_floating_point():
         return torch.ones((), dtype=torch.bool, device=t.device)
-    return torch.isfinite(torch.stack(torch.aminmax(t))).all()
+    low, high = torch.aminmax(t)
+    return low * 0 == high * 0
 
 
 def as_float32(x: torch.Tensor) -> torch.Tensor:

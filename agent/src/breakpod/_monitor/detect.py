@@ -160,6 +160,10 @@ class Detector:
         hot = {key[1] for key, n in self._streak.items() if n > 0 and len(key) == 2}
         return hot | {key[1] for key in self._active if len(key) == 2}
 
+    def ongoing(self, rule: str) -> bool:
+        """Is an outbreak of the step-wide rule ``rule`` reported and not over yet?"""
+        return (rule,) in self._active
+
     def _fires(self, key: tuple[Any, ...], cond: bool, rule: Rule) -> bool:
         """Edge-triggered streak counter: True once when ``cond`` held ``consecutive`` times."""
         if not cond:

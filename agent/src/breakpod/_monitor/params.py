@@ -18,6 +18,7 @@ from breakpod._monitor.tiers import SENTINEL
 
 REPLACED_EVERY = 64  # gradient collections between looks for replaced parameters
 PROBED = 4  # parameters whose version counters tell that an update was applied
+SLOW_STEPS = 10  # the sentinel's default BatchNorm rule reads the statistics once in this many
 
 
 class ParamPlanning(Reporting):
@@ -50,6 +51,9 @@ class ParamPlanning(Reporting):
         self._grad_norms = NormPlan([p for _, p in self._params])
         self._param_norms = NormPlan([p for _, p in state], keys=[i for i, _ in state])
         self._state_params = [p for _, p in state]
+        batchnorm = [r for r in self.rules if r.check == "batchnorm"]
+        self._bn_slow = self.tier == SENTINEL and all(r.default for r in batchnorm)
+        self._bn_read = -SLOW_STEPS  # the step whose read last took the statistics
         self._missing_grads = 0  # watched parameters without a gradient at the last backward
         self._grad_reads = 0  # gradient collections since
         # built on the meta device: no values until to_empty() replaces them
@@ -124,6 +128,8 @@ class ParamPlanning(Reporting):
         if self._state_params and not self._on_meta:
             for _, keys, norms in self._param_norms(self._state_params):
                 step.entries.append(Entry("params", norms, keys=keys))
+        if not self._bn_modules or not self._bn_due(step):
+            return
         for _, group in by_device(self._bn_modules, lambda item: item[1].running_var).items():
             step.entries.append(
                 Entry(
@@ -132,6 +138,17 @@ class ParamPlanning(Reporting):
                     keys=[n for n, _ in group],
                 )
             )
+
+    def _bn_due(self, step: StepRecord) -> bool:
+        """Are the running statistics read with this step? At every read, but for the
+        sentinel's default rule: its ranges are crossed by a drift over many steps, and a
+        NaN in them comes with a NaN loss in the same step (one training forward makes
+        both), which the sentinel sees and replays. So that rule reads them once in
+        ``SLOW_STEPS`` steps, and with a step found non-finite."""
+        if self._bn_slow and not step.read_now and step.step - self._bn_read < SLOW_STEPS:
+            return False
+        self._bn_read = step.step
+        return True
 
 
 def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:

@@ -29,6 +29,7 @@ later, or after its update, may not reproduce, and the detailed tier takes over.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from types import FrameType
@@ -185,7 +186,7 @@ class Sentinel(StepPipeline):
         norms = [e.vec for e in self._current.entries if e.kind == "grads"]
         if not norms or any(v.device.type != "cpu" for v in norms):
             return
-        if all(bool(v.isfinite().all()) for v in norms):  # no concatenated copy each step
+        if all(math.isfinite(v.max()) for v in norms):  # norms: a NaN/Inf is the max
             return
         step = self._current.step
         ongoing = self._bad_step in (step - 1, step)  # an outbreak reported already
@@ -250,7 +251,9 @@ class Sentinel(StepPipeline):
             left = [
                 (a, r)
                 for a, r in live._found
-                if a.step < self.step_count and (a.step, a.rule) not in said
+                if a.step < self.step_count
+                and (a.step, a.rule) not in said
+                and not self._detector.ongoing(a.rule)  # its outbreak: reported already
             ]
             live._found = [(a, r) for a, r in live._found if a.step >= self.step_count]
             for anomaly, _ in left:

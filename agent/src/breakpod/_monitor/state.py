@@ -66,6 +66,8 @@ class MonitorState:
     _grad_norms: NormPlan
     _param_norms: NormPlan
     _state_params: list[Any]
+    _bn_slow: bool  # BatchNorm's statistics read once in SLOW_STEPS steps (the sentinel's rule)
+    _bn_read: int
     _missing_grads: int
     _grad_reads: int
     _on_meta: bool
