@@ -225,3 +225,31 @@ def test_masks_given_as_a_buffer_or_with_the_batch_are_never_blamed():
     report = monitor.replay()
     monitor.close()
     assert report.first is not None and report.first.op == "aten.sqrt.default", report.lines()
+
+
+class WritesInPlace(torch.nn.Module):
+    """A value read finite by one op, then made NaN in place by the next: the op that
+    wrote it is the one to name (a value's finiteness is read once per version of it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        y = h * 2  # reads h, finite
+        h.mul_(0).div_(0)  # 0/0 in place: NaN, born in div_
+        return y + h
+
+
+def test_a_value_made_nan_in_place_after_it_was_read_finite_names_the_op_that_wrote_it():
+    torch.manual_seed(0)
+    model = WritesInPlace()
+    monitor = breakpod.watch(model, [{"check": "nonfinite", "action": "log"}], replay=True)
+    model(torch.randn(3, 4)).sum().backward()
+    monitor.step()
+    report = monitor.replay()
+    monitor.close()
+    assert report.first is not None, report.lines()
+    # in the root's own forward (module ""), not fc's
+    assert (report.first.op, report.first.module) == ("aten.div_.Tensor", ""), report.lines()

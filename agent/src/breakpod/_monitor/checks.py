@@ -184,12 +184,30 @@ def all_finite(t: torch.Tensor) -> torch.Tensor:
     equals nothing (``isfinite`` of the pair and ``all`` were six)."""
     import torch
 
-    if t.is_complex():
-        t = torch.view_as_real(t.resolve_conj())
+    t = _real(t)
     if not t.numel() or not t.is_floating_point():
         return torch.ones((), dtype=torch.bool, device=t.device)
     low, high = torch.aminmax(t)
     return low * 0 == high * 0
+
+
+def finite_and_nan(t: torch.Tensor) -> tuple[bool, bool]:
+    """Is ``t`` finite, and does it hold a NaN? One min/max pass and one host read: a NaN
+    is both its min and its max (they propagate NaN), an infinity only one of them."""
+    import torch
+
+    t = _real(t)
+    if not t.numel() or not t.is_floating_point():
+        return True, False
+    pair = torch.stack(torch.aminmax(t)).tolist()
+    return all(math.isfinite(v) for v in pair), any(math.isnan(v) for v in pair)
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    """A complex tensor as its real and imaginary parts (a NaN or Inf in either is one in it)."""
+    import torch
+
+    return torch.view_as_real(t.resolve_conj()) if t.is_complex() else t
 
 
 def as_float32(x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from types import FrameType
 from typing import Any
 
 from breakpod._debug.pdb_commands import is_library
-from breakpod._monitor.checks import all_finite
+from breakpod._monitor.checks import finite_and_nan
 from breakpod._monitor.summaries import summary
 from breakpod._monitor.timetravel.capture import OWN_OPS
 
@@ -112,6 +112,9 @@ class OpWatch:
         self.nondeterministic: list[str] = []
         self.ops = 0
         self.followed = _weak_table()  # tensor holding a followed ±Inf -> the op that made it
+        # tensor -> (its version, finite, holds a NaN): an op's inputs are mostly the
+        # outputs of ops before it, so each value is read once, not once per use
+        self._verdicts = _weak_table()
         self.outputs: list[str] = []  # the model's outputs (the loss's inputs), summarised
 
     # -- where an op comes from
@@ -145,9 +148,9 @@ class OpWatch:
     def _inputs(self, ins: list[Any]) -> Inputs:
         import torch
 
-        bad = _nonfinite(ins)
+        bad = self._nonfinite(ins)
         origins = [self.followed[t] for t in bad if t in self.followed]
-        nan = any(bool(torch.isnan(t).any()) for t in bad)
+        nan = any(self._verdict(t)[1] for t in bad)
         # non-finite inputs that no followed infinity explains: the batch's, the weights'
         unexplained = len(origins) < len(bad) or nan
         first = min(origins, key=lambda op: op.index) if origins else None
@@ -162,7 +165,7 @@ class OpWatch:
         if self.first is not None or name.startswith(UNINITIALISED):
             return
         outs = floats(out)
-        bad = _nonfinite(outs)
+        bad = self._nonfinite(outs, written=before is not None)
         if not bad:
             if before is not None and self.followed:  # written finite in place: not followed
                 for t in outs:
@@ -176,9 +179,7 @@ class OpWatch:
         self, func: Any, ins: list[Any], bad: list[Any], inputs: Inputs, written: bool
     ) -> None:
         """An op with non-finite outputs: born here, an infinity going on, or bad inputs."""
-        import torch
-
-        nan = any(bool(torch.isnan(t).any()) for t in bad)
+        nan = any(self._verdict(t)[1] for t in bad)
         if inputs.unexplained:  # already bad before this op
             if self.first_any is None:
                 self.first_any = self._bad_op(func, ins, bad, False, written)
@@ -199,6 +200,25 @@ class OpWatch:
             self._blame(origin, f"reached a gradient at {self._here(func)}")
         else:
             self._follow(bad, origin)
+
+    def _nonfinite(self, tensors: list[Any], written: bool = False) -> list[Any]:
+        return [t for t in tensors if not self._verdict(t, written)[0]]
+
+    def _verdict(self, t: Any, written: bool = False) -> tuple[bool, bool]:
+        """(finite, holds a NaN) of ``t``'s values, read once per version of them.
+        ``written``: an op wrote into ``t`` just now, and its version counter moves only
+        when the op returns through autograd's in-place layer, above this mode."""
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor has no version: read each time
+            version = None
+        seen = self._verdicts.get(t) if version is not None and not written else None
+        if seen is not None and seen[0] == version:
+            return seen[1], seen[2]
+        verdict = finite_and_nan(t)
+        if version is not None:
+            self._verdicts[t] = (version, *verdict)
+        return verdict
 
     def follow_given(self, what: str, value: Any) -> None:
         """Infinities the step starts with (a -inf mask passed in or kept as a buffer) are
@@ -283,10 +303,6 @@ def _weak_table() -> Any:
     from torch.utils.weak import WeakIdKeyDictionary
 
     return WeakIdKeyDictionary()
-
-
-def _nonfinite(tensors: list[Any]) -> list[Any]:
-    return [t for t in tensors if not bool(all_finite(t))]
 
 
 def _entered(watch: OpWatch, info: tuple[str, str, str]) -> Any:
