@@ -146,7 +146,6 @@ class OpWatch:
         return self._inputs(floats((args, kwargs)))
 
     def _inputs(self, ins: list[Any]) -> Inputs:
-        import torch
 
         bad = self._nonfinite(ins)
         origins = [self.followed[t] for t in bad if t in self.followed]
