@@ -55,6 +55,7 @@ from breakpod._monitor.flight.recorder import FlightRecorder, flight_steps
 from breakpod._monitor.gate import gate_for
 from breakpod._monitor.pipeline import JUDGE_LABEL
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
+from breakpod._monitor.scaling import LossScaling
 from breakpod._monitor.sentinel import Sentinel
 from breakpod._monitor.state import Shapes
 from breakpod._monitor.stats import HostBuffers, SlotTable, StepRecord
@@ -259,6 +260,7 @@ class Monitor(Sentinel):
         self._module_checks = False  # some forward/backward hook records stats
         self._said_compiled = False
         self._said_bad_loss = False
+        self._scaling = LossScaling()
         self._shape_active: set[tuple[str, str]] = set()
         self._shape_names: dict[tuple[str, str], dict[str, int]] = {}
         self._failed: set[str] = set()

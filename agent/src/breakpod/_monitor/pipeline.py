@@ -226,8 +226,19 @@ class StepPipeline(ModuleHooks):
                     read_done=i == len(steps) - 1,
                 )
             found = self._detector.run(data)
+            if not self._is_probe:  # a GradScaler's overflow is held, not reported
+                found = self._scaling.sift(
+                    found, data, self._detector.ongoing, self._outputs_finite
+                )
             self._mark_skipped(data.step, [a for a, _ in found])
             self._report(found, frame)
+
+    def _outputs_finite(self, step: int) -> bool:
+        """Were the model's outputs finite in ``step`` (as far as the capture tells)?"""
+        last = self.capture.last if self.capture is not None else None
+        if last is None or last.step != step:
+            return True
+        return all(bool(finite) for finite in last.finite)
 
     def _mark_skipped(self, step: int, anomalies: list[Anomaly]) -> None:
         if self._gate is not None and self._gate.mark(step, anomalies):

@@ -191,12 +191,18 @@ class Sentinel(StepPipeline):
         step = self._current.step
         ongoing = self._bad_step in (step - 1, step)  # an outbreak reported already
         self._bad_step = step
-        if ongoing:
+        if ongoing or self._overflow(step):
             return
         self._current.read_now = True
         last = self.capture.last
         if step not in self._early and last is not None and last.step == step:
             self._early = {step: self._replayed(step)}  # the latest step only
+
+    def _overflow(self, step: int) -> bool:
+        """Most likely a GradScaler's overflow, which the judgement holds (scaling.py): the
+        model's outputs finite, a scaler scaling. Not replayed now: the replay would
+        report it."""
+        return self._outputs_finite(step) and self._scaling.scaling() is not None
 
     # -- the detailed tier, live for a while
     def _escalate(self, step: int, why: str) -> None:

@@ -20,6 +20,7 @@ from breakpod._monitor.flight.recorder import FlightRecorder
 from breakpod._monitor.gate import UpdateGate
 from breakpod._monitor.norms import NormPlan
 from breakpod._monitor.rules import Rule
+from breakpod._monitor.scaling import LossScaling
 from breakpod._monitor.staging import Stager
 from breakpod._monitor.stats import HostBuffers, SlotTable, StepRecord
 from breakpod._monitor.timetravel.capture import Capture
@@ -98,3 +99,4 @@ class MonitorState:
     _urgent: bool
     _updated: bool
     _said_bad_loss: bool
+    _scaling: LossScaling  # a GradScaler's overflows (scaling.py)

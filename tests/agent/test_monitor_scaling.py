@@ -1,0 +1,74 @@
+"""Under GradScaler (real torch.amp.GradScaler on CPU): its overflows are its own business,
+and a NaN the scaling does not explain is still reported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import breakpod
+from breakpod._monitor.scaling import IN_A_ROW
+from tests.agent.nets import Net, batch
+
+# so large that the first scaled losses overflow: the scaler backs off for a few steps
+OVERFLOWING = 3.0e38
+
+
+@pytest.fixture(autouse=True)
+def _monitor_on(monkeypatch):
+    for var in ("BREAKPOD_MONITOR", "AI_DEBUG_MODE", "BREAKPOD_MONITOR_TIER", "BREAKPOD_REPLAY"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def train_scaled(
+    steps: int, *, fused: bool, poison: str | None = None, at: int = 0, scale: float = 2.0**16
+):
+    """fp16-style steps: scaler.scale(loss).backward(), scaler.step, scaler.update."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale)
+    monitor = breakpod.watch(model, optimizer=optimizer)
+    for step in range(steps):
+        model.poison.mode = poison if step >= at else None
+        x, y = batch(step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        scaler.scale(loss * 100).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        monitor.step(loss)
+    monitor.flush()
+    return model, scaler, monitor
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_scalers_overflows_are_said_once_and_not_reported(fused, capfd):
+    model, scaler, monitor = train_scaled(12, fused=fused, scale=OVERFLOWING)
+    assert scaler.get_scale() < OVERFLOWING / 2  # the scaler did back off
+    assert monitor.anomalies == [] and monitor.errors == 0
+    assert all(bool(p.isfinite().all()) for p in model.parameters())
+    err = capfd.readouterr().err
+    assert err.count("GradScaler overflow") == 1, err
+    assert "not an anomaly, unless it lasts 16 steps" in err
+    monitor.close()
+
+
+def test_a_nan_the_scaling_does_not_explain_is_reported_once_it_outlasts_the_scaler():
+    """A backward that makes NaN whatever the scale: the scaler skips every update."""
+    _, scaler, monitor = train_scaled(IN_A_ROW + 8, fused=True, poison="backward", at=4)
+    assert scaler.get_scale() < 2.0**16 / 2**IN_A_ROW  # it skipped and backed off each time
+    (a,) = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert a.phase == "backward" and a.step == 4, a
+    assert "held as a GradScaler overflow from step 4" in a.details["loss_scaling"]
+    assert f"non-finite for {IN_A_ROW} steps whatever the scale" in a.details["loss_scaling"]
+    monitor.close()
+
+
+def test_a_nan_in_the_forward_is_reported_at_its_step_under_a_scaler():
+    _, _, monitor = train_scaled(8, fused=True, poison="forward", at=4)
+    found = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert [(a.step, a.module, a.how) for a in found] == [(4, "poison", "replay")], found
+    assert "loss_scaling" not in found[0].details
+    monitor.close()
