@@ -55,9 +55,11 @@ def test_a_scalers_overflows_are_said_once_and_not_reported(fused, capfd):
     monitor.close()
 
 
-def test_a_nan_the_scaling_does_not_explain_is_reported_once_it_outlasts_the_scaler():
-    """A backward that makes NaN whatever the scale: the scaler skips every update."""
-    _, scaler, monitor = train_scaled(IN_A_ROW + 8, fused=True, poison="backward", at=4)
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_nan_the_scaling_does_not_explain_is_reported_once_it_outlasts_the_scaler(fused):
+    """A backward that makes NaN whatever the scale: the scaler skips every update. A
+    for-loop optimizer never steps then: each skipped step ends at the next backward."""
+    _, scaler, monitor = train_scaled(IN_A_ROW + 8, fused=fused, poison="backward", at=4)
     assert scaler.get_scale() < 2.0**16 / 2**IN_A_ROW  # it skipped and backed off each time
     (a,) = [a for a in monitor.anomalies if a.check == "nonfinite"]
     assert a.phase == "backward" and a.step == 4, a
@@ -71,4 +73,42 @@ def test_a_nan_in_the_forward_is_reported_at_its_step_under_a_scaler():
     found = [a for a in monitor.anomalies if a.check == "nonfinite"]
     assert [(a.step, a.module, a.how) for a in found] == [(4, "poison", "replay")], found
     assert "loss_scaling" not in found[0].details
+    monitor.close()
+
+
+def test_with_optimizer_a_step_whose_update_the_loop_skips_is_still_a_step():
+    """A loop's own skip of a NaN step (no optimizer.step(), so no hook): that step ends
+    at the next backward, is reported at its own number, and the numbers stay the loop's."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = breakpod.watch(model, optimizer=optimizer)
+    for step in range(6):
+        model.poison.mode = "backward" if step == 2 else None
+        x, y = batch(step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        if all(bool(p.grad.isfinite().all()) for p in model.parameters()):
+            optimizer.step()
+    monitor.flush()
+    found = [a for a in monitor.anomalies if a.check == "nonfinite"]
+    assert [(a.step, a.module, a.how) for a in found] == [(2, "poison", "replay")], found
+    assert monitor.step_count == 6 and monitor.errors == 0
+    monitor.close()
+
+
+def test_accumulated_gradients_are_one_step_and_no_skip():
+    """Two backwards into the same gradients before each update: one step each."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    monitor = breakpod.watch(model, optimizer=optimizer)
+    for step in range(4):
+        optimizer.zero_grad()
+        for micro in range(2):
+            x, y = batch(2 * step + micro)
+            nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    assert monitor.step_count == 4 and monitor.anomalies == [] and monitor.errors == 0
     monitor.close()

@@ -389,9 +389,28 @@ class ModuleHooks(ShapeContracts):
     def _on_backward_end(self) -> None:
         self._backward_queued = False
         self._updated = False  # a backward after the update: the next step has begun
+        if self._current.grads_done and self._update_skipped():
+            self._end_skipped_step()
         self._current.grads_done = True
         self._collect_grads()
         self._backward_done()
+
+    def _update_skipped(self) -> bool:
+        """With ``optimizer=``, did the loop skip the update of a step whose gradients were
+        non-finite (a GradScaler that found an inf, a loop's own check)? Steps end at the
+        optimizer's step, which never came. Told by the gradients: ``zero_grad()`` dropped
+        them since the last backward, which made new ones (accumulating keeps them), and
+        the last backward's norms were non-finite (a read, on this rare path only)."""
+        if self._optimizer is None or self._grad_seen is None:
+            return False
+        param, seen = self._grad_seen
+        if param.grad is None or param.grad is seen():
+            return False
+        norms = [e.vec for e in self._current.entries if e.kind == "grads"]
+        return any(not math.isfinite(vec.max()) for vec in norms if vec.numel())
+
+    def _end_skipped_step(self) -> None:
+        """The step whose update the loop skipped ends here (pipeline.py)."""
 
     def _backward_done(self) -> None:
         """After the gradients' norms: the sentinel looks at them here (sentinel.py)."""

@@ -5,6 +5,7 @@ when the model's parameters are replaced), and the state checks at each read."""
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -119,6 +120,10 @@ class ParamPlanning(Reporting):
         for _, keys, norms in self._grad_norms(grads):
             entries.append(Entry("grads", norms, keys=keys))
         self._current.entries = entries
+        first = next(
+            (p for g, (_, p) in zip(grads, self._params, strict=True) if g is not None), None
+        )
+        self._grad_seen = None if first is None else (first, weakref.ref(first.grad))
         if self._optimizer is None:  # to tell, at a skip, whether an update came since
             present = (p for g, (_, p) in zip(grads, self._params, strict=True) if g is not None)
             self._probe = [(p, p._version) for p in itertools.islice(present, PROBED)]

@@ -95,6 +95,15 @@ class StepPipeline(ModuleHooks):
         self._updated = True
         boundary.boundary(self.step_count, frame, now=True)  # a `break`: before the update
 
+    def _end_skipped_step(self) -> None:
+        """End the step whose update the loop skipped, as the optimizer's step would have:
+        it is judged as any step. The forward captured since is the new step's."""
+        skipped = self._current.step
+        self._end_step(None)
+        last = self.capture.last if self.capture is not None else None
+        if last is not None and last.step == skipped:
+            last.step, last.forwards = self.step_count, 1
+
     def _end_step(self, loss: Any, frame: FrameType | None = None) -> None:
         if loss is not None:
             self._put_loss(loss)

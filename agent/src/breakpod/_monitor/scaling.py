@@ -12,8 +12,8 @@ makes whatever the scale) shows as overflows that do not stop: after
 held finding is reported, with what the scaler did meanwhile.
 
 The scaler is found by looking through the live objects once, when a first
-gradient goes non-finite (40 ms in a process with transformers loaded), and kept
-by a weak reference.
+gradient goes non-finite (a collection of the garbage first, then 40 ms of looking
+in a process with transformers loaded), and kept by a weak reference.
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ def _find_scaler() -> Any:
 
     from torch.amp import GradScaler
 
+    gc.collect()  # a scaler that is garbage (a finished loop's, in a cycle) is no scaler
     for candidate in gc.get_objects():
         # type(), not isinstance(): isinstance reads __class__, which some objects warn on
         if issubclass(type(candidate), GradScaler) and candidate.is_enabled():

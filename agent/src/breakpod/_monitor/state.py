@@ -73,6 +73,7 @@ class MonitorState:
     _grad_reads: int
     _on_meta: bool
     _probe: list[tuple[Any, int]]
+    _grad_seen: tuple[Any, weakref.ref[Any]] | None  # a parameter, its gradient at the backward
     # module hooks (hooks.py)
     _slots: list[Slot]
     _module_checks: bool
