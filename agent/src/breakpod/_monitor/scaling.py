@@ -62,9 +62,9 @@ class LossScaling:
         non-finite. ``ongoing(rule)``: the detector's outbreak of that rule goes on."""
         if self._held:
             return self._go_on(found, data, ongoing)
-        gradients = [f for f in found if _in_gradients(f)]
-        if not gradients or len(gradients) < sum(f[1].check == "nonfinite" for f in found):
-            return found  # NaN/Inf outside the gradients too: the model's
+        gradients = [f for f in found if f[1].check == "nonfinite"]
+        if not gradients or not all(a.phase == "backward" for a, _ in gradients):
+            return found  # none, or NaN/Inf outside the gradients too: the model's
         if not _finite(data.loss) or not outputs_finite(data.step):
             return found
         scaler = self.scaling()
@@ -77,7 +77,7 @@ class LossScaling:
             f"the model's outputs finite): the scaler skips the update and lowers its scale "
             f"({self._scale_at_start:g}); not an anomaly, unless it lasts {IN_A_ROW} steps"
         )
-        return [f for f in found if not _in_gradients(f)]
+        return [f for f in found if f[1].check != "nonfinite"]
 
     def _go_on(
         self, found: list[Found], data: StepData, ongoing: Callable[[str], bool]
@@ -110,11 +110,6 @@ class LossScaling:
 
 def _finite(loss: float | None) -> bool:
     return loss is None or math.isfinite(loss)
-
-
-def _in_gradients(found: Found) -> bool:
-    anomaly, rule = found
-    return rule.check == "nonfinite" and anomaly.phase == "backward"
 
 
 def _find_scaler() -> Any:
