@@ -3,6 +3,8 @@ and a NaN the scaling does not explain is still reported."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -22,16 +24,22 @@ def _monitor_on(monkeypatch):
 
 
 def train_scaled(
-    steps: int, *, fused: bool, poison: str | None = None, at: int = 0, scale: float = 2.0**16
+    steps: int,
+    *,
+    fused: bool,
+    poison: str | None = None,
+    at: Callable[[int], bool] = lambda step: False,
+    scale: float = 2.0**16,
 ):
-    """fp16-style steps: scaler.scale(loss).backward(), scaler.step, scaler.update."""
+    """fp16-style steps: scaler.scale(loss).backward(), scaler.step, scaler.update; the
+    model is poisoned (``poison``) at the steps ``at`` picks."""
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=fused)
     scaler = torch.amp.GradScaler("cpu", init_scale=scale)
     monitor = breakpod.watch(model, optimizer=optimizer)
     for step in range(steps):
-        model.poison.mode = poison if step >= at else None
+        model.poison.mode = poison if at(step) else None
         x, y = batch(step)
         loss = nn.functional.cross_entropy(model(x), y)
         optimizer.zero_grad()
@@ -55,11 +63,29 @@ def test_a_scalers_overflows_are_said_once_and_not_reported(fused, capfd):
     monitor.close()
 
 
+def test_a_long_runs_routine_overflows_are_said_ever_more_rarely(capfd):
+    """Eight one-step overflows (a backward NaN the scaler skips): said at the 1st, 2nd,
+    4th and 8th, none reported."""
+    _, _, monitor = train_scaled(26, fused=True, poison="backward", at=lambda step: step % 3 == 2)
+    assert monitor.anomalies == [] and monitor.errors == 0
+    said = [line for line in capfd.readouterr().err.splitlines() if "GradScaler overflow" in line]
+    assert [line.split(": ")[2] for line in said] == [
+        "step 2",
+        "step 5",
+        "step 11",
+        "step 23",
+    ], said
+    assert "GradScaler overflow, the 8th so far" in said[-1]
+    monitor.close()
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_nan_the_scaling_does_not_explain_is_reported_once_it_outlasts_the_scaler(fused):
     """A backward that makes NaN whatever the scale: the scaler skips every update. A
     for-loop optimizer never steps then: each skipped step ends at the next backward."""
-    _, scaler, monitor = train_scaled(IN_A_ROW + 8, fused=fused, poison="backward", at=4)
+    _, scaler, monitor = train_scaled(
+        IN_A_ROW + 8, fused=fused, poison="backward", at=lambda step: step >= 4
+    )
     assert scaler.get_scale() < 2.0**16 / 2**IN_A_ROW  # it skipped and backed off each time
     (a,) = [a for a in monitor.anomalies if a.check == "nonfinite"]
     assert a.phase == "backward" and a.step == 4, a
@@ -69,7 +95,7 @@ def test_a_nan_the_scaling_does_not_explain_is_reported_once_it_outlasts_the_sca
 
 
 def test_a_nan_in_the_forward_is_reported_at_its_step_under_a_scaler():
-    _, _, monitor = train_scaled(8, fused=True, poison="forward", at=4)
+    _, _, monitor = train_scaled(8, fused=True, poison="forward", at=lambda step: step >= 4)
     found = [a for a in monitor.anomalies if a.check == "nonfinite"]
     assert [(a.step, a.module, a.how) for a in found] == [(4, "poison", "replay")], found
     assert "loss_scaling" not in found[0].details

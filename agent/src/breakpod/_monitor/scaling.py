@@ -38,6 +38,7 @@ class LossScaling:
         self._held: list[Found] = []  # the overflow's first findings, while it lasts
         self._in_a_row = 0
         self._scale_at_start = 0.0
+        self._overflows = 0  # overflows held: a long run's are routine, said ever more rarely
 
     def scaling(self) -> Any:
         """The job's GradScaler, enabled and scaling, or ``None``."""
@@ -72,11 +73,15 @@ class LossScaling:
             return found
         self._held, self._in_a_row = gradients, 1
         self._scale_at_start = float(scaler.get_scale())
-        announce(
-            f"monitor: step {data.step}: GradScaler overflow (NaN/Inf in the scaled gradients, "
-            f"the model's outputs finite): the scaler skips the update and lowers its scale "
-            f"({self._scale_at_start:g}); not an anomaly, unless it lasts {IN_A_ROW} steps"
-        )
+        self._overflows += 1
+        if self._overflows & (self._overflows - 1) == 0:  # the 1st, 2nd, 4th, 8th...
+            count = f", the {_nth(self._overflows)} so far" if self._overflows > 1 else ""
+            announce(
+                f"monitor: step {data.step}: GradScaler overflow{count} (NaN/Inf in the scaled "
+                f"gradients, the model's outputs finite): the scaler skips the update and "
+                f"lowers its scale ({self._scale_at_start:g}); not an anomaly, unless it "
+                f"lasts {IN_A_ROW} steps"
+            )
         return [f for f in found if f[1].check != "nonfinite"]
 
     def _go_on(
@@ -106,6 +111,10 @@ class LossScaling:
             )
         self._in_a_row = 0
         return held + found
+
+
+def _nth(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _finite(loss: float | None) -> bool:
