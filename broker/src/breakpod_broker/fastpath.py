@@ -235,10 +235,10 @@ async def _serve(scope: Scope, session_id: str, body: bytes) -> bytes | None:
     except ValidationError:
         return None
     try:
-        reply = await beat(broker, who, session_id, heartbeat)
+        reply, interval = await beat(broker, who, session_id, heartbeat)
     except RedisError:  # the app tries again and answers 503 (a heartbeat may repeat)
         return None
-    session = heartbeat_session(session_id, reply, broker.heartbeat_seconds())
+    session = heartbeat_session(session_id, reply, interval)
     return None if session is None else session.model_dump_json().encode()
 
 

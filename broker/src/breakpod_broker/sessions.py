@@ -33,7 +33,8 @@ async def register(
         raise HTTPException(
             403, f"this token may not register sessions in namespace {body.namespace!r}"
         )
-    now = time.time()
+    # the interval asked for and the alive key's TTL, read together (see beat)
+    now, interval, ttl = time.time(), broker.heartbeat_seconds(), broker.alive_ttl()
     fields = {**_strings(body), "updated": str(now), "last_seen": str(now)}
     cleared = [k for k, v in body.model_dump().items() if v is None]
     s = broker.settings
@@ -49,19 +50,19 @@ async def register(
         ],
         args=[
             *(who.token_id, body.namespace or "", now, s.retention_seconds),
-            *(broker.alive_ttl(), session_id, len(cleared), *cleared),
+            *(ttl, session_id, len(cleared), *cleared),
             *(x for pair in fields.items() for x in pair),
         ],
     )
     if not refused.startswith("+"):
         await _refuse_registration(broker, who, session_id, refused)
-    await broker.redis.zadd(keys.DEADLINES, {session_id: now + broker.alive_ttl()})
+    await broker.redis.zadd(keys.DEADLINES, {session_id: now + ttl})
     if broker.cluster:  # the indexes live in other slots: added after the script
         await sharded.add_to_indexes(broker.redis, session_id, float(refused[1:]), indexes)
     if job_stream is not None and job_cursor is not None:  # none of the job's earlier commands
         await joblog.start_cursor(broker, session_id, job_stream, job_cursor)
     session = await load(broker, session_id)
-    return LiveSession(**session.model_dump(), heartbeat_seconds=broker.heartbeat_seconds())
+    return LiveSession(**session.model_dump(), heartbeat_seconds=interval)
 
 
 @router.post(protocol.heartbeat_path("{session_id}"), response_model=LiveSession)
@@ -70,14 +71,18 @@ async def heartbeat(
 ) -> LiveSession:
     """Keep a session alive (and optionally change its state): one Lua call.
     (fastpath.py serves the common case of this route below FastAPI, the same way.)"""
-    reply = await beat(broker, who, session_id, body)
-    return _heartbeaten(who, session_id, reply, broker.heartbeat_seconds())
+    reply, interval = await beat(broker, who, session_id, body)
+    return _heartbeaten(who, session_id, reply, interval)
 
 
-async def beat(broker: Broker, who: Principal, session_id: str, body: Heartbeat) -> list[str]:
-    """The heartbeat script's reply: written when ``ok``, else nothing written."""
+async def beat(
+    broker: Broker, who: Principal, session_id: str, body: Heartbeat
+) -> tuple[list[str], float]:
+    """The heartbeat script's reply (written when ``ok``, else nothing written), and the
+    interval to ask for: the one the alive key's TTL was set by, read together before the
+    script (the session count behind both is recounted in the background meanwhile)."""
     s = broker.settings
-    now, ttl = time.time(), broker.alive_ttl()
+    now, interval, ttl = time.time(), broker.heartbeat_seconds(), broker.alive_ttl()
     reply: list[str] = await broker.scripts.heartbeat(
         keys=[
             keys.session(session_id),
@@ -91,7 +96,7 @@ async def beat(broker: Broker, who: Principal, session_id: str, body: Heartbeat)
     )
     if broker.cluster and reply[0] == "ok":  # another slot: after the script
         await broker.redis.zadd(keys.DEADLINES, {session_id: now + ttl})
-    return reply
+    return reply, interval
 
 
 def heartbeat_session(session_id: str, reply: list[str], interval: float) -> LiveSession | None:
