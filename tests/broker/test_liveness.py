@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 import redis
+from fastapi.testclient import TestClient
 
 from breakpod._link.emitter import Emitter
-from tests.brokerkit import AGENT, VIEWER, register, wait_until
+from breakpod_broker.app import create_app
+from breakpod_broker.settings import BrokerSettings
+from tests.brokerkit import AGENT, TOKENS, VIEWER, register, wait_until
 
 # one beat per second for all sessions together: 30 sessions -> one beat per 30 s each
 RATE = {"BREAKPOD_HEARTBEAT_RATE": "1"}
@@ -70,3 +74,29 @@ def test_the_agent_beats_at_the_interval_the_broker_asks_for(start_broker):
         wait_until(lambda: emitter.beat_seconds == 30.0, timeout=10)  # the registration says
     finally:
         emitter.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_beat_asks_for_the_interval_its_alive_key_was_set_by(redis_url, monkeypatch):
+    """The session count behind both is recounted in the background. A recount that lands
+    while the heartbeat's script runs must not split them: the beat set a 30 s TTL (two
+    missed beats at 15 s) and asked for 30 s beats, one missed beat from lost."""
+    settings = BrokerSettings(redis_url=redis_url, broker_tokens=TOKENS, heartbeat_rate=1)
+    auth = {"Authorization": f"Bearer {AGENT}"}
+    with TestClient(create_app(settings)) as client:
+        assert client.put("/v1/sessions/s00", json={}, headers=auth).status_code == 200
+        broker = client.app.state.broker
+        real = broker.scripts.heartbeat
+
+        async def recount_lands(*args, **kwargs):  # type: ignore[no-untyped-def]
+            broker.liveness.sessions = 30  # at 1 beat/s in all: one beat per 30 s each
+            return await real(*args, **kwargs)
+
+        scripts = dataclasses.replace(broker.scripts, heartbeat=recount_lands)
+        monkeypatch.setattr(broker, "scripts", scripts)
+        reply = client.post("/v1/sessions/s00/heartbeat", json={}, headers=auth)
+        assert reply.status_code == 200, reply.text
+        with redis.Redis.from_url(redis_url) as r:
+            ttl = r.ttl("breakpod:alive:{s00}")
+    asked = reply.json()["heartbeat_seconds"]
+    assert 2 * asked - 2 <= ttl <= 2 * asked, (ttl, asked)  # two missed beats, as asked
