@@ -146,7 +146,6 @@ class OpWatch:
         return self._inputs(floats((args, kwargs)))
 
     def _inputs(self, ins: list[Any]) -> Inputs:
-
         bad = self._nonfinite(ins)
         origins = [self.followed[t] for t in bad if t in self.followed]
         nan = any(self._verdict(t)[1] for t in bad)
@@ -164,7 +163,10 @@ class OpWatch:
         if self.first is not None or name.startswith(UNINITIALISED):
             return
         outs = floats(out)
-        bad = self._nonfinite(outs, written=before is not None)
+        if before is not None:  # written just now: its version moves only when the op
+            for t in outs:  # returns through autograd's in-place layer, above this mode
+                self._verdicts.pop(t, None)
+        bad = self._nonfinite(outs)
         if not bad:
             if before is not None and self.followed:  # written finite in place: not followed
                 for t in outs:
@@ -200,18 +202,16 @@ class OpWatch:
         else:
             self._follow(bad, origin)
 
-    def _nonfinite(self, tensors: list[Any], written: bool = False) -> list[Any]:
-        return [t for t in tensors if not self._verdict(t, written)[0]]
+    def _nonfinite(self, tensors: list[Any]) -> list[Any]:
+        return [t for t in tensors if not self._verdict(t)[0]]
 
-    def _verdict(self, t: Any, written: bool = False) -> tuple[bool, bool]:
-        """(finite, holds a NaN) of ``t``'s values, read once per version of them.
-        ``written``: an op wrote into ``t`` just now, and its version counter moves only
-        when the op returns through autograd's in-place layer, above this mode."""
+    def _verdict(self, t: Any) -> tuple[bool, bool]:
+        """(finite, holds a NaN) of ``t``'s values, read once per version of them."""
         try:
             version = t._version
         except RuntimeError:  # an inference tensor has no version: read each time
             version = None
-        seen = self._verdicts.get(t) if version is not None and not written else None
+        seen = self._verdicts.get(t) if version is not None else None
         if seen is not None and seen[0] == version:
             return seen[1], seen[2]
         verdict = finite_and_nan(t)
@@ -222,10 +222,9 @@ class OpWatch:
     def follow_given(self, what: str, value: Any) -> None:
         """Infinities the step starts with (a -inf mask passed in or kept as a buffer) are
         followed like those an op makes: blamed only if they do harm; NaN stays bad."""
-        import torch
-
         for t in floats(value):
-            if bool(torch.isinf(t).any()) and not bool(torch.isnan(t).any()):
+            finite, nan = self._verdict(t)
+            if not finite and not nan:  # infinities only
                 self.followed[t] = BadOp(what, "forward", "", "", "", [], summary(t), True)
 
     def reached(self, outputs: Any) -> None:
