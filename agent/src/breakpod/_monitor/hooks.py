@@ -406,8 +406,13 @@ class ModuleHooks(ShapeContracts):
         param, seen = self._grad_seen
         if param.grad is None or param.grad is seen():
             return False
-        norms = [e.vec for e in self._current.entries if e.kind == "grads"]
-        return any(not math.isfinite(vec.max()) for vec in norms if vec.numel())
+        return not self._norms_finite()
+
+    def _norms_finite(self) -> bool:
+        """Are this step's gradient norms finite? One op a vector: a NaN/Inf is its max
+        (norms are >= 0). On a GPU, a host read."""
+        entries = self._current.entries
+        return all(math.isfinite(e.vec.max()) for e in entries if e.kind == "grads")
 
     def _end_skipped_step(self) -> None:
         """The step whose update the loop skipped ends here (pipeline.py)."""

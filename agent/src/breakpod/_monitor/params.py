@@ -121,11 +121,11 @@ class ParamPlanning(Reporting):
             entries.append(Entry("grads", norms, keys=keys))
         self._current.entries = entries
         present = (p for g, (_, p) in zip(grads, self._params, strict=True) if g is not None)
-        probed = list(itertools.islice(present, PROBED))
-        # to tell, at the next backward, whether zero_grad() came in between (hooks.py)
-        self._grad_seen = (probed[0], weakref.ref(probed[0].grad)) if probed else None
         if self._optimizer is None:  # to tell, at a skip, whether an update came since
-            self._probe = [(p, p._version) for p in probed]
+            self._probe = [(p, p._version) for p in itertools.islice(present, PROBED)]
+        else:  # to tell, at the next backward, whether zero_grad() came between (hooks.py)
+            first = next(present, None)
+            self._grad_seen = None if first is None else (first, weakref.ref(first.grad))
 
     def _add_state_checks(self, step: StepRecord) -> None:
         """Parameters and BatchNorm buffers persist, so they are checked only at reads."""

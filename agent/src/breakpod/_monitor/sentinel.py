@@ -29,7 +29,6 @@ later, or after its update, may not reproduce, and the detailed tier takes over.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from types import FrameType
@@ -186,7 +185,7 @@ class Sentinel(StepPipeline):
         norms = [e.vec for e in self._current.entries if e.kind == "grads"]
         if not norms or any(v.device.type != "cpu" for v in norms):
             return
-        if all(math.isfinite(v.max()) for v in norms):  # norms: a NaN/Inf is the max
+        if self._norms_finite():
             return
         step = self._current.step
         ongoing = self._bad_step in (step - 1, step)  # an outbreak reported already
