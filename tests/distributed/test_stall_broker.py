@@ -54,8 +54,7 @@ def test_the_broker_gets_one_job_stall_event_naming_the_culprit(broker, tmp_path
         assert sorted(r["rank"] for r in event["fields"]["ranks"]) == [0, 1, 2]
         assert "fetch_batch" in event["fields"]["culprit_stacks"]["2"]
 
-        listing = until_listed(broker, _all_stalled)
-        assert f"job {JOB}: rank 0 stalled, rank 1 stalled, rank 2 stalled" in listing
+        until_listed(broker, _all_stalled)
         # every rank's REASON names the culprit the job waits for, and where it is
         listing = until_listed(broker, _all_blamed)
         assert "culprit rank 2 at" in listing and "fetch_batch" in listing
@@ -96,7 +95,9 @@ def _all_blamed(listing: str) -> str | None:
 
 
 def _all_stalled(listing: str) -> str | None:
-    return listing if listing.count(" stalled") >= 3 else None
+    # the job's summary line, not a count of " stalled": the STATE column and the summary
+    # together say it four times while one rank still reads running
+    return listing if f"job {JOB}: rank 0 stalled, rank 1 stalled, rank 2 stalled" in listing else None
 
 
 @pytest.mark.slow  # about 40 s
