@@ -97,7 +97,8 @@ def _all_blamed(listing: str) -> str | None:
 def _all_stalled(listing: str) -> str | None:
     # the job's summary line, not a count of " stalled": the STATE column and the summary
     # together say it four times while one rank still reads running
-    return listing if f"job {JOB}: rank 0 stalled, rank 1 stalled, rank 2 stalled" in listing else None
+    every = f"job {JOB}: rank 0 stalled, rank 1 stalled, rank 2 stalled"
+    return listing if every in listing else None
 
 
 @pytest.mark.slow  # about 40 s
