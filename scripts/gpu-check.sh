@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA device, as one short script for a machine that
 # has one (a GPU box, or the device machine some sessions are lent): the
-# `gpu`-marked tests, among them a monitored training step under
+# `gpu`-marked tests, among them a monitored training step and a fused
+# optimizer's skips decided on the device, each under
 # torch.cuda.set_sync_debug_mode("error"), which fails on any host-device
 # sync in breakpod's hooks, then the monitors bench on CUDA (bench/monitors.py
 # --cuda: step-time ratios, and zero host syncs per monitored step under
@@ -27,7 +28,9 @@ then
   echo "gpu-check: skipped, no CUDA device visible here"
   exit 0
 fi
-"$PY" -m pytest tests/agent/test_monitor_cost.py -m gpu --noconftest -p no:cacheprovider \
+GPU_TESTS=(tests/agent/test_monitor_cost.py tests/agent/test_monitor_sentinel.py
+  tests/agent/test_monitor_staging.py tests/agent/test_monitor_gate.py)
+"$PY" -m pytest "${GPU_TESTS[@]}" -m gpu --noconftest -p no:cacheprovider \
   -o addopts="" -o filterwarnings=ignore::DeprecationWarning --timeout 300 -v -rs
 "$PY" bench/monitors.py --cuda
 "$PY" bench/sentinel.py --cuda

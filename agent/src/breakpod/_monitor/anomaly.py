@@ -327,7 +327,8 @@ def _expired(anomaly: Anomaly, ctx: ActionContext) -> None:
 
 
 def _skip(anomaly: Anomaly, ctx: ActionContext) -> None:
-    ctx.skip = anomaly.step
+    if not anomaly.skipped and "applied" not in anomaly.details:  # else the device decided
+        ctx.skip = anomaly.step
 
 
 @command("skip")

@@ -59,7 +59,7 @@ class NormBaselines:
             position.setdefault(key, len(position))
         self.names = list(position)
         self.position = position  # group name -> its index in names
-        self._group_of = torch.tensor([position[k] for k in keys], dtype=torch.long)
+        self.group_of = torch.tensor([position[k] for k in keys], dtype=torch.long)
         size, f64 = len(self.names), torch.float64
         self._log_base = torch.full((size,), math.nan, dtype=f64)
         self._warm = torch.full((rule["warmup_steps"], size), math.nan, dtype=f64)
@@ -71,6 +71,7 @@ class NormBaselines:
         self._unbased: Any = torch.ones(size, dtype=torch.bool)  # warming up; None: no group
         self._gone = torch.zeros(size, dtype=torch.bool)  # gradients gone since the start
         self._any_gone = False
+        self.judged = 0  # steps judged: the device's copy of the limits follows (norm_limits.py)
         self._keys: Sequence[int] | None = None  # the last norm vector's parameter indices
         self._order: Any = None  # where self.ids are in them (None: one is missing)
 
@@ -85,16 +86,17 @@ class NormBaselines:
         out: dict[int, tuple[str, float, str]] = {}
         if not self.ids:
             return Judgement(out, [])
+        self.judged += 1
         norms, everyone = self._norms(grads, vectors)
         norm = torch.zeros(len(self.names), dtype=torch.float64)  # a missing one adds 0
-        norm.index_add_(0, self._group_of, norms.square()).sqrt_()
+        norm.index_add_(0, self.group_of, norms.square()).sqrt_()
         if everyone and self._quiet(norm):
             return Judgement(out, self._seen_all)
         if everyone:
             seen = self._everyone  # every group: the usual step, a tensor less to build
         else:
             seen = torch.zeros(len(self.names), dtype=torch.bool)
-            seen[self._group_of[torch.tensor([i in grads for i in self.ids])]] = True
+            seen[self.group_of[torch.tensor([i in grads for i in self.ids])]] = True
         judged = seen & torch.isfinite(norm)  # the nonfinite rule reports the others
         absolute = self._absolute(norm, judged, out)
         relative = judged & ~absolute
@@ -125,6 +127,19 @@ class NormBaselines:
                 return vector[self._order].double(), True
         norms = torch.tensor([grads.get(i, 0.0) for i in self.ids], dtype=torch.float64)
         return norms, len(grads) >= len(self.ids) and all(i in grads for i in self.ids)
+
+    def bounds(self) -> tuple[Any, Any]:
+        """Per group, the norms above and below which a step is out of range as the rule
+        stands now (NaN: unbounded); what :meth:`judge` would say, as two vectors."""
+        import torch
+
+        rule, base = self.rule, self._log_base.exp()
+        above, below = rule["explode_factor"] * base, rule["vanish_factor"] * base
+        if rule["max_norm"] is not None:  # fmin/fmax: a group without a baseline has the limit
+            above = torch.fmin(above, torch.full_like(above, rule["max_norm"]))
+        if rule["min_norm"] is not None:
+            below = torch.fmax(below, torch.full_like(below, rule["min_norm"]))
+        return above, below
 
     def _quiet(self, norm: Any) -> bool:
         """The usual step, in a few ops: no absolute limit is set, every group with a

@@ -118,6 +118,7 @@ class StepData:
     stats: bool = True  # activation statistics computed (check_every skips them between reads)
     # (ran slots, host values, kept tensors, units) per device, until expanded into samples
     slot_groups: list[tuple[Any, Any, Any, Any]] = dataclasses.field(default_factory=list)
+    gate: dict[str, float] | None = None  # what the update gate decided on the device (gate.py)
 
 
 Found = tuple[Anomaly, Rule]
@@ -297,10 +298,15 @@ class Detector:
                 )
                 yield anomaly, rule
 
-    def _grad_norm(self, rule: Rule, data: StepData) -> Iterator[Found]:
+    def baselines(self, rule: Rule) -> NormBaselines:
+        """A ``grad_norm`` rule's baselines, made on first use."""
         baselines = self._baselines.get(rule.name)
         if baselines is None:
             baselines = self._baselines[rule.name] = NormBaselines(rule, self.params)
+        return baselines
+
+    def _grad_norm(self, rule: Rule, data: StepData) -> Iterator[Found]:
+        baselines = self.baselines(rule)
         verdicts, seen = baselines.judge(data.grads, data.grad_vectors)
         keys = (*self._streak, *self._active)
         streaks = {k[1] for k in keys if len(k) == 3 and k[0] == rule.name}

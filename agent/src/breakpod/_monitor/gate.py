@@ -15,62 +15,90 @@ to decide: ``continue`` applies it, ``skip`` drops it, and the gate stays open.
 Under GradScaler, which sets ``found_inf`` itself, the gate stays out of the way.
 Other optimizers (for-loop and foreach ones) refuse the flag, so the gate is used
 with fused ones only; ``BREAKPOD_SKIP_ON_DEVICE=0`` turns it off.
+
+A ``grad_norm`` rule whose action is ``skip`` closes the gate too, judged on the
+device (norm_limits.py), so it needs no read before each update. Each step's
+verdicts (NaN/Inf, and each such rule's) travel to the host with its statistics,
+in the same copy: what the device decided is known at the read without another.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from breakpod._core.announce import announce
 from breakpod._core.config import env_flag
-from breakpod._monitor.stats import StepRecord
+from breakpod._monitor.baselines import NormBaselines
+from breakpod._monitor.norm_limits import NormLimits, judged_on_device
+from breakpod._monitor.rules import Rule
+from breakpod._monitor.stats import Entry, StepRecord
 
 SKIP_ON_DEVICE_ENV = "BREAKPOD_SKIP_ON_DEVICE"
 SKIPPED_ON_DEVICE = "on the device: the fused optimizer's found_inf (its gradients were non-finite)"
-KEPT = 64  # flags kept for steps not read yet (check_every is rarely larger)
+NONFINITE = "nonfinite"  # the verdict of the step's NaN/Inf, beside each rule's (by name)
+KEPT = 64  # verdicts kept for steps judged before their update (a park may decide them)
 
 
-def gate_for(optimizer: Any) -> UpdateGate | None:
-    """A gate for ``optimizer`` when its step takes ``found_inf`` (a fused one), else None."""
+def gate_for(
+    optimizer: Any,
+    rules: Sequence[Rule] = (),
+    baselines_of: Callable[[Rule], NormBaselines] | None = None,
+) -> UpdateGate | None:
+    """A gate for ``optimizer`` when its step takes ``found_inf`` (a fused one), else None;
+    ``rules`` whose skips it decides on the device, with their baselines' source."""
     if optimizer is None or not getattr(optimizer, "_step_supports_amp_scaling", False):
         return None
-    return UpdateGate(optimizer) if env_flag(SKIP_ON_DEVICE_ENV, True) else None
+    if not env_flag(SKIP_ON_DEVICE_ENV, True):
+        return None
+    limits = [NormLimits(r, baselines_of) for r in rules if baselines_of and judged_on_device(r)]
+    return UpdateGate(optimizer, limits)
 
 
 class UpdateGate:
     """Sets ``found_inf`` before each update it guards and takes it away after."""
 
-    def __init__(self, optimizer: Any) -> None:
+    def __init__(self, optimizer: Any, limits: Sequence[NormLimits] = ()) -> None:
         self.optimizer = optimizer
-        self.flags: dict[int, Any] = {}  # step -> its device flag, until the step is read
+        self.limits = list(limits)  # the skip rules it judges on the device
+        self.rules = {lim.rule.name for lim in self.limits}
+        self.verdicts: dict[int, dict[str, float]] = {}  # judged before the update: decided?
         self._set = False  # found_inf is ours (to take away after the update)
         self._deciding: int | None = None  # a step judged before its update: a park may decide
 
     def close(self, record: StepRecord) -> None:
         """Before ``record``'s update, its gradients collected and not yet read: the fused
-        kernel will skip the update if one of them is NaN/Inf."""
-        if "found_inf" in vars(self.optimizer):
-            return  # GradScaler's step set it: its verdict covers ours
-        norms = [e.vec for e in record.entries if e.kind == "grads"]
-        if not norms:
+        kernel will skip the update if one of them is NaN/Inf, or a rule's norm leaves its
+        range. The verdicts join the step's statistics, read with them."""
+        if "found_inf" in vars(self.optimizer) and not self._set:
+            return  # GradScaler's step set it: its verdict covers ours (ours: a skipped step's)
+        grads = [e for e in record.entries if e.kind == "grads"]
+        if not grads:
             return
-        flag = _nonfinite_flag(norms)
-        self.optimizer.found_inf = flag
+        import torch
+
+        names, flags = [NONFINITE], [_nonfinite_flag([e.vec for e in grads])]
+        for limits in self.limits if len(grads) == 1 else ():  # one device holds the norms
+            leaves = limits.leaves_range(grads[0].keys, grads[0].vec)
+            if leaves is not None:
+                names.append(limits.rule.name)
+                flags.append(leaves.to(flags[0].dtype))
+        verdicts = torch.stack(flags) if len(flags) > 1 else flags[0].reshape(1)
+        self.optimizer.found_inf = verdicts.sum() if len(flags) > 1 else flags[0]
         self._set = True
-        self.flags[record.step] = flag
         self._deciding = record.step
-        for step in list(self.flags)[:-KEPT]:
-            self.flags.pop(step)
+        record.entries.append(Entry("gate", verdicts, keys=tuple(names)))
 
     def settle(self, step: int, parked: bool, anomalies: list[Any]) -> bool:
         """After the host judged ``step`` (or not) and before its update: a park decided
         the update (the gate opens), else its findings so far say the device skips it."""
         self._deciding = None
         if parked:
-            self.flags.pop(step, None)
+            self.verdicts.pop(step, None)
             self.after_update()
             return False
-        return self.mark(step, anomalies)
+        verdict = self.verdicts.pop(step, None)
+        return verdict is not None and self.mark(step, anomalies, verdict)
 
     def after_update(self, *_: Any) -> None:
         """The optimizer's step post-hook: found_inf is the gate's for one step only."""
@@ -78,19 +106,59 @@ class UpdateGate:
             self._set = False
             vars(self.optimizer).pop("found_inf", None)
 
-    def mark(self, step: int, anomalies: list[Any]) -> bool:
-        """Mark ``step``'s non-finite findings as skipped if its gate closed on the
-        device (reads the flag: only a step with a non-finite finding pays that)."""
-        bad = [a for a in anomalies if a.check == "nonfinite" and a.step == step]
-        flag = None if step == self._deciding else self.flags.get(step)
-        if not bad or flag is None or not bool(flag):
+    def mark(self, step: int, anomalies: list[Any], verdict: dict[str, float] | None) -> bool:
+        """Say what the device did with ``step``'s update, as its read ``verdict`` tells,
+        and mark its findings skipped, or applied; True for a skipped update."""
+        if verdict is None:
             return False
-        del self.flags[step]
-        for anomaly in bad:
+        if step == self._deciding:  # judged before its update: a park may decide it yet
+            self.verdicts[step] = verdict
+            for old in list(self.verdicts)[:-KEPT]:
+                self.verdicts.pop(old)
+            return False
+        mine = [a for a in anomalies if a.step == step and self._covers(a)]
+        closed = [name for name, flag in verdict.items() if flag]
+        if not closed:  # applied: a skip rule's finding the device did not see
+            _applied([a for a in mine if a.rule in self.rules and not a.skipped], verdict, step)
+            return False
+        fresh = [a for a in mine if not a.skipped]
+        if not fresh and (mine or NONFINITE in closed):
+            return False  # skipped by the host already (before the update), or said by nobody
+        how = _how(closed)
+        for anomaly in fresh:
             anomaly.skipped = True
-            anomaly.details["skipped"] = SKIPPED_ON_DEVICE
-        announce(f"step {step}: update skipped {SKIPPED_ON_DEVICE}")
+            anomaly.details["skipped"] = how
+        unseen = "" if mine else "; the host's judgement, baselines moved since, finds it within"
+        announce(f"step {step}: update skipped {how}{unseen}")
         return True
+
+    def _covers(self, anomaly: Any) -> bool:
+        return bool(anomaly.check == "nonfinite" or anomaly.rule in self.rules)
+
+
+def _how(closed: list[str]) -> str:
+    if NONFINITE in closed:
+        return SKIPPED_ON_DEVICE
+    rules = ", ".join(repr(name) for name in closed)
+    return (
+        f"on the device: the fused optimizer's found_inf (a gradient norm left the range "
+        f"of rule {rules}, as its limits stood at the last read)"
+    )
+
+
+def _applied(anomalies: list[Any], verdict: dict[str, float], step: int) -> None:
+    """Skip rules' findings whose update the device applied, and why."""
+    for anomaly in anomalies:
+        anomaly.details["applied"] = (
+            "the update was applied: on the device the norm was within the rule's limits as "
+            "they stood at the last read (the host's baselines moved since)"
+            if anomaly.rule in verdict
+            else "the update was applied: the device could not judge the rule at this step "
+            "(the gradients are on several devices: each is judged on the host)"
+        )
+    if anomalies:  # one line a step (a rule's groups share the reason)
+        first = anomalies[0]
+        announce(f"step {step}: rule {first.rule!r}: {first.details['applied']}")
 
 
 def _nonfinite_flag(norms: list[Any]) -> Any:

@@ -317,10 +317,13 @@ class Monitor(Sentinel):
         if optimizer is not None:  # before the update, so a bad step can still be dropped
             hook = self._guarded("optimizer step hook", self._before_update)
             self._handles.append(optimizer.register_step_pre_hook(hook))
-        self._gate = None if self._is_probe else gate_for(optimizer)
+        self._gate = None if self._is_probe else gate_for(optimizer, self.rules, self._baselines)
         if self._gate is not None:
             hook = self._guarded("optimizer step hook", self._gate.after_update)
             self._handles.append(optimizer.register_step_post_hook(hook))
+            if self._gate.rules:  # their skips are the device's: no read waits for them
+                self._urgent = any(r.urgent for r in self.rules if r.name not in self._gate.rules)
+                self._urgent |= self.tier == tiers.SENTINEL and self.check_every == 1
         self._batchnorm = batchnorm
         self._detector = Detector(
             self.rules, [info for info, _ in self._params], batchnorm, self._norm_source

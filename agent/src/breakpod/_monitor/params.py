@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from breakpod._monitor import checks
+from breakpod._monitor.baselines import NormBaselines
 from breakpod._monitor.detect import Detector, ParamInfo
 from breakpod._monitor.norms import NormPlan
 from breakpod._monitor.reporting import Reporting
@@ -83,6 +84,11 @@ class ParamPlanning(Reporting):
         infos = [info for info, _ in self._params]
         if infos != before:
             self._detector = Detector(self.rules, infos, self._batchnorm, self._norm_source)
+
+    def _baselines(self, rule: Rule) -> NormBaselines:
+        """A ``grad_norm`` rule's baselines, for the gate's copy on the device (the
+        detector's of the moment: a lazy module's parameters plan a new one)."""
+        return self._detector.baselines(rule)
 
     def _norm_source(self, phase: str, step: int, index: int) -> Any:
         """The tensor behind a non-finite norm, to tell NaN/Inf from an overflow: the

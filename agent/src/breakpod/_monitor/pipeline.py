@@ -15,6 +15,7 @@ from breakpod._job import boundary
 from breakpod._monitor import checks
 from breakpod._monitor.anomaly import Anomaly
 from breakpod._monitor.anomaly import user_frame as _user_frame
+from breakpod._monitor.detect import StepData
 from breakpod._monitor.hooks import ModuleHooks
 from breakpod._monitor.stats import (
     Entry,
@@ -239,7 +240,7 @@ class StepPipeline(ModuleHooks):
                 found = self._scaling.sift(
                     found, data, self._detector.ongoing, self._outputs_finite
                 )
-            self._mark_skipped(data.step, [a for a, _ in found])
+            self._mark_skipped(data, [a for a, _ in found])
             self._report(found, frame)
 
     def _outputs_finite(self, step: int) -> bool:
@@ -249,8 +250,8 @@ class StepPipeline(ModuleHooks):
             return True
         return all(bool(finite) for finite in last.finite)
 
-    def _mark_skipped(self, step: int, anomalies: list[Anomaly]) -> None:
-        if self._gate is not None and self._gate.mark(step, anomalies):
+    def _mark_skipped(self, data: StepData, anomalies: list[Anomaly]) -> None:
+        if self._gate is not None and self._gate.mark(data.step, anomalies, data.gate):
             self.skipped_steps += 1
 
 

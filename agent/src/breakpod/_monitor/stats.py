@@ -30,7 +30,7 @@ from breakpod._monitor.detect import HIGH, LOW, MEAN_ABS, TOTAL, ZEROS, Sample, 
 class Entry:
     """One small stats tensor produced during a step, and what it describes."""
 
-    kind: str  # slots | grads | loss | params | batchnorm
+    kind: str  # slots | grads | loss | params | batchnorm | gate
     vec: Any
     slot: Slot | None = None
     numel: int = 0
@@ -344,5 +344,7 @@ def _place(data: StepData, e: Entry, chunk: list[float]) -> None:
     elif e.kind == "batchnorm":
         rows = {k: chunk[4 * i : 4 * i + 4] for i, k in enumerate(e.keys)}
         data.batchnorm = {**(data.batchnorm or {}), **rows}
+    elif e.kind == "gate":
+        data.gate = {str(name): flag for name, flag in zip(e.keys, chunk, strict=True)}
     else:
         data.loss, data.loss_tensor = chunk[0], e.tensor
