@@ -277,3 +277,32 @@ def test_on_a_gpu_the_skip_rule_needs_no_sync_between_reads():
     assert unchanged == [i == 12 for i in range(20)]
     assert all(a.skipped for a in monitor.anomalies if a.rule == "spikes")
     monitor.close()
+
+
+def test_under_grad_scaler_a_skip_rule_adds_its_verdict_and_the_scale_holds():
+    """GradScaler sets found_inf for a fused optimizer's update; the spike's verdict is
+    added to it, so the update is dropped while the scaler, which saw no overflow, keeps
+    its scale (a spike is no reason to back off), and takes its flag away as usual."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.001, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    monitor = breakpod.watch(model, [SPIKES], optimizer=optimizer, check_every=5, replay=False)
+    unchanged = []
+    for step in range(20):
+        x, y = batch(step)
+        loss = torch.nn.functional.cross_entropy(model(x), y) * (1000.0 if step == 12 else 1)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(optimizer)
+        scaler.update()
+        after = model.parameters()
+        unchanged.append(all(torch.equal(b, p) for b, p in zip(before, after, strict=True)))
+        assert "found_inf" not in vars(optimizer)
+    monitor.flush()
+    assert unchanged == [i == 12 for i in range(20)]
+    assert scaler.get_scale() == 1024.0
+    found = [a for a in monitor.anomalies if a.rule == "spikes"]
+    assert found and all(a.skipped for a in found) and monitor.skipped_steps == 1
+    monitor.close()

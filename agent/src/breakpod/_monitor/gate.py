@@ -63,48 +63,61 @@ class UpdateGate:
         self.limits = list(limits)  # the skip rules it judges on the device
         self.rules = {lim.rule.name for lim in self.limits}
         self.verdicts: dict[int, dict[str, float]] = {}  # judged before the update: decided?
-        self._set = False  # found_inf is ours (to take away after the update)
+        self._mine: Any = None  # the found_inf the gate set, until its update
+        self._under: Any = None  # GradScaler's, which the rules' verdicts were added to
         self._deciding: int | None = None  # a step judged before its update: a park may decide
 
     def close(self, record: StepRecord) -> None:
         """Before ``record``'s update, its gradients collected and not yet read: the fused
         kernel will skip the update if one of them is NaN/Inf, or a rule's norm leaves its
-        range. The verdicts join the step's statistics, read with them."""
-        if "found_inf" in vars(self.optimizer) and not self._set:
-            return  # GradScaler's step set it: its verdict covers ours (ours: a skipped step's)
+        range. The verdicts join the step's statistics, read with them. Under GradScaler,
+        which set ``found_inf`` for this update, the scaler's NaN/Inf verdict stands and the
+        rules' are added to it (its backoff still follows its own overflows only)."""
+        scaler = vars(self.optimizer).get("found_inf")
+        if scaler is self._mine:
+            scaler = None  # ours, from a step whose update never came (a loop's own skip)
         grads = [e for e in record.entries if e.kind == "grads"]
-        if not grads:
+        if not grads or (scaler is not None and not self.limits):
             return
         import torch
 
-        names, flags = [NONFINITE], [_nonfinite_flag([e.vec for e in grads])]
+        names, flags = ([], []) if scaler is not None else ([NONFINITE], [_nonfinite_flag(grads)])
         for limits in self.limits if len(grads) == 1 else ():  # one device holds the norms
             leaves = limits.leaves_range(grads[0].keys, grads[0].vec)
             if leaves is not None:
                 names.append(limits.rule.name)
-                flags.append(leaves.to(flags[0].dtype))
+                flags.append(leaves.float())
+        if not flags:
+            return
         verdicts = torch.stack(flags) if len(flags) > 1 else flags[0].reshape(1)
-        self.optimizer.found_inf = verdicts.sum() if len(flags) > 1 else flags[0]
-        self._set = True
+        found = verdicts.sum() if len(flags) > 1 else flags[0]
+        if scaler is not None:
+            found = scaler + found.to(scaler.device, scaler.dtype)
+        self.optimizer.found_inf = self._mine = found
+        self._under = scaler
         self._deciding = record.step
         record.entries.append(Entry("gate", verdicts, keys=tuple(names)))
 
     def settle(self, step: int, parked: bool, anomalies: list[Any]) -> bool:
         """After the host judged ``step`` (or not) and before its update: a park decided
-        the update (the gate opens), else its findings so far say the device skips it."""
+        the update (the gate opens, to the scaler's verdict if any), else its findings so
+        far say the device skips it."""
         self._deciding = None
         if parked:
             self.verdicts.pop(step, None)
+            if self._mine is not None and self._under is not None:
+                self.optimizer.found_inf = self._under
             self.after_update()
             return False
         verdict = self.verdicts.pop(step, None)
         return verdict is not None and self.mark(step, anomalies, verdict)
 
     def after_update(self, *_: Any) -> None:
-        """The optimizer's step post-hook: found_inf is the gate's for one step only."""
-        if self._set:
-            self._set = False
+        """The optimizer's step post-hook: found_inf is the gate's for one step only (the
+        scaler takes away its own)."""
+        if vars(self.optimizer).get("found_inf") is self._mine and self._under is None:
             vars(self.optimizer).pop("found_inf", None)
+        self._mine = self._under = None
 
     def mark(self, step: int, anomalies: list[Any], verdict: dict[str, float] | None) -> bool:
         """Say what the device did with ``step``'s update, as its read ``verdict`` tells,
@@ -161,10 +174,11 @@ def _applied(anomalies: list[Any], verdict: dict[str, float], step: int) -> None
         announce(f"step {step}: rule {first.rule!r}: {first.details['applied']}")
 
 
-def _nonfinite_flag(norms: list[Any]) -> Any:
+def _nonfinite_flag(grads: list[Entry]) -> Any:
     """1.0 on the first norm's device where any norm is NaN/Inf, else 0.0 (no host read)."""
     import torch
 
+    norms = [e.vec for e in grads]
     flag = torch.logical_not(torch.isfinite(norms[0]).all()).float()
     for vec in norms[1:]:
         bad = torch.logical_not(torch.isfinite(vec).all()).float()
