@@ -21,7 +21,9 @@ ops per step that run a kernel (the launches on a GPU) and the host reads per
 step, next to GradScaler's (``torch.amp.GradScaler``: one fused non-finite check
 and one read a step), and the peak RSS of a process training with tier 1 next
 to one without (each in its own process: the peak is a process-wide maximum), with
-its private part apart, also against a baseline with breakpod's modules loaded.
+its private part apart, also against a baseline with breakpod's modules loaded. Last,
+a ``skip`` rule on gradient spikes at ``check_every=10``: decided on the device with
+a fused Adam, read before each update with a foreach one, next to GradScaler.
 
     python bench/sentinel.py [--rounds N] [--quick] [--cuda]
 """
@@ -29,6 +31,8 @@ its private part apart, also against a baseline with breakpod's modules loaded.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import math
 import subprocess
 import sys
@@ -141,11 +145,15 @@ class Control(Setup):
 class Tier(Setup):
     """``watch(model, optimizer=opt)``: the step judged at the optimizer's pre-hook."""
 
-    def __init__(self, model: nn.Module, tier: str, check_every: int) -> None:
+    def __init__(
+        self, model: nn.Module, tier: str, check_every: int, rules: Any = None, adam: str = ""
+    ) -> None:
         self._counted = 0  # the monitor's reads before the count was last reset
         super().__init__(model)
+        if adam:
+            self.optimizer = adam_of(model, adam)
         self.monitor = breakpod.watch(
-            model, optimizer=self.optimizer, check_every=check_every, tier=tier
+            model, rules, optimizer=self.optimizer, check_every=check_every, tier=tier
         )
         self.key = f"{tier} {check_every}"
         self.name = f"breakpod {tier} tier, check_every={check_every}"
@@ -295,7 +303,95 @@ def per_step_counts(names: list[str], steps: int = 10) -> list[str]:
     return lines
 
 
+def adam_of(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-4, **{kind: True})
+
+
+class Adam(Setup):
+    """The skip rule's baseline: the fused Adam (it takes ``found_inf``)."""
+
+    key = "adam fused"
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.optimizer = adam_of(model, "fused")
+
+
+class AdamScaler(Scaler):
+    """GradScaler over the fused Adam: its found_inf handed to the fused kernel."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__(model)
+        self.optimizer = adam_of(model, "fused")
+
+
+SPIKES = {"name": "spikes", "check": "grad_norm", "action": ["log", "skip"]}
+
+
+class SkipRule(Tier):
+    """A gradient-spike ``skip`` rule at check_every=10: on the device with a fused
+    optimizer (no read before each update), on the host with a foreach one (a read a step)."""
+
+    def __init__(self, model: nn.Module, kind: str) -> None:
+        super().__init__(model, "sentinel", 10, rules=[SPIKES], adam=kind)
+        self.key = f"skip {kind}"
+
+    def spike_dropped(self, data: Callable[[], Any]) -> bool:
+        """Train a step whose gradients are 1000x: was its update dropped?"""
+        x, y = data()
+        before = [p.detach().clone() for p in self.model.parameters()]
+        loss = nn.functional.cross_entropy(self.model(x), y) * 1000.0
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.monitor.step(loss)
+        return all(torch.equal(b, p) for b, p in zip(before, self.model.parameters(), strict=True))
+
+
+def skip_rule_setups(build: Callable[[], Any]) -> Any:
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        made: nn.Module = build()[0]
+        return made
+
+    yield Adam(model())
+    yield AdamScaler(model())
+    yield SkipRule(model(), "fused")
+    yield SkipRule(model(), "foreach")
+
+
+def skip_rule(rounds: int, names: list[str]) -> list[str]:
+    """A ``skip`` rule on gradient spikes: step time over unmonitored fused Adam, breakpod's
+    reads per step (each one waited for before the update, with the foreach Adam), and
+    whether a 1000x spike's update was dropped; next to GradScaler, which with a fused
+    optimizer also hands found_inf to the kernel and reads nothing before the update."""
+    lines = [f"{'model':<12}{'setup':<14}{'ratio':>8}{'reads/step':>12}  1000x spike"]
+    for name in names:
+        build = MODELS[name][0]
+        rows = measure(build, rounds, 3, warmup=12, make=skip_rule_setups)
+        data = build()[1]
+        for setup, ratio, reads in rows[1:]:
+            dropped = "-"
+            if isinstance(setup, SkipRule):
+                with _hushed():  # an anomaly line per module's group, at the step or the read
+                    dropped = "dropped" if setup.spike_dropped(data) else "APPLIED"
+                    setup.monitor.close()
+            lines.append(f"{name:<12}{setup.key:<14}{ratio:>7.3f}x{reads:>12.2f}  {dropped}")
+    return lines
+
+
+@contextlib.contextmanager
+def _hushed() -> Any:
+    """breakpod's lines go to the real stderr (sys.__stderr__): sent elsewhere meanwhile."""
+    real, sys.__stderr__ = sys.__stderr__, io.StringIO()
+    try:
+        yield
+    finally:
+        sys.__stderr__ = real
+
+
 RSS_MODELS = ("transformer", "resnet18", "mlp800")
+SKIP_MODELS = ("cnn", "mlp200")
 
 
 def rss_child(name: str, key: str, steps: int) -> None:
@@ -416,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\nper step, from the profiler: torch ops that run a kernel (the launches on a GPU;")
     print("the baseline's, then what each setup adds), host reads, breakpod's flag reads")
     print("\n".join(per_step_counts(names)))
+    print("\na skip rule on gradient spikes (check_every=10), next to GradScaler: fused Adam")
+    print("decides on the device, foreach Adam reads before each update")
+    print("\n".join(skip_rule(max(args.rounds // 2, 4), [n for n in names if n in SKIP_MODELS])))
     print("\npeak RSS, each setup in its own process")
     print("\n".join(peak_rss()))
     return 0
