@@ -137,12 +137,10 @@ def run_job(url: str, auto: bool, data: Path) -> int:
         stderr=subprocess.STDOUT,
     )
     try:
-        assert job.stdout is not None
-        for line in job.stdout:
-            print(f"[job] {line}", end="", flush=True)
-            if PARK.search(line):
-                threading.Thread(target=engineer, args=(auto, data), daemon=True).start()
-        status = job.wait()
+        relay = threading.Thread(target=relay_job, args=(job, auto, data), daemon=True)
+        relay.start()
+        status = wait_for(job)
+        relay.join(timeout=5)  # the job's last lines
     finally:
         if job.poll() is None:  # the demo was interrupted: the job goes with it
             job.kill()
@@ -150,6 +148,25 @@ def run_job(url: str, auto: bool, data: Path) -> int:
     say(f"training job exited with status {status}; its events at the broker:")
     print(cli("events"), flush=True)
     return status
+
+
+def relay_job(job: subprocess.Popen[str], auto: bool, data: Path) -> None:
+    """The job's output, marked; the engineer starts once the job parks."""
+    assert job.stdout is not None
+    for line in job.stdout:
+        print(f"[job] {line}", end="", flush=True)
+        if PARK.search(line):
+            threading.Thread(target=engineer, args=(auto, data), daemon=True).start()
+
+
+def wait_for(job: subprocess.Popen[str]) -> int:
+    """The job's status. The kernel hands a SIGTERM to any of the demo's threads, and
+    Python runs the handler in the main thread at its next bytecode: the main thread
+    waits in short sleeps (a wait with a timeout polls), never in one blocking call
+    (reading a parked job's silent output, it hung until the hold ran out)."""
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return job.wait(timeout=1.0)
 
 
 def engineer(auto: bool, data: Path) -> None:

@@ -3,7 +3,9 @@ engineer instead of waiting out the hold; with DEMO_AUTOATTACH=0 it counts down.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import re
 import signal
 import socket
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine(), 234)  # tgkill(2)
 
 
 def run_demo(**env: str) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -71,6 +74,28 @@ def test_an_interrupted_demo_leaves_no_broker_redis_or_job_behind():
     assert not alive(broker) and not alive(redis)
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
         pass  # the parked job is gone too
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_sigterm_the_kernel_hands_another_thread_still_ends_the_demo():
+    """A process-directed signal goes to any thread; Python runs its handler in the main
+    thread only, at its next bytecode. The demo's main thread blocked reading the parked
+    job's output (which says nothing for the whole hold) never got there: the demo hung
+    until the hold ran out (CI: still running 60 s after its SIGTERM). The signal is sent
+    here to a thread other than the main one (tgkill), as the kernel sometimes does."""
+    demo = start_demo()
+    try:
+        read_until(demo, "4/4 attach from another terminal")
+        others = [int(t) for t in os.listdir(f"/proc/{demo.pid}/task") if int(t) != demo.pid]
+        assert others, "the demo runs a thread besides its main one while the job is parked"
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.syscall(SYS_TGKILL, demo.pid, others[0], signal.SIGTERM) == 0
+        assert demo.wait(30) == 128 + signal.SIGTERM
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
 
 
 @pytest.mark.timeout(180)
