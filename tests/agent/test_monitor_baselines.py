@@ -124,12 +124,23 @@ def _judged_both_ways(steps: list[torch.Tensor]) -> tuple[dict[tuple[int, int], 
     quiet, said = 0, {}
     for step, norms in enumerate(steps):
         floats = {i: float(norms[i]) for i in range(6)}
+        beyond = _beyond_bounds(by_vector, norms)  # what the device's mirror would say
         got = by_vector.judge(floats, [(keys, norms[keys])])
         assert by_floats.judge(floats) == got
+        assert beyond == set(got.out_of_range), step
         quiet += got.seen is by_vector._seen_all
         same(by_floats._log_base, by_vector._log_base)
-        said.update({(step, g): kind for g, (kind, _, _) in got.out_of_range.items()})
+        said.update({(step, g): verdict[0] for g, verdict in got.out_of_range.items()})
     return said, quiet
+
+
+def _beyond_bounds(baselines: NormBaselines, norms: torch.Tensor) -> set[int]:
+    """The groups whose finite norm is outside ``bounds()`` (norm_limits.py's test)."""
+    group = torch.zeros(len(baselines.names), dtype=torch.float64)
+    group.index_add_(0, baselines.group_of, norms.double().square()).sqrt_()
+    above, below = baselines.bounds()
+    out = torch.isfinite(group) & ((group > above) | (group < below))
+    return set(out.nonzero().flatten().tolist())
 
 
 def _steps(count: int) -> list[torch.Tensor]:

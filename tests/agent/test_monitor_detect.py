@@ -607,3 +607,46 @@ def test_batchnorm_statistics_of_mixed_dtypes_read_as_each_alone():
     assert torch.equal(
         checks.batchnorm_stats(modules[:3]).nan_to_num(7.0), torch.cat(each[:3]).nan_to_num(7.0)
     )
+
+
+def test_a_spike_through_many_modules_is_one_anomaly_naming_the_worst_and_the_others(capfd):
+    """A loss 1000x for one step makes every group's gradient norm explode: one anomaly (one
+    line, one event, one park), at the group furthest past its limit, the others named
+    in details; three groups or fewer are each their own, as above."""
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(12)])
+    monitor = breakpod.watch(model, replay=False)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for step in range(12):
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean() * (1000.0 if step == 9 else 1.0)
+        optimizer.zero_grad()
+        loss.backward()
+        monitor.step(loss)
+        optimizer.step()
+    monitor.flush()
+    spikes = [a for a in monitor.anomalies if a.check == "grad_norm"]
+    assert len(spikes) == 1, [str(a) for a in spikes]
+    (spike,) = spikes
+    assert spike.step == 9 and spike.details["kind"] == "exploding"
+    assert spike.details["groups_out"] == 12 and len(spike.details["groups"]) == 12
+    assert spike.details["groups"][0] == spike.module
+    assert "11 more groups at this step (" in spike.summary
+    err = capfd.readouterr().err
+    assert err.count("[grad_norm]") == 1
+    monitor.close()
+
+
+def test_the_grouped_anomaly_names_the_group_furthest_past_its_limit():
+    """Eight modules' norms jump at step 20, module 3's the most (10000x; the others 1000x):
+    it is the anomaly's module, whatever its place in the model."""
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(7)], nn.Linear(8, 4))
+    detector, step0 = synthetic(model)
+    found = []
+    for step in range(21):
+        data = step0.scaled(step, 1000.0 if step == 20 else 1.0)
+        if step == 20:
+            data.grads = {i: n * (10.0 if i in (6, 7) else 1.0) for i, n in data.grads.items()}
+        found += detector.run(data)
+    spikes = [a for a, _ in found if a.check == "grad_norm"]
+    assert [(a.step, a.module) for a in spikes] == [(20, "3")]
+    assert spikes[0].details["groups"][0] == "3" and spikes[0].details["groups_out"] == 8

@@ -36,8 +36,12 @@ EXPLODING, VANISHING = "exploding", "vanishing"
 DEAD = 1e-20  # a warm-up median at most this: the group's gradients are gone (underflow)
 
 
+# a group out of range: (kind, norm, summary, how many times past the limit it crossed)
+Verdict = tuple[str, float, str, float]
+
+
 class Judgement(NamedTuple):
-    out_of_range: dict[int, tuple[str, float, str]]  # group -> (kind, norm, summary)
+    out_of_range: dict[int, Verdict]  # group -> its verdict
     seen: list[bool]  # per group: some parameter of it had a gradient this step
 
 
@@ -83,7 +87,7 @@ class NormBaselines:
         (parameter indices, norms), taken as they are when one holds them all."""
         import torch
 
-        out: dict[int, tuple[str, float, str]] = {}
+        out: dict[int, Verdict] = {}
         if not self.ids:
             return Judgement(out, [])
         self.judged += 1
@@ -165,7 +169,7 @@ class NormBaselines:
             self._warm_up(norm, self._unbased)
         return True
 
-    def _absolute(self, norm: Any, judged: Any, out: dict[int, tuple[str, float, str]]) -> Any:
+    def _absolute(self, norm: Any, judged: Any, out: dict[int, Verdict]) -> Any:
         """``max_norm`` and ``min_norm``: out of range whatever the baseline."""
         import torch
 
@@ -180,7 +184,7 @@ class NormBaselines:
             for g in hit.nonzero().flatten().tolist():
                 value = float(norm[g])
                 summary = f"gradient norm of {self._label(g)} is {value:.4g}, {word} {limit:g}"
-                out[g] = (kind, value, summary)
+                out[g] = (kind, value, summary, _past(kind, value, limit))
             flagged |= hit
         return flagged
 
@@ -251,7 +255,7 @@ class NormBaselines:
             f"{len(self._warm)} steps in a row stay within it (max_norm/min_norm judge meanwhile)"
         )
 
-    def _relative(self, norm: Any, judged: Any, out: dict[int, tuple[str, float, str]]) -> None:
+    def _relative(self, norm: Any, judged: Any, out: dict[int, Verdict]) -> None:
         """Against the baseline: out of range, or a healthy step that moves it."""
         import torch
 
@@ -272,10 +276,17 @@ class NormBaselines:
                     f"gradient norm of {self._label(g)} is {value:.4g}, {value / was:.3g}x its "
                     f"baseline {was:.4g} ({factor} {rule[factor]:g})"
                 )
-                out[g] = (kind, value, summary)
+                out[g] = (kind, value, summary, _past(kind, value, rule[factor] * was))
         moved = self._log_base[healthy]
         self._log_base[healthy] = moved + self._alpha * (torch.log(norm[healthy]) - moved)
 
     def _label(self, group: int) -> str:
         name = self.names[group]
         return name if name != "<total>" else "all parameters"
+
+
+def _past(kind: str, norm: float, limit: float) -> float:
+    """How many times past its limit a norm is (a zero norm, below any: infinitely)."""
+    if kind == EXPLODING:
+        return norm / limit
+    return limit / norm if norm > 0 else math.inf

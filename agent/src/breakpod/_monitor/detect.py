@@ -312,19 +312,21 @@ class Detector:
         streaks = {k[1] for k in keys if len(k) == 3 and k[0] == rule.name}
         # out of range now, or before (a streak to count or clear): the others need nothing
         counted = set(verdicts) | {baselines.position[group] for group in streaks}
+        fired: dict[str, list[tuple[float, Anomaly]]] = {EXPLODING: [], VANISHING: []}
         for g in sorted(counted):
             if not seen[g]:
                 continue  # no gradient this step
             group = baselines.names[g]
-            kind_now, norm, summary = verdicts.get(g, ("", math.nan, ""))
+            kind_now, norm, summary, past = verdicts.get(g, ("", math.nan, "", 0.0))
             for kind in (EXPLODING, VANISHING):
                 if self._fires((rule.name, group, kind), kind_now == kind, rule):
                     module = group if rule["group"] == "module" else group.rpartition(".")[0]
                     details = {"group": group, "kind": kind}
-                    yield (
-                        _anomaly(rule, data, module, "backward", summary, norm, details=details),
-                        rule,
-                    )
+                    anomaly = _anomaly(rule, data, module, "backward", summary, norm, None, details)
+                    fired[kind].append((past, anomaly))
+        for kind in (EXPLODING, VANISHING):
+            for anomaly in _said(fired[kind]):
+                yield anomaly, rule
 
     def _loss_spike(self, rule: Rule, data: StepData) -> Iterator[Found]:
         loss = data.loss
@@ -413,6 +415,25 @@ def _nonfinite_kinds(s: Sample) -> dict[str, Any]:
     if math.isnan(total):
         return {"nan": "yes"}  # or +Inf and -Inf together: exact counts need the tensor
     return {"+inf" if total > 0 else "-inf": "yes"}
+
+
+SAID_ALONE = 3  # groups of one rule out of range in a step, each its own anomaly
+LISTED = 20  # groups a grouped anomaly names in details["groups"]
+
+
+def _said(fired: list[tuple[float, Anomaly]]) -> list[Anomaly]:
+    """A rule's groups out of range the same way in one step: each its own anomaly, up to
+    ``SAID_ALONE``; beyond, one (a spike through the whole model is one event and one
+    line, not one per module), the group furthest past its limit, naming the others."""
+    if len(fired) <= SAID_ALONE:
+        return [anomaly for _, anomaly in fired]
+    ranked = [anomaly for _, anomaly in sorted(fired, key=lambda f: -f[0])]
+    first, others = ranked[0], [a.details["group"] for a in ranked[1:]]
+    shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+    first.summary += f"; {len(others)} more groups at this step ({shown})"
+    first.details["groups"] = [first.details["group"], *others][:LISTED]
+    first.details["groups_out"] = len(ranked)
+    return [first]
 
 
 def _anomaly(
