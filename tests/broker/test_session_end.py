@@ -6,6 +6,7 @@ and the first word on how the process ended is kept."""
 from __future__ import annotations
 
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -61,6 +62,94 @@ def test_a_program_s_own_sigterm_handler_is_left_alone(broker, spawn):
     assert child.wait() == 7
     failed = wait_until(lambda: only_session(broker, "failed"), timeout=20)
     assert failed["reason"] == "exit 7"
+
+
+HUNG_IN_C = """
+    import datetime, os, sys
+    import torch.distributed as dist
+    from breakpod._link import emitter
+    emitter.ensure_started()
+    # a wait in C++ that retries after a signal, as a hung collective's does
+    store = dist.TCPStore("127.0.0.1", int(os.environ["STORE_PORT"]), 1, True,
+                          timeout=datetime.timedelta(seconds=90))
+    print("hung", file=sys.stderr, flush=True)
+    store.wait(["never set"])
+"""
+
+
+def test_sigterm_ends_a_process_hung_in_a_c_call_at_once_and_is_recorded(broker, spawn):
+    """Python runs a SIGTERM handler only when the main thread is back in bytecode: hung
+    in a C++ wait, the process ignored SIGTERM until the wait timed out (40 s in a try;
+    a collective's timeout is 30 min), where without breakpod it dies at once. The
+    agent hears the signal through the wakeup pipe and ends it from its own thread."""
+    child = spawn(HUNG_IN_C, env=agent_env(broker, STORE_PORT=str(free_port())), stdin="closed")
+    child.wait_for("hung", timeout=60)
+    wait_until(lambda: only_session(broker), timeout=20)
+    sent = time.monotonic()
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=15) == -signal.SIGTERM, child.stderr
+    assert time.monotonic() - sent < 10  # the report's 3 s at most, not the wait's 90 s
+    killed = wait_until(lambda: only_session(broker, "killed"), timeout=20)
+    assert killed["reason"] == "signal 15 (SIGTERM)"
+
+
+def test_a_sigterm_handler_the_program_sets_after_breakpod_is_the_one_that_runs(broker, spawn):
+    """A program that installs its own SIGTERM handler later (to checkpoint, then exit) is
+    not ended by the agent's wakeup reader before its handler gets to run."""
+    child = spawn(
+        """
+        import signal, sys, time
+        from breakpod._link import emitter
+        emitter.ensure_started()
+        def checkpoint_then_exit(*_):
+            time.sleep(2)  # saving a checkpoint
+            sys.exit(7)
+
+        signal.signal(signal.SIGTERM, checkpoint_then_exit)
+        print("ready", file=sys.stderr, flush=True)
+        for _ in range(300):
+            time.sleep(0.1)
+        """,
+        env=agent_env(broker),
+        stdin="closed",
+    )
+    child.wait_for("ready", timeout=60)
+    wait_until(lambda: only_session(broker), timeout=20)
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.wait() == 7, child.stderr
+    failed = wait_until(lambda: only_session(broker, "failed"), timeout=20)
+    assert failed["reason"] == "exit 7"
+
+
+def test_a_forked_child_s_sigterm_leaves_its_parent_running(broker, spawn):
+    """A forked child (a DataLoader worker) shares its parent's wakeup pipe unless it drops
+    it: its SIGTERM must end the child only."""
+    child = spawn(
+        """
+        import os, signal, time
+        from breakpod._link import emitter
+        emitter.ensure_started()
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(60)
+            os._exit(0)
+        time.sleep(0.5)
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+        time.sleep(2)  # the parent's reader would have ended it by now
+        print("child", os.waitstatus_to_exitcode(status), "parent alive", flush=True)
+        """,
+        env=agent_env(broker),
+        stdin="closed",
+    )
+    assert child.wait() == 0, child.stderr
+    assert "child -15 parent alive" in child.stdout()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def test_a_late_final_event_still_closes_a_session_that_read_as_lost(start_broker):
