@@ -171,12 +171,17 @@ class Tier(Setup):
         self.monitor.step(loss)
 
 
+def seeded(build: Callable[[], Any]) -> nn.Module:
+    """A fresh copy of the model, the same weights for every setup."""
+    torch.manual_seed(0)
+    made: nn.Module = build()[0]
+    return made
+
+
 def sentinel_setups(detailed: bool) -> Callable[[Callable[[], Any]], Any]:
     def make(build: Callable[[], Any]) -> Any:
         def model() -> nn.Module:
-            torch.manual_seed(0)
-            made: nn.Module = build()[0]
-            return made
+            return seeded(build)
 
         yield Setup(model())
         yield Control(model())
@@ -261,9 +266,7 @@ def replay_times(names: list[str]) -> list[str]:
 
 def counted_setups(build: Callable[[], Any]) -> list[Setup]:
     def model() -> nn.Module:
-        torch.manual_seed(0)
-        made: nn.Module = build()[0]
-        return made
+        return seeded(build)
 
     tiers = [Tier(model(), "sentinel", 1), Tier(model(), "sentinel", 10)]
     return [Setup(model()), Scaler(model()), NaiveSentinel(model()), *tiers]
@@ -349,15 +352,10 @@ class SkipRule(Tier):
 
 
 def skip_rule_setups(build: Callable[[], Any]) -> Any:
-    def model() -> nn.Module:
-        torch.manual_seed(0)
-        made: nn.Module = build()[0]
-        return made
-
-    yield Adam(model())
-    yield AdamScaler(model())
-    yield SkipRule(model(), "fused")
-    yield SkipRule(model(), "foreach")
+    yield Adam(seeded(build))
+    yield AdamScaler(seeded(build))
+    yield SkipRule(seeded(build), "fused")
+    yield SkipRule(seeded(build), "foreach")
 
 
 def skip_rule(rounds: int, names: list[str]) -> list[str]:
