@@ -70,7 +70,10 @@ def _watch_wakeups(handler: Any, report: Report) -> None:
         os.close(write)
         return
     os.register_at_fork(after_in_child=lambda: _drop_wakeups(read, write))
-    threads.start_daemon(_read_wakeups, "breakpod-sigterm", read, handler, report)
+    try:
+        threads.start_daemon(_read_wakeups, "breakpod-sigterm", read, handler, report)
+    except RuntimeError:  # no thread to be had: the handler alone reports
+        _drop_wakeups(read, write)
 
 
 def _read_wakeups(read: int, handler: Any, report: Report) -> None:
