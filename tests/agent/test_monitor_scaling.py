@@ -30,6 +30,7 @@ def train_scaled(
     poison: str | None = None,
     at: Callable[[int], bool] = lambda step: False,
     scale: float = 2.0**16,
+    set_to_none: bool = True,
 ):
     """fp16-style steps: scaler.scale(loss).backward(), scaler.step, scaler.update; the
     model is poisoned (``poison``) at the steps ``at`` picks."""
@@ -42,7 +43,7 @@ def train_scaled(
         model.poison.mode = poison if at(step) else None
         x, y = batch(step)
         loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=set_to_none)
         scaler.scale(loss * 100).backward()
         scaler.step(optimizer)
         scaler.update()
@@ -121,6 +122,17 @@ def test_with_optimizer_a_step_whose_update_the_loop_skips_is_still_a_step():
     found = [a for a in monitor.anomalies if a.check == "nonfinite"]
     assert [(a.step, a.module, a.how) for a in found] == [(2, "poison", "replay")], found
     assert monitor.step_count == 6 and monitor.errors == 0
+    monitor.close()
+
+
+def test_a_scalers_skips_stay_steps_when_zero_grad_zeroes_in_place():
+    """``zero_grad(set_to_none=False)`` keeps the gradient tensors, so a skipped update
+    looks like accumulation there; the scaler's update() between the two backwards tells
+    it was a step (accumulation calls no update()). The step numbers stay the loop's."""
+    _, _, monitor = train_scaled(
+        12, fused=False, poison="backward", at=lambda step: step in (2, 7), set_to_none=False
+    )
+    assert monitor.step_count == 12 and monitor.anomalies == [] and monitor.errors == 0
     monitor.close()
 
 

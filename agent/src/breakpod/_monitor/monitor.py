@@ -257,6 +257,7 @@ class Monitor(Sentinel):
         self._updated = False
         self._probe: list[tuple[Any, int]] = []  # (parameter, its version) at the backward
         self._grad_seen = None
+        self._scale_seen = None
         self.skipped_steps = 0
         self._module_checks = False  # some forward/backward hook records stats
         self._said_compiled = False

@@ -132,6 +132,7 @@ class ParamPlanning(Reporting):
         else:  # to tell, at the next backward, whether zero_grad() came between (hooks.py)
             first = next(present, None)
             self._grad_seen = None if first is None else (first, weakref.ref(first.grad))
+            self._scale_seen = self._scaling.updates()
 
     def _add_state_checks(self, step: StepRecord) -> None:
         """Parameters and BatchNorm buffers persist, so they are checked only at reads."""

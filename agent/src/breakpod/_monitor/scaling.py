@@ -51,6 +51,13 @@ class LossScaling:
             return None
         return scaler
 
+    def updates(self) -> int | None:
+        """How many times the known scaler's ``update()`` ran, as its scale tensor's version
+        counter tells (no host read; no search for a scaler not found yet)."""
+        scaler = self._scaler() if self._scaler is not None else None
+        scale = getattr(scaler, "_scale", None)
+        return None if scale is None else int(scale._version)
+
     def sift(
         self,
         found: list[Found],

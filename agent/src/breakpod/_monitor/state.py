@@ -74,6 +74,7 @@ class MonitorState:
     _on_meta: bool
     _probe: list[tuple[Any, int]]
     _grad_seen: tuple[Any, weakref.ref[Any]] | None  # a parameter, its gradient at the backward
+    _scale_seen: int | None  # the GradScaler's update() count at the last backward
     # module hooks (hooks.py)
     _slots: list[Slot]
     _module_checks: bool
