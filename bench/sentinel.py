@@ -311,13 +311,12 @@ def adam_of(model: nn.Module, kind: str) -> torch.optim.Optimizer:
 
 
 class Adam(Setup):
-    """The skip rule's baseline: the fused Adam (it takes ``found_inf``)."""
+    """The skip rule's baseline: Adam, fused (it takes ``found_inf``) or foreach."""
 
-    key = "adam fused"
-
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kind: str = "fused") -> None:
         super().__init__(model)
-        self.optimizer = adam_of(model, "fused")
+        self.optimizer = adam_of(model, kind)
+        self.key = f"adam {kind}"
 
 
 class AdamScaler(Scaler):
@@ -352,17 +351,19 @@ class SkipRule(Tier):
 
 
 def skip_rule_setups(build: Callable[[], Any]) -> Any:
-    yield Adam(seeded(build))
+    yield Adam(seeded(build))  # the baseline
     yield AdamScaler(seeded(build))
     yield SkipRule(seeded(build), "fused")
+    yield Adam(seeded(build), "foreach")  # what the foreach optimizer costs by itself
     yield SkipRule(seeded(build), "foreach")
 
 
 def skip_rule(rounds: int, names: list[str]) -> list[str]:
-    """A ``skip`` rule on gradient spikes: step time over unmonitored fused Adam, breakpod's
-    reads per step (each one waited for before the update, with the foreach Adam), and
-    whether a 1000x spike's update was dropped; next to GradScaler, which with a fused
-    optimizer also hands found_inf to the kernel and reads nothing before the update."""
+    """A ``skip`` rule on gradient spikes: step time over unmonitored fused Adam (the
+    foreach Adam's own cost in a row of its own), breakpod's reads per step (each one
+    waited for before the update with the foreach Adam), and whether a 1000x spike's
+    update was dropped; next to GradScaler, which with a fused optimizer also hands
+    found_inf to the kernel and reads nothing before the update."""
     lines = [f"{'model':<12}{'setup':<14}{'ratio':>8}{'reads/step':>12}  1000x spike"]
     for name in names:
         build = MODELS[name][0]
