@@ -5,7 +5,6 @@ Env: BAD_RANK (whose batch), BAD_AT (at which step), STEPS."""
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -37,7 +36,9 @@ def main() -> None:
     monitor.close()
     for a in monitor.anomalies:
         said = f"{a} | how={a.how} | {a.details.get('localized')}"
-        print(f"found on rank {rank}: {said}", file=sys.stderr)
+        # one write a line: print() writes the text and its newline apart, and another
+        # rank's line landing between them left this one mid-line (CI lost ranks 0 and 1)
+        os.write(2, f"found on rank {rank}: {said}\n".encode())
     # every rank done first: a rank that tears its group down while another still talks
     # to it aborts now and then in gloo ("terminate called without an active exception",
     # 3 runs in 8 here, breakpod or not)
