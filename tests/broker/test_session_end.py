@@ -93,6 +93,34 @@ def test_sigterm_ends_a_process_hung_in_a_c_call_at_once_and_is_recorded(broker,
     assert killed["reason"] == "signal 15 (SIGTERM)"
 
 
+def test_a_second_sigterm_during_the_report_does_not_hang_the_first(spawn):
+    """The report waits up to 3 s (here for a broker that takes the connection and never
+    answers); a second SIGTERM meanwhile runs the handler again inside the first one's
+    wait, where waiting for the first to finish would hang both."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections wait in the backlog: never accepted, never answered
+    url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+    child = spawn(
+        """
+        import sys, time
+        from breakpod._link import emitter
+        emitter.ensure_started()
+        print("ready", file=sys.stderr, flush=True)
+        for _ in range(600):
+            time.sleep(0.1)
+        """,
+        env={"BREAKPOD_BROKER_URL": url, "BREAKPOD_AGENT_TOKEN": AGENT},
+        stdin="closed",
+    )
+    with silent:
+        child.wait_for("ready", timeout=60)
+        child.proc.send_signal(signal.SIGTERM)
+        time.sleep(1)
+        child.proc.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=15) == -signal.SIGTERM, child.stderr
+
+
 def test_a_sigterm_handler_the_program_sets_after_breakpod_is_the_one_that_runs(broker, spawn):
     """A program that installs its own SIGTERM handler later (to checkpoint, then exit) is
     not ended by the agent's wakeup reader before its handler gets to run."""

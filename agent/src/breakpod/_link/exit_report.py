@@ -119,9 +119,9 @@ def _wrap_excepthook() -> None:
 
 def _on_signal(report: Report) -> Callable[[int, FrameType | None], None]:
     def handler(signum: int, frame: FrameType | None) -> None:
-        if os.getpid() == _installed_pid:  # a forked child (DataLoader worker) stays silent
-            _end(signum, report)
-        _die_of(signum)
+        if os.getpid() != _installed_pid:  # a forked child (DataLoader worker) stays silent
+            _die_of(signum)
+        _end(signum, report)
 
     return handler
 
@@ -130,9 +130,11 @@ _ending = threading.Lock()  # the first of the handler and the pipe's reader end
 
 
 def _end(signum: int, report: Report) -> None:
-    """Report the signal (at most ``REPORT_SECONDS``), then die of it. A second caller
-    waits: the first ends the process."""
-    _ending.acquire()
+    """Report the signal (at most ``REPORT_SECONDS``), then die of it; nothing where that
+    is under way (the other of the handler and the reader, or a second SIGTERM's handler
+    run inside the first's: waiting there would hang it)."""
+    if not _ending.acquire(blocking=False):
+        return
     # in a thread: the interrupted main thread may hold a lock the report needs
     reporting = threads.start_daemon(_safely, "breakpod-exit-report", report, {"signal": signum})
     reporting.join(REPORT_SECONDS)
