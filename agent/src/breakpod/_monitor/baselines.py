@@ -123,14 +123,19 @@ class NormBaselines:
         if len(vectors) == 1:
             keys, vector = vectors[0]
             if keys is not self._keys:
-                position = {key: j for j, key in enumerate(keys)}
-                where = [position.get(i) for i in self.ids]
+                where = self.where(keys)
                 self._keys = keys
                 self._order = None if None in where else torch.tensor(where, dtype=torch.long)
             if self._order is not None:
                 return vector[self._order].double(), True
         norms = torch.tensor([grads.get(i, 0.0) for i in self.ids], dtype=torch.float64)
         return norms, len(grads) >= len(self.ids) and all(i in grads for i in self.ids)
+
+    def where(self, keys: Sequence[int]) -> list[int | None]:
+        """Where each of the rule's parameters is in a norm vector of these parameter
+        indices (None: not in it, no gradient this step)."""
+        position = {key: j for j, key in enumerate(keys)}
+        return [position.get(i) for i in self.ids]
 
     def bounds(self) -> tuple[Any, Any]:
         """Per group, the norms above and below which a step is out of range as the rule

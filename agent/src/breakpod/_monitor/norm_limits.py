@@ -85,12 +85,9 @@ class NormLimits:
 
         if keys is self._keys and device == self._device:
             return self._order is not None
-        position = {key: j for j, key in enumerate(keys)}
-        found = [
-            (position[i], g)
-            for i, g in zip(baselines.ids, baselines.group_of.tolist(), strict=True)
-            if i in position
-        ]
+        where = baselines.where(keys)
+        groups = baselines.group_of.tolist()
+        found = [(j, g) for j, g in zip(where, groups, strict=True) if j is not None]
         self._keys = keys
         if not found:
             self._order = None
