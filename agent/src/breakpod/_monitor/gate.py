@@ -75,7 +75,7 @@ class UpdateGate:
         rules' are added to it (its backoff still follows its own overflows only)."""
         scaler = vars(self.optimizer).get("found_inf")
         if scaler is self._mine:
-            scaler = None  # ours, from a step whose update never came (a loop's own skip)
+            scaler = None  # ours still, from an update that raised before its post-hook
         grads = [e for e in record.entries if e.kind == "grads"]
         if not grads or (scaler is not None and not self.limits):
             return

@@ -101,6 +101,8 @@ class StepPipeline(ModuleHooks):
         it is judged as any step. The forward captured since is the new step's."""
         skipped = self._current.step
         self._end_step(None)
+        if self._gate is not None:  # its found_inf is for an update that never comes
+            self._gate.after_update()
         last = self.capture.last if self.capture is not None else None
         if last is not None and last.step == skipped:
             last.step, last.forwards = self.step_count, 1
@@ -110,7 +112,7 @@ class StepPipeline(ModuleHooks):
             self._put_loss(loss)
         if not self._current.grads_done and self._params:
             self._collect_grads()  # no backward ran through the model's output hook
-        if self._gate is not None:  # only an optimizer's pre-hook ends a step: an update follows
+        if self._gate is not None:  # the optimizer's pre-hook ends a step: an update follows
             self._gate.close(self._current)
         done, self._current = self._current, self._record(self.step_count + 1)
         self._ignore_pass = False
