@@ -69,3 +69,23 @@ def train(
         optimizer.step()
         monitor.step(loss)  # type: ignore[attr-defined]
     return optimizer
+
+
+def train_skipping_nan(
+    model: Net, optimizer: torch.optim.Optimizer, steps: int, bad: int
+) -> list[bool]:
+    """A loop that checks its gradients and skips ``optimizer.step()`` when one is NaN/Inf
+    (the poison makes NaN gradients at step ``bad``); per step: was an update applied?"""
+    applied = []
+    for step in range(steps):
+        model.poison.mode = "backward" if step == bad else None
+        x, y = batch(step)
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        if all(bool(p.grad.isfinite().all()) for p in model.parameters()):
+            optimizer.step()
+        after = model.parameters()
+        applied.append(not all(torch.equal(b, p) for b, p in zip(before, after, strict=True)))
+    return applied

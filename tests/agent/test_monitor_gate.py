@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import breakpod
-from tests.agent.nets import Net, batch
+from tests.agent.nets import Net, batch, train_skipping_nan
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
@@ -102,7 +102,7 @@ def test_under_grad_scaler_the_scaler_decides_and_the_gate_stays_out():
 
 PARKED_LOOP = """
     import torch, breakpod
-    from tests.agent.nets import Net, batch
+    from tests.agent.nets import Net, batch, train_skipping_nan
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
@@ -216,18 +216,7 @@ def test_a_step_the_loop_skips_does_not_leave_its_verdict_on_the_next_update():
     model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     monitor = breakpod.watch(model, optimizer=optimizer, check_every=10, replay=False)
-    applied = []
-    for step in range(5):
-        model.poison.mode = "backward" if step == BAD else None
-        x, y = batch(step)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        before = [p.detach().clone() for p in model.parameters()]
-        if step != BAD:
-            optimizer.step()
-        after = model.parameters()
-        applied.append(not all(torch.equal(b, p) for b, p in zip(before, after, strict=True)))
+    applied = train_skipping_nan(model, optimizer, 5, BAD)
     monitor.flush()
     assert applied == [True, True, False, True, True] and finite(model)
     monitor.close()

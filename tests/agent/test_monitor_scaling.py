@@ -11,7 +11,7 @@ from torch import nn
 
 import breakpod
 from breakpod._monitor.scaling import IN_A_ROW
-from tests.agent.nets import Net, batch
+from tests.agent.nets import Net, batch, train_skipping_nan
 
 # so large that the first scaled losses overflow: the scaler backs off for a few steps
 OVERFLOWING = 3.0e38
@@ -110,14 +110,7 @@ def test_with_optimizer_a_step_whose_update_the_loop_skips_is_still_a_step():
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     monitor = breakpod.watch(model, optimizer=optimizer)
-    for step in range(6):
-        model.poison.mode = "backward" if step == 2 else None
-        x, y = batch(step)
-        loss = nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        if all(bool(p.grad.isfinite().all()) for p in model.parameters()):
-            optimizer.step()
+    assert train_skipping_nan(model, optimizer, 6, 2) == [True, True, False, True, True, True]
     monitor.flush()
     found = [a for a in monitor.anomalies if a.check == "nonfinite"]
     assert [(a.step, a.module, a.how) for a in found] == [(2, "poison", "replay")], found
