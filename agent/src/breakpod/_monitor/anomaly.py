@@ -212,8 +212,10 @@ def _grads(module: Any, anomaly: Anomaly) -> dict[str, Any]:
     as they are when the action runs (before the update when a rule needs the verdict)."""
     param = _param_of(anomaly)
     prefix = f"{anomaly.module}." if anomaly.module else ""
-    return {
-        name: p.grad.detach().cpu()
+    from breakpod._monitor.sharding import local
+
+    return {  # a sharded one's: this rank's shard (the others' would need them)
+        name: local(p.grad).detach().cpu()
         for name, p in module.named_parameters()
         if p.grad is not None and (not param or param in (prefix + name, anomaly.module))
     }

@@ -15,6 +15,7 @@ from breakpod._monitor.detect import Detector, ParamInfo
 from breakpod._monitor.norms import NormPlan
 from breakpod._monitor.reporting import Reporting
 from breakpod._monitor.rules import Rule
+from breakpod._monitor.sharding import local, sharding_of
 from breakpod._monitor.stats import Entry, StepRecord, by_device
 from breakpod._monitor.tiers import SENTINEL
 
@@ -50,8 +51,13 @@ class ParamPlanning(Reporting):
             for i, (info, p) in enumerate(self._params)
             if _watches_params(info, self.rules, sentinel=self.tier == SENTINEL)
         ]
-        self._grad_norms = NormPlan([p for _, p in self._params])
-        self._param_norms = NormPlan([p for _, p in state], keys=[i for i, _ in state])
+        params = [p for _, p in self._params]
+        # sharded (FSDP): a rank's norms are its shards', summed over the ranks for the
+        # gradients (every rank judges the full norms alike); a parameter's are its own
+        self._sharding = sharding_of(self.model, params, [info.name for info, _ in self._params])
+        self._sharded = self._sharding is not None or any(local(p) is not p for p in params)
+        self._grad_norms = NormPlan([local(p) for p in params])
+        self._param_norms = NormPlan([local(p) for _, p in state], keys=[i for i, _ in state])
         self._state_params = [p for _, p in state]
         batchnorm = [r for r in self.rules if r.check == "batchnorm"]
         self._bn_slow = self.tier == SENTINEL and all(r.default for r in batchnorm)
@@ -96,7 +102,9 @@ class ParamPlanning(Reporting):
         boundary, before another backward)."""
         _, param = self._params[index]
         if phase == "param":
-            return param
+            return local(param)
+        if self._sharded:  # the norm is the ranks' together: this shard may not hold it
+            return None
         fresh = step == self.step_count - 1 and not self._current.grads_done
         return param.grad if fresh else None
 
@@ -123,7 +131,10 @@ class ParamPlanning(Reporting):
         if self._replaced_params(grads):
             self._replan_params()
             grads = [p.grad for _, p in self._params]
-        for _, keys, norms in self._grad_norms(grads):
+        parts = self._grad_norms([local(g) for g in grads] if self._sharded else grads)
+        if self._sharding is not None:
+            parts = self._sharding.full(parts)
+        for _, keys, norms in parts:
             entries.append(Entry("grads", norms, keys=keys))
         self._current.entries = entries
         present = (p for g, (_, p) in zip(grads, self._params, strict=True) if g is not None)
@@ -137,7 +148,10 @@ class ParamPlanning(Reporting):
     def _add_state_checks(self, step: StepRecord) -> None:
         """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
         if self._state_params and not self._on_meta:
-            for _, keys, norms in self._param_norms(self._state_params):
+            state = self._state_params
+            for _, keys, norms in self._param_norms(
+                [local(p) for p in state] if self._sharded else state
+            ):
                 step.entries.append(Entry("params", norms, keys=keys))
         if not self._bn_modules or not self._bn_due(step):
             return

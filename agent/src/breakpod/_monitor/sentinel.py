@@ -49,6 +49,12 @@ FROM_ANOTHER_RANK = (
     "the module)"
 )
 
+NOT_REPLAYED_SHARDED = (
+    "the model is sharded across ranks (FSDP), so its step is not replayed: its forward "
+    "gathers each layer's parameters from the other ranks, which would wait for a replay "
+    "of their own"
+)
+
 
 class Sentinel(StepPipeline):
     """A sentinel monitor's findings localized by replay; a probe's kept for its parent."""
@@ -126,6 +132,9 @@ class Sentinel(StepPipeline):
         capture = self.capture
         if capture is None or capture.last is None:
             return {}, "not localized: no step captured"
+        if self._sharded:
+            self._escalate(step, NOT_REPLAYED_SHARDED)
+            return {}, f"not localized: {NOT_REPLAYED_SHARDED}"
         started = time.perf_counter()
         probe = self._new_probe(step)
         probe.ops_are_own()

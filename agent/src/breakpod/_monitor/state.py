@@ -21,6 +21,7 @@ from breakpod._monitor.gate import UpdateGate
 from breakpod._monitor.norms import NormPlan
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.scaling import LossScaling
+from breakpod._monitor.sharding import ShardedNorms
 from breakpod._monitor.staging import Stager
 from breakpod._monitor.stats import HostBuffers, SlotTable, StepRecord
 from breakpod._monitor.timetravel.capture import Capture
@@ -67,6 +68,8 @@ class MonitorState:
     _grad_norms: NormPlan
     _param_norms: NormPlan
     _state_params: list[Any]
+    _sharding: ShardedNorms | None  # FSDP: the gradient norms summed over the ranks
+    _sharded: bool  # FSDP, whether or not the norms can be summed
     _bn_slow: bool  # BatchNorm's statistics read once in SLOW_STEPS steps (the sentinel's rule)
     _bn_read: int
     _missing_grads: int

@@ -114,17 +114,21 @@ class _Stats:
 
 def _tensor(t: Any) -> str:
     from breakpod._monitor.checks import shape_of
+    from breakpod._monitor.sharding import local
 
-    x = t.detach()
+    shard = local(t)  # a DTensor: this rank's shard (the others' would need them)
+    x = shard.detach()
     dtype = DTYPES.get(str(x.dtype).removeprefix("torch."), str(x.dtype).removeprefix("torch."))
     size = _size(x.numel() * x.element_size())
     head = f"tensor[{','.join(map(str, shape_of(x)))}] {dtype} {x.device} {size}"
+    if shard is not t:
+        head += f" (this rank's shard of [{','.join(map(str, t.shape))}])"
     values = _readable(x)
     parts = [head, *(_values(values) if values is not None else [])]
     if t.requires_grad:
         parts.append("grad")
     if t.grad is not None if t.is_leaf else False:
-        parts.append(f"|grad|={float(t.grad.detach().float().norm()):.3g}")
+        parts.append(f"|grad|={float(local(t.grad).detach().float().norm()):.3g}")
     return " ".join(parts)
 
 

@@ -22,6 +22,7 @@ from breakpod._debug.registry import CommandSet
 from breakpod._monitor.anomaly import parked_context
 from breakpod._monitor.flight import table as flight_table
 from breakpod._monitor.monitor import MONITORS, Monitor, monitor_of
+from breakpod._monitor.sharding import local
 from breakpod._monitor.summaries import nonfinite_counts, summary
 from breakpod._monitor.timetravel import replay, whatif
 
@@ -76,16 +77,18 @@ def tshape(debugger: pdb.Pdb, arg: str) -> None:
 
 @command("tgrad")
 def tgrad(debugger: pdb.Pdb, arg: str) -> None:
-    """tgrad MODEL: gradient L2 norm and nan/inf counts of each parameter."""
+    """tgrad MODEL: gradient L2 norm and nan/inf counts of each parameter (of this rank's
+    shard, for a sharded one: reading the others' would wait for them)."""
     for name, param in _model(debugger, arg).named_parameters():
         if param.grad is None:
             debugger.message(f"{name}: no grad")
             continue
-        counts = nonfinite_counts(param.grad)
+        grad = local(param.grad).detach()
+        counts = nonfinite_counts(grad)
         bad = " ".join(f"{k}={v}" for k, v in counts.items() if v)
-        grad = param.grad.detach()
         norm = float((grad if grad.is_complex() else grad.float()).norm())
-        debugger.message(f"{name}: |grad|={norm:.4g}{' ' + bad if bad else ''}")
+        shard = " (this rank's shard)" if grad is not param.grad else ""
+        debugger.message(f"{name}: |grad|={norm:.4g}{' ' + bad if bad else ''}{shard}")
 
 
 @command("tmem")
@@ -125,8 +128,8 @@ def tnan(debugger: pdb.Pdb, arg: str) -> None:
         debugger.message(f"reported: {anomaly}")
     found = 0
     for name, param in model.named_parameters():
-        for what, tensor in (("param", param), ("grad", param.grad)):
-            counts = nonfinite_counts(tensor) if tensor is not None else {}
+        for what, tensor in (("param", param), ("grad", param.grad)):  # this rank's shard
+            counts = nonfinite_counts(local(tensor)) if tensor is not None else {}
             if any(counts.values()):
                 found += 1
                 debugger.message(

@@ -1,0 +1,124 @@
+"""A sharded job (gloo, CPU): an embedding and a head under FSDP2 (``fully_shard``) or
+FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True``), watched by breakpod.
+
+At step BAD_AT, one token's gradient is poisoned on its way back into the embedding
+(NaN, or times SPIKE): only the embedding's rows of that token go bad, and they lie in
+one rank's shard (row 7 of 10 is rank 1's, in both layouts, on two ranks). Each rank
+then writes what it found and the embedding's full weight before and after the step.
+
+Env: FSDP (1, 2 or hsdp), POISON (nan or a factor), BAD_AT, MAX_NORM (a grad_norm skip
+rule), PARK (a NaN parks), CHECK_EVERY."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import breakpod
+
+FSDP, BAD_AT, STEPS = os.environ["FSDP"], int(os.environ["BAD_AT"]), 6
+POISON = float(os.environ["POISON"])
+TOKEN = 7
+
+
+class Poisoned(torch.autograd.Function):
+    """Identity forward; backward spoils the gradient at ``TOKEN``'s positions."""
+
+    @staticmethod
+    def forward(ctx, x, mask):
+        ctx.save_for_backward(mask)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (mask,) = ctx.saved_tensors
+        return torch.where(mask, grad * POISON, grad), None
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.head = torch.nn.Linear(4, 3)
+        self.poison = False
+
+    def forward(self, tokens):
+        e = self.emb(tokens)
+        if self.poison:
+            e = Poisoned.apply(e, (tokens == TOKEN).unsqueeze(-1))
+        return self.head(e)
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = Net()
+    model = shard(net)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
+    rules = None
+    if "MAX_NORM" in os.environ:
+        skip = {"name": "spikes", "check": "grad_norm", "action": ["log", "skip"]}
+        rules = [{**skip, "max_norm": float(os.environ["MAX_NORM"])}]
+    if os.environ.get("PARK"):  # the NaN parks each rank, for a debugger
+        rules = [{"name": "nan", "check": "nonfinite", "action": ["log", "break"]}]
+    monitor = breakpod.watch(
+        model, rules, optimizer=opt, check_every=int(os.environ.get("CHECK_EVERY", "1"))
+    )
+    torch.manual_seed(1 + rank)
+    for step in range(STEPS):
+        tokens = torch.randint(0, 10, (8, 5))
+        tokens[0, 0] = TOKEN  # in every rank's batch: its row gets a gradient
+        net.poison = step == BAD_AT
+        loss = model(tokens).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if step == BAD_AT:
+            say(rank, f"the embedding's gradient norm {full(net.emb.weight.grad).norm():.6e}")
+        before = full(net.emb.weight)
+        opt.step()
+        if step == BAD_AT:
+            changed = (full(net.emb.weight) != before).any(dim=1).nonzero().flatten().tolist()
+            say(rank, f"rows updated at the bad step {changed}")
+    monitor.close()
+    for a in monitor.anomalies:
+        say(rank, f"found {a} | skipped={a.skipped} | value={a.value:.6e}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def shard(net: Net) -> torch.nn.Module:
+    if FSDP in ("2", "hsdp"):  # hsdp: four ranks, two replicas of two shards
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = (
+            init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicas", "shards"))
+            if FSDP == "hsdp"
+            else None
+        )
+        fully_shard(net, mesh=mesh)
+        return net
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=True)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The embedding's whole weight (or gradient), on every rank: FSDP2's DTensor
+    gathered, or FSDP1's flat pieces (each rank a run of its elements) put together."""
+    if hasattr(t, "full_tensor"):
+        return t.full_tensor().detach().clone()
+    pieces = [torch.zeros(0)] * dist.get_world_size()
+    dist.all_gather_object(pieces, t.detach().flatten().clone())
+    return torch.cat(pieces).reshape(10, 4)
+
+
+def say(rank: int, line: str) -> None:
+    os.write(2, f"rank {rank}: {line}\n".encode())  # one write: ranks' lines do not mix
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Sharded jobs (real torchrun, gloo, CPU, two ranks): FSDP2 (``fully_shard``) and
+FSDP1 (``FullyShardedDataParallel``). One token's gradient goes bad on its way into the
+embedding, so only rows in rank 1's shard do: each rank alone would judge its own shard
+and disagree (rank 1 skipping its rows' update, rank 0 applying its own, the model half
+updated). breakpod sums the shards' squared norms over the ranks, so every rank judges
+the full gradient's norm, the one an unsharded job has, and every rank decides alike.
+
+A sharded model's step is not replayed: its forward gathers parameters from the other
+ranks, and FSDP1's replay crashed the job before."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.distributed.torchrun import Job, free_ports, pdb_session
+
+FSDP_JOB = Path(__file__).with_name("fsdp_job.py")
+PORTS = {"2": 29510, "1": 29520, "hsdp": 29530}
+RANKS = {"2": 2, "1": 2, "hsdp": 4}  # hsdp: two replicas of two shards each
+
+
+def run(tmp_path: Path, fsdp: str, offset: int, **env: str) -> str:
+    port = PORTS[fsdp] + offset
+    job = Job(tmp_path, RANKS[fsdp], port, FSDP_JOB, FSDP=fsdp, BAD_AT="3", **env)
+    try:
+        assert job.wait(timeout=100) == 0, job.stderr
+    finally:
+        job.kill()
+    return job.stderr
+
+
+def said(stderr: str, what: str) -> dict[str, str]:
+    """Each rank's line of ``what`` (the job writes ``rank N: what ...``)."""
+    return dict(re.findall(rf"^rank (\d): {what} ?(.*)$", stderr, re.MULTILINE))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fsdp", ["2", "1"])
+def test_a_nan_in_one_shard_is_found_and_skipped_by_every_rank(tmp_path: Path, fsdp: str) -> None:
+    stderr = run(tmp_path, fsdp, 0, POISON="nan")
+    found = said(stderr, "found")
+    assert set(found) == {"0", "1"}, stderr
+    for line in found.values():
+        assert re.match(r"step 3 backward (_fsdp_wrapped_module\.)?emb: \[nonfinite\]", line)
+        assert "skipped=True" in line, stderr
+    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    assert (
+        stderr.count("the model is sharded across ranks (FSDP), so its step is not replayed") == 2
+    )
+    assert "replay failed" not in stderr
+    assert "failed (" not in stderr, stderr  # no monitor hook failed
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("fsdp", "check_every"), [("2", "1"), ("2", "10"), ("1", "1"), ("1", "10"), ("hsdp", "1")]
+)
+def test_a_spike_in_one_shard_is_judged_on_the_full_norm_by_every_rank(
+    tmp_path: Path, fsdp: str, check_every: str
+) -> None:
+    """At ``check_every=10`` the fused optimizer's skip is decided on the device, from the
+    summed norms: no rank reads before the update, and none applies it. Under HSDP the
+    squares are summed over a replica's shards only (the replicas hold the same)."""
+    ranks = {str(r) for r in range(RANKS[fsdp])}
+    offset = 1 + int(check_every == "10")
+    stderr = run(tmp_path, fsdp, offset, POISON="1e4", MAX_NORM="5", CHECK_EVERY=check_every)
+    truth = {float(v) for v in said(stderr, "the embedding's gradient norm").values()}
+    assert len(truth) == 1 and truth.pop() > 5, stderr  # the spike, gathered by the job
+    found = said(stderr, "found")
+    assert set(found) == ranks, stderr
+    values = set()
+    for line in found.values():
+        assert "[spikes] gradient norm of" in line and "skipped=True" in line, stderr
+        values.add(float(line.rpartition("value=")[2]))
+    assert len(values) == 1, found  # every rank the same norm
+    full = float(said(stderr, "the embedding's gradient norm")["0"])
+    assert values.pop() == pytest.approx(full, rel=1e-5)  # the full gradient's, not a shard's
+    assert said(stderr, "rows updated at the bad step") == dict.fromkeys(ranks, "[]"), stderr
+    if check_every == "10":
+        assert stderr.count("update skipped on the device") == 2, stderr
+
+
+@pytest.mark.slow  # about 15 s: two ranks park, and a debugger attaches to each
+@pytest.mark.timeout(150)
+def test_pdb_on_a_parked_sharded_rank_reads_its_own_shard_without_calling_the_others(
+    tmp_path: Path,
+) -> None:
+    """Both ranks park at the NaN. Through DTensor ops, a parameter's norm or NaN count is
+    a collective, which rank 0, parked in its own debugger, never joins, or an error (the
+    head's 3 rows on 2 ranks: "Cannot flatten unevenly sharded tensor"). The commands read
+    rank 1's shard, and say so."""
+    base = free_ports(2)
+    env = {"ENABLE_REMOTE_DEBUG": "1", "BREAKPOD_PORT": str(base), "BREAKPOD_HOLD_SECONDS": "90"}
+    job = Job(
+        tmp_path, 2, PORTS["2"] + 5, FSDP_JOB, FSDP="2", BAD_AT="3", POISON="nan", PARK="1", **env
+    )
+    try:
+        for rank in (0, 1):
+            job.wait_for(rf"\[rank {rank}\] anomaly: .*: waiting up to 90s", timeout=60)
+        dialogue = pdb_session(base + 1, "tgrad model", "tstat model.emb.weight", "c", timeout=20)
+        pdb_session(base, "c", timeout=20)
+        assert job.wait(timeout=60) == 0, job.stderr
+    finally:
+        job.kill()
+    # row 7 of the embedding, rank 1's: its 4 values are NaN; rows 5-9 are rank 1's shard
+    assert "emb.weight: |grad|=nan nan=4 (this rank's shard)" in dialogue, dialogue
+    assert "tensor[5,4] f32 cpu 80b (this rank's shard of [10,4])" in dialogue, dialogue
