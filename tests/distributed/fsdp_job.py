@@ -6,8 +6,8 @@ At step BAD_AT, one token's gradient is poisoned on its way back into the embedd
 one rank's shard (row 7 of 10 is rank 1's, in both layouts, on two ranks). Each rank
 then writes what it found and the embedding's full weight before and after the step.
 
-Env: FSDP (1, 2 or hsdp), POISON (nan or a factor), BAD_AT, MAX_NORM (a grad_norm skip
-rule), PARK (a NaN parks), CHECK_EVERY."""
+Env: FSDP (1, 1-unsharded, 2 or hsdp), POISON (nan or a factor), BAD_AT, MAX_NORM (a grad_norm skip
+rule), PARK (a NaN parks), CHECK_EVERY, WATCH_FIRST (watch() before wrapping)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def main() -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     net = Net()
+    early = breakpod.watch(net) if os.environ.get("WATCH_FIRST") else None  # before FSDP
     model = shard(net)
     opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     rules = None
@@ -64,7 +65,7 @@ def main() -> None:
         rules = [{**skip, "max_norm": float(os.environ["MAX_NORM"])}]
     if os.environ.get("PARK"):  # the NaN parks each rank, for a debugger
         rules = [{"name": "nan", "check": "nonfinite", "action": ["log", "break"]}]
-    monitor = breakpod.watch(
+    monitor = early or breakpod.watch(
         model, rules, optimizer=opt, check_every=int(os.environ.get("CHECK_EVERY", "1"))
     )
     torch.manual_seed(1 + rank)
@@ -78,6 +79,8 @@ def main() -> None:
         if step == BAD_AT:
             say(rank, f"the embedding's gradient norm {full(net.emb.weight.grad).norm():.6e}")
         before = full(net.emb.weight)
+        if early is not None:
+            early.step(loss)  # no optimizer= (made after wrapping): the step ends here
         opt.step()
         if step == BAD_AT:
             changed = (full(net.emb.weight) != before).any(dim=1).nonzero().flatten().tolist()
@@ -101,9 +104,13 @@ def shard(net: Net) -> torch.nn.Module:
         )
         fully_shard(net, mesh=mesh)
         return net
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-    return FullyShardedDataParallel(net, device_id=torch.device("cpu"), use_orig_params=True)
+    strategy = ShardingStrategy.NO_SHARD if FSDP == "1-unsharded" else ShardingStrategy.FULL_SHARD
+    cpu = torch.device("cpu")
+    return FullyShardedDataParallel(
+        net, device_id=cpu, use_orig_params=True, sharding_strategy=strategy
+    )
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +118,8 @@ def full(t: torch.Tensor) -> torch.Tensor:
     gathered, or FSDP1's flat pieces (each rank a run of its elements) put together."""
     if hasattr(t, "full_tensor"):
         return t.full_tensor().detach().clone()
+    if FSDP == "1-unsharded":  # whole on every rank
+        return t.detach().clone().reshape(10, 4)
     pieces = [torch.zeros(0)] * dist.get_world_size()
     dist.all_gather_object(pieces, t.detach().flatten().clone())
     return torch.cat(pieces).reshape(10, 4)

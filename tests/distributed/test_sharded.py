@@ -18,8 +18,8 @@ import pytest
 from tests.distributed.torchrun import Job, free_ports, pdb_session
 
 FSDP_JOB = Path(__file__).with_name("fsdp_job.py")
-PORTS = {"2": 29510, "1": 29520, "hsdp": 29530}
-RANKS = {"2": 2, "1": 2, "hsdp": 4}  # hsdp: two replicas of two shards each
+PORTS = {"2": 29510, "1": 29520, "hsdp": 29530, "1-unsharded": 29540}
+RANKS = {"2": 2, "1": 2, "hsdp": 4, "1-unsharded": 2}  # hsdp: two replicas of two shards
 
 
 def run(tmp_path: Path, fsdp: str, offset: int, **env: str) -> str:
@@ -38,8 +38,10 @@ def said(stderr: str, what: str) -> dict[str, str]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fsdp", ["2", "1"])
+@pytest.mark.parametrize("fsdp", ["2", "1", "1-unsharded"])
 def test_a_nan_in_one_shard_is_found_and_skipped_by_every_rank(tmp_path: Path, fsdp: str) -> None:
+    """NO_SHARD holds every gradient whole: nothing to sum, but its step is not replayed
+    either (its backward all-reduces)."""
     stderr = run(tmp_path, fsdp, 0, POISON="nan")
     found = said(stderr, "found")
     assert set(found) == {"0", "1"}, stderr
@@ -47,9 +49,7 @@ def test_a_nan_in_one_shard_is_found_and_skipped_by_every_rank(tmp_path: Path, f
         assert re.match(r"step 3 backward (_fsdp_wrapped_module\.)?emb: \[nonfinite\]", line)
         assert "skipped=True" in line, stderr
     assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
-    assert (
-        stderr.count("the model is sharded across ranks (FSDP), so its step is not replayed") == 2
-    )
+    assert stderr.count("the model is under FSDP, so its step is not replayed") == 2
     assert "replay failed" not in stderr
     assert "failed (" not in stderr, stderr  # no monitor hook failed
 
@@ -108,3 +108,17 @@ def test_pdb_on_a_parked_sharded_rank_reads_its_own_shard_without_calling_the_ot
     # row 7 of the embedding, rank 1's: its 4 values are NaN; rows 5-9 are rank 1's shard
     assert "emb.weight: |grad|=nan nan=4 (this rank's shard)" in dialogue, dialogue
     assert "tensor[5,4] f32 cpu 80b (this rank's shard of [10,4])" in dialogue, dialogue
+
+
+@pytest.mark.timeout(120)
+def test_a_module_watched_before_fsdp1_wrapped_it_says_what_to_watch_and_is_never_replayed(
+    tmp_path: Path,
+) -> None:
+    """FSDP1 keeps the module's parameters (flattened into its shards) and wraps the module
+    from outside, where the monitor cannot see its process group. The replay used to run
+    the module's forward on the flat shards (``'weight' must be 2-D``)."""
+    stderr = run(tmp_path, "1", 6, POISON="nan", WATCH_FIRST="1")
+    assert stderr.count("watch the module that FullyShardedDataParallel returned") == 2, stderr
+    assert stderr.count("so its step is not replayed") >= 1, stderr
+    assert "replay failed" not in stderr, stderr
+    assert "failed (" not in stderr, stderr

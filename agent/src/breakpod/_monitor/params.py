@@ -15,7 +15,7 @@ from breakpod._monitor.detect import Detector, ParamInfo
 from breakpod._monitor.norms import NormPlan
 from breakpod._monitor.reporting import Reporting
 from breakpod._monitor.rules import Rule
-from breakpod._monitor.sharding import local, sharding_of
+from breakpod._monitor.sharding import local, sharded, sharding_of
 from breakpod._monitor.stats import Entry, StepRecord, by_device
 from breakpod._monitor.tiers import SENTINEL
 
@@ -54,8 +54,8 @@ class ParamPlanning(Reporting):
         params = [p for _, p in self._params]
         # sharded (FSDP): a rank's norms are its shards', summed over the ranks for the
         # gradients (every rank judges the full norms alike); a parameter's are its own
-        self._sharding = sharding_of(self.model, params, [info.name for info, _ in self._params])
-        self._sharded = self._sharding is not None or any(local(p) is not p for p in params)
+        self._sharding = sharding_of(self.model, params)
+        self._sharded = sharded(params)
         self._grad_norms = NormPlan([local(p) for p in params])
         self._param_norms = NormPlan([local(p) for _, p in state], keys=[i for i, _ in state])
         self._state_params = [p for _, p in state]
@@ -72,6 +72,9 @@ class ParamPlanning(Reporting):
         ``to_empty()`` after building on the meta device)? The old ones stop getting
         gradients, so this looks when more of them than before have none, and every
         :data:`REPLACED_EVERY` collections in case that came when none had any."""
+        ends = [p for _, p in self._params[:1] + self._params[-1:]]
+        if not self._sharded and sharded(ends):
+            return True  # wrapped by FSDP1 since (watch() came first): the same parameters
         grew = False
         if self._current.grads_done:  # a step without a backward (evaluation) says nothing
             missing = sum(g is None for g in grads)

@@ -50,9 +50,9 @@ FROM_ANOTHER_RANK = (
 )
 
 NOT_REPLAYED_SHARDED = (
-    "the model is sharded across ranks (FSDP), so its step is not replayed: its forward "
-    "gathers each layer's parameters from the other ranks, which would wait for a replay "
-    "of their own"
+    "the model is under FSDP, so its step is not replayed: its forward gathers parameters "
+    "from the other ranks and its backward reduces gradients with them, which would wait "
+    "for a replay of their own"
 )
 
 

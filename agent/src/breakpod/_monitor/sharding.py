@@ -17,7 +17,9 @@ read only on one rank (a tensor's NaN count, a pdb command's summary) is read fr
 rank's own shard (:func:`local`), never through a DTensor op that would call the others.
 
 Parameters of another layout (several device meshes, a ``Partial`` placement, FSDP1
-units on different process groups) are said once and judged per rank, as before.
+units on different process groups, or outside the module watched) are said once and
+judged per rank, as before. A sharded model's forward is never run by one rank alone
+(:func:`sharded`): the replay stands aside.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from breakpod._core.announce import announce
 
 Norms = list[tuple[Any, list[int], Any]]  # (device, keys, norms), as NormPlan gives them
 FSDP1_SHARDED = frozenset({"FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"})
-FSDP1_WRAPPED = "_fsdp_wrapped_module"  # in the name of every parameter under an FSDP1 unit
+FSDP1_FLATTENED = "_fsdp_flattened"  # FSDP1 marks each parameter it manages so
 MADE = 64  # index tensors kept on the device
 _SAID: set[str] = set()  # the layouts said unsupported (once a process: probes plan too)
 
@@ -96,16 +98,22 @@ class ShardedNorms:
         return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
 
 
-def sharding_of(model: Any, params: Sequence[Any], names: Sequence[str]) -> ShardedNorms | None:
-    """How ``model``'s ``params`` (named ``names``) are sharded across ranks, or None: a
-    job that shards nothing, or one of a layout the norms cannot be summed for (said)."""
+def sharded(params: Sequence[Any]) -> bool:
+    """Are ``params`` sharded by FSDP? Their module's forward then gathers them from the
+    other ranks (FSDP1's backward also reduces, even unsharded): nothing may run it alone."""
+    return any(_is_dtensor(p) or getattr(p, FSDP1_FLATTENED, False) for p in params)
+
+
+def sharding_of(model: Any, params: Sequence[Any]) -> ShardedNorms | None:
+    """How ``model``'s ``params`` are sharded across ranks, for their norms, or None: a job
+    that shards nothing, or one of a layout the norms cannot be summed for (said)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized() or not params:
         return None
     if any(_is_dtensor(p) for p in params):
         return _fsdp2(params)
-    if any(FSDP1_WRAPPED in n for n in names):
-        return _fsdp1(model, params, names)
+    if any(getattr(p, FSDP1_FLATTENED, False) for p in params):
+        return _fsdp1(model, params)
     return None
 
 
@@ -132,20 +140,26 @@ def _fsdp2(params: Sequence[Any]) -> ShardedNorms | None:
     return ShardedNorms([mesh.get_group(d) for d in dims], weights, empty)
 
 
-def _fsdp1(model: Any, params: Sequence[Any], names: Sequence[str]) -> ShardedNorms | None:
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    cls = None if fsdp is None else fsdp.FullyShardedDataParallel
-    units = [m for m in model.modules() if cls is not None and isinstance(m, cls)]
+def _fsdp1(model: Any, params: Sequence[Any]) -> ShardedNorms | None:
+    cls = sys.modules["torch.distributed.fsdp"].FullyShardedDataParallel
+    units = [m for m in model.modules() if isinstance(m, cls)]
     if not units:
+        return _unsupported(
+            "the FSDP unit around the watched module is outside it (watch the module that "
+            "FullyShardedDataParallel returned)"
+        )
+    sharding = {u.sharding_strategy.name in FSDP1_SHARDED for u in units}
+    if sharding == {False}:  # NO_SHARD: every rank's gradients are whole, all-reduced
         return None
-    if any(u.sharding_strategy.name not in FSDP1_SHARDED for u in units):
-        return _unsupported("an FSDP unit does not shard (NO_SHARD)")
+    if len(sharding) > 1:
+        return _unsupported("some of its FSDP units shard and some do not (NO_SHARD)")
     groups = {id(u.process_group): u.process_group for u in units}
     if len(groups) > 1:
         return _unsupported("its FSDP units shard over different process groups")
     group = groups.popitem()[1]
     size = sys.modules["torch.distributed"].get_world_size(group)
-    weights = [1.0 if FSDP1_WRAPPED in n else 1.0 / size for n in names]
+    # a parameter outside every unit is whole on every rank
+    weights = [1.0 if getattr(p, FSDP1_FLATTENED, False) else 1.0 / size for p in params]
     empty = {i for i, p in enumerate(params) if p.numel() == 0}
     return ShardedNorms([group], weights, empty)
 
