@@ -7,7 +7,8 @@ one rank's shard (row 7 of 10 is rank 1's, in both layouts, on two ranks). Each 
 then writes what it found and the embedding's full weight before and after the step.
 
 Env: FSDP (1, 1-unsharded, 2 or hsdp), POISON (nan or a factor), BAD_AT, MAX_NORM (a grad_norm skip
-rule), PARK (a NaN parks), CHECK_EVERY, WATCH_FIRST (watch() before wrapping)."""
+rule), PARK (a NaN parks), CHECK_EVERY, WATCH_FIRST (watch() before wrapping), MICRO (FSDP2's
+backwards a step)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import breakpod
 
 FSDP, BAD_AT, STEPS = os.environ["FSDP"], int(os.environ["BAD_AT"]), 6
 POISON = float(os.environ["POISON"])
+MICRO = int(os.environ.get("MICRO", "1"))  # backwards a step
 TOKEN = 7
 
 
@@ -73,9 +75,12 @@ def main() -> None:
         tokens = torch.randint(0, 10, (8, 5))
         tokens[0, 0] = TOKEN  # in every rank's batch: its row gets a gradient
         net.poison = step == BAD_AT
-        loss = model(tokens).pow(2).mean()
         opt.zero_grad()
-        loss.backward()
+        for micro in range(MICRO):  # FSDP2 accumulating: no reduce-scatter but the last's
+            if MICRO > 1:
+                net.set_requires_gradient_sync(micro == MICRO - 1)
+            loss = model(tokens).pow(2).mean()
+            loss.backward()
         if step == BAD_AT:
             say(rank, f"the embedding's gradient norm {full(net.emb.weight.grad).norm():.6e}")
         before = full(net.emb.weight)

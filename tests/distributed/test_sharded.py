@@ -38,11 +38,16 @@ def said(stderr: str, what: str) -> dict[str, str]:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fsdp", ["2", "1", "1-unsharded"])
-def test_a_nan_in_one_shard_is_found_and_skipped_by_every_rank(tmp_path: Path, fsdp: str) -> None:
+@pytest.mark.parametrize(
+    ("fsdp", "micro"), [("2", "1"), ("2", "2"), ("1", "1"), ("1-unsharded", "1")]
+)
+def test_a_nan_in_one_shard_is_found_and_skipped_by_every_rank(
+    tmp_path: Path, fsdp: str, micro: str
+) -> None:
     """NO_SHARD holds every gradient whole: nothing to sum, but its step is not replayed
-    either (its backward all-reduces)."""
-    stderr = run(tmp_path, fsdp, 0, POISON="nan")
+    either (its backward all-reduces). FSDP2 accumulating over two backwards leaves the
+    first without gradients on any rank (the norms of nothing failed every step)."""
+    stderr = run(tmp_path, fsdp, 7 * (micro == "2"), POISON="nan", MICRO=micro)
     found = said(stderr, "found")
     assert set(found) == {"0", "1"}, stderr
     for line in found.values():

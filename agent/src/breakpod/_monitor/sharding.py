@@ -73,6 +73,8 @@ class ShardedNorms:
             squares *= self._on(device, "weights")
         for group in self.groups:
             dist.all_reduce(squares, group=group)
+        if not parts:  # no gradient on any rank (a backward under FSDP2's no-sync)
+            return []
         keys = sorted({k for _, ks, _ in parts for k in ks} | self._empty)
         norms = squares.sqrt().float().index_select(0, self._on(device, tuple(keys)))
         return [(device, keys, norms)]
