@@ -13,7 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 BENCHMARKS = [
-    *("pdb_latency", "sentinel", "monitors", "zero_code", "health", "timetravel", "stall"),
+    *("pdb_latency", "sentinel", "sharded", "monitors", "zero_code", "health", "timetravel"),
+    "stall",
     "stacks",
     *("broker", "scale"),
 ]
