@@ -2,7 +2,8 @@
 # The checks that need a CUDA device, as one short script for a machine that
 # has one (a GPU box, or the device machine some sessions are lent): the
 # `gpu`-marked tests, among them a monitored training step and a fused
-# optimizer's skips decided on the device, each under
+# optimizer's skips decided on the device (FSDP2's too, its norms all-reduced
+# over NCCL), each under
 # torch.cuda.set_sync_debug_mode("error"), which fails on any host-device
 # sync in breakpod's hooks, then the monitors bench on CUDA (bench/monitors.py
 # --cuda: step-time ratios, and zero host syncs per monitored step under
@@ -29,7 +30,8 @@ then
   exit 0
 fi
 GPU_TESTS=(tests/agent/test_monitor_cost.py tests/agent/test_monitor_sentinel.py
-  tests/agent/test_monitor_staging.py tests/agent/test_monitor_gate.py)
+  tests/agent/test_monitor_staging.py tests/agent/test_monitor_gate.py
+  tests/distributed/test_sharded_gpu.py)
 "$PY" -m pytest "${GPU_TESTS[@]}" -m gpu --noconftest -p no:cacheprovider \
   -o addopts="" -o filterwarnings=ignore::DeprecationWarning --timeout 300 -v -rs
 "$PY" bench/monitors.py --cuda
