@@ -121,7 +121,7 @@ def _tensor(t: Any) -> str:
     dtype = DTYPES.get(str(x.dtype).removeprefix("torch."), str(x.dtype).removeprefix("torch."))
     size = _size(x.numel() * x.element_size())
     head = f"tensor[{','.join(map(str, shape_of(x)))}] {dtype} {x.device} {size}"
-    if shard is not t:
+    if shard is not t and tuple(shard.shape) != tuple(t.shape):  # not a whole replica
         head += f" (this rank's shard of [{','.join(map(str, t.shape))}])"
     values = _readable(x)
     parts = [head, *(_values(values) if values is not None else [])]
