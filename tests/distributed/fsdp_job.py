@@ -8,7 +8,7 @@ then writes what it found and the embedding's full weight before and after the s
 
 Env: FSDP (1, 1-unsharded, 2 or hsdp), POISON (nan or a factor), BAD_AT, MAX_NORM (a grad_norm skip
 rule), PARK (a NaN parks), CHECK_EVERY, WATCH_FIRST (watch() before wrapping), MICRO (FSDP2's
-backwards a step)."""
+backwards a step), NAN_LOSS_RANK (that rank's loss alone NaN, its gradients finite)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import breakpod
 FSDP, BAD_AT, STEPS = os.environ["FSDP"], int(os.environ["BAD_AT"]), 6
 POISON = float(os.environ["POISON"])
 MICRO = int(os.environ.get("MICRO", "1"))  # backwards a step
+NAN_LOSS_RANK = int(os.environ.get("NAN_LOSS_RANK", "-1"))  # its loss alone NaN at BAD_AT
 TOKEN = 7
 
 
@@ -80,12 +81,16 @@ def main() -> None:
             if MICRO > 1:
                 net.set_requires_gradient_sync(micro == MICRO - 1)
             loss = model(tokens).pow(2).mean()
+            if rank == NAN_LOSS_RANK and step == BAD_AT:  # NaN, its gradients finite
+                loss = loss + torch.tensor(float("nan"))
             loss.backward()
         if step == BAD_AT:
             say(rank, f"the embedding's gradient norm {full(net.emb.weight.grad).norm():.6e}")
         before = full(net.emb.weight)
         if early is not None:
             early.step(loss)  # no optimizer= (made after wrapping): the step ends here
+        else:
+            monitor.record_loss(loss)  # judged with its step, before the update
         opt.step()
         if step == BAD_AT:
             changed = (full(net.emb.weight) != before).any(dim=1).nonzero().flatten().tolist()

@@ -127,3 +127,14 @@ def test_a_module_watched_before_fsdp1_wrapped_it_says_what_to_watch_and_is_neve
     assert stderr.count("so its step is not replayed") >= 1, stderr
     assert "replay failed" not in stderr, stderr
     assert "failed (" not in stderr, stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_loss_on_one_rank_alone_does_not_hang_the_job(tmp_path: Path) -> None:
+    """Rank 1's loss alone is NaN (its gradients finite): rank 1 alone turns the detailed
+    tier on, whose own norms made a second all-reduce a backward on rank 1 only. Rank 0
+    then waited in FSDP's next all-gather, rank 1 in the monitor's: the job hung."""
+    stderr = run(tmp_path, "2", 8, POISON="1", NAN_LOSS_RANK="1")
+    assert re.search(r"^rank 1: found step 3 loss <model>: \[nonfinite\] loss is nan", stderr, re.M)
+    assert "the detailed tier is on" in stderr, stderr
+    assert "failed (" not in stderr, stderr

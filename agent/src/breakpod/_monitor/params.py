@@ -53,8 +53,10 @@ class ParamPlanning(Reporting):
         ]
         params = [p for _, p in self._params]
         # sharded (FSDP): a rank's norms are its shards', summed over the ranks for the
-        # gradients (every rank judges the full norms alike); a parameter's are its own
-        self._sharding = sharding_of(self.model, params)
+        # gradients (every rank judges the full norms alike); a parameter's are its own.
+        # Not a probe's: one rank alone may start one (the detailed tier after a NaN loss
+        # of its own), and its all-reduce would wait for ranks that make none (a hang)
+        self._sharding = None if self._is_probe else sharding_of(self.model, params)
         self._sharded = sharded(params)
         self._grad_norms = NormPlan([local(p) for p in params])
         self._param_norms = NormPlan([local(p) for _, p in state], keys=[i for i, _ in state])
