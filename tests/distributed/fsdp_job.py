@@ -2,13 +2,17 @@
 FSDP1 (``FullyShardedDataParallel``, ``use_orig_params=True``), watched by breakpod.
 
 At step BAD_AT, one token's gradient is poisoned on its way back into the embedding
-(NaN, or times SPIKE): only the embedding's rows of that token go bad, and they lie in
+(NaN, or times POISON): only the embedding's rows of that token go bad, and they lie in
 one rank's shard (row 7 of 10 is rank 1's, in both layouts, on two ranks). Each rank
 then writes what it found and the embedding's full weight before and after the step.
 
-Env: FSDP (1, 1-unsharded, 2 or hsdp), POISON (nan or a factor), BAD_AT, MAX_NORM (a grad_norm skip
-rule), PARK (a NaN parks), CHECK_EVERY, WATCH_FIRST (watch() before wrapping), MICRO (FSDP2's
-backwards a step), NAN_LOSS_RANK (that rank's loss alone NaN, its gradients finite)."""
+Env:
+- FSDP: 1, 1-unsharded (NO_SHARD), 2, or hsdp (four ranks);
+- POISON: nan, or the factor of a spike; BAD_AT: its step;
+- MAX_NORM: a grad_norm skip rule's limit; PARK: the NaN parks; CHECK_EVERY;
+- WATCH_FIRST: watch() before wrapping; WATCH_RANK: the only rank that watches;
+- MICRO: FSDP2's backwards a step; NAN_LOSS_RANK: that rank's loss alone NaN (its
+  gradients finite)."""
 
 from __future__ import annotations
 
@@ -68,9 +72,10 @@ def main() -> None:
         rules = [{**skip, "max_norm": float(os.environ["MAX_NORM"])}]
     if os.environ.get("PARK"):  # the NaN parks each rank, for a debugger
         rules = [{"name": "nan", "check": "nonfinite", "action": ["log", "break"]}]
-    monitor = early or breakpod.watch(
-        model, rules, optimizer=opt, check_every=int(os.environ.get("CHECK_EVERY", "1"))
-    )
+    monitor = early
+    if early is None and rank == int(os.environ.get("WATCH_RANK", rank)):  # else: not this one
+        every = int(os.environ.get("CHECK_EVERY", "1"))
+        monitor = breakpod.watch(model, rules, optimizer=opt, check_every=every)
     torch.manual_seed(1 + rank)
     for step in range(STEPS):
         tokens = torch.randint(0, 10, (8, 5))
@@ -89,14 +94,15 @@ def main() -> None:
         before = full(net.emb.weight)
         if early is not None:
             early.step(loss)  # no optimizer= (made after wrapping): the step ends here
-        else:
+        elif monitor is not None:
             monitor.record_loss(loss)  # judged with its step, before the update
         opt.step()
         if step == BAD_AT:
             changed = (full(net.emb.weight) != before).any(dim=1).nonzero().flatten().tolist()
             say(rank, f"rows updated at the bad step {changed}")
-    monitor.close()
-    for a in monitor.anomalies:
+    if monitor is not None:
+        monitor.close()
+    for a in monitor.anomalies if monitor is not None else ():
         say(rank, f"found {a} | skipped={a.skipped} | value={a.value:.6e}")
     dist.barrier()
     dist.destroy_process_group()

@@ -138,3 +138,18 @@ def test_a_nan_loss_on_one_rank_alone_does_not_hang_the_job(tmp_path: Path) -> N
     assert re.search(r"^rank 1: found step 3 loss <model>: \[nonfinite\] loss is nan", stderr, re.M)
     assert "the detailed tier is on" in stderr, stderr
     assert "failed (" not in stderr, stderr
+
+
+@pytest.mark.slow  # the roll call waits 10 s for the rank that never watches
+@pytest.mark.timeout(120)
+def test_a_sharded_model_watched_on_one_rank_alone_is_judged_there_without_a_collective(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 never calls watch(). Rank 0's sum of the shards' norms would meet rank 1's
+    next FSDP all-gather instead of a sum of its own: the job hung. The ranks answer a
+    roll call in the job's store first, which costs rank 0 a wait, and rank 0 says so."""
+    stderr = run(tmp_path, "2", 9, POISON="nan", WATCH_RANK="0")
+    assert "1 of the 2 ranks that shard the model watch it (after 10 s)" in stderr, stderr
+    assert re.search(r"^rank 0: found step \d+ ", stderr, re.M), stderr
+    assert "rank 1: found" not in stderr
+    assert "failed (" not in stderr, stderr

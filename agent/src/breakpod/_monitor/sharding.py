@@ -24,8 +24,10 @@ judged per rank, as before. A sharded model's forward is never run by one rank a
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +37,8 @@ Norms = list[tuple[Any, list[int], Any]]  # (device, keys, norms), as NormPlan g
 FSDP1_SHARDED = frozenset({"FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"})
 FSDP1_FLATTENED = "_fsdp_flattened"  # FSDP1 marks each parameter it manages so
 MADE = 64  # index tensors kept on the device
+ROLL_CALL_SECONDS = 10.0  # the first sum waits this long for every rank to watch
+_ROLL_CALLS = itertools.count()  # the sums planned in this process, in order (as on every rank)
 _SAID: set[str] = set()  # the layouts said unsupported (once a process: probes plan too)
 
 
@@ -58,12 +62,25 @@ class ShardedNorms:
         self._weighted = any(w != 1.0 for w in weights)
         self._empty = empty  # parameters of which this rank holds nothing
         self._made: dict[Any, Any] = {}  # (device, index or "weights") -> its tensor
+        self._roll_call: RollCall | None = RollCall(self.groups)
+
+    def _all_watch(self) -> None:
+        """Before the first sum: does every rank of the groups watch the model? A rank
+        alone summing would meet the others' next FSDP collective instead (a hang, or
+        another's data). If not, each rank judges its own shards from here on."""
+        roll_call, self._roll_call = self._roll_call, None
+        if roll_call is not None and not roll_call.answered():
+            self.groups = []
 
     def full(self, parts: Norms) -> Norms:
         """The full parameters' norms, on every rank alike, from this rank's ``parts``."""
         import torch
         import torch.distributed as dist
 
+        if self._roll_call is not None:
+            self._all_watch()
+        if not self.groups:  # not every rank watches: each judges its own shards
+            return parts
         device = parts[0][0] if parts else self._device()
         squares = torch.zeros(len(self._weights), dtype=torch.float64, device=device)
         for _, keys, norms in parts:
@@ -98,6 +115,44 @@ class ShardedNorms:
 
         backend = sys.modules["torch.distributed"].get_backend(self.groups[0])
         return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
+
+
+class RollCall:
+    """Every rank of some process groups answers in the job's store when its monitor plans
+    (no collective: a rank that never answers costs the others a wait, not a hang)."""
+
+    def __init__(self, groups: Sequence[Any]) -> None:
+        dist = sys.modules["torch.distributed"]
+        ranks = sorted({r for g in groups for r in dist.get_process_group_ranks(g)})
+        self.expected = len(ranks)
+        self._key = f"breakpod/watching/{next(_ROLL_CALLS)}/{ranks[0] if ranks else 0}"
+        self._store: Any = None
+        try:
+            self._store = dist.distributed_c10d._get_default_store()
+            self._store.add(self._key, 1)
+        except Exception:  # no default store to answer in: never summed
+            self._store = None
+
+    def answered(self) -> bool:
+        """Have all answered? Waits up to ``ROLL_CALL_SECONDS``; says so if not."""
+        deadline = time.monotonic() + ROLL_CALL_SECONDS
+        count = 0
+        while self._store is not None:
+            try:
+                count = self._store.add(self._key, 0)
+            except Exception:
+                break
+            if count >= self.expected:
+                return True
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        announce(
+            f"monitor: {count} of the {self.expected} ranks that shard the model watch it "
+            f"(after {ROLL_CALL_SECONDS:.0f} s): each rank judges its own shard's gradient "
+            "norms (call breakpod.watch() on every rank, for norms the ranks agree on)"
+        )
+        return False
 
 
 def sharded(params: Sequence[Any]) -> bool:
