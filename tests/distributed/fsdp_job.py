@@ -7,12 +7,13 @@ one rank's shard (row 7 of 10 is rank 1's, in both layouts, on two ranks). Each 
 then writes what it found and the embedding's full weight before and after the step.
 
 Env:
-- FSDP: 1, 1-unsharded (NO_SHARD), 2, or hsdp (four ranks);
+- FSDP: 1, 1-unsharded (NO_SHARD), 2, hsdp (four ranks), or ddp (DDP's replicas);
 - POISON: nan, or the factor of a spike; BAD_AT: its step;
 - MAX_NORM: a grad_norm skip rule's limit; PARK: the NaN parks; CHECK_EVERY;
 - WATCH_FIRST: watch() before wrapping; WATCH_RANK: the only rank that watches;
 - MICRO: FSDP2's backwards a step; NAN_LOSS_RANK: that rank's loss alone NaN (its
-  gradients finite)."""
+  gradients finite); SPIKE_LOSS_RANK: that rank's loss alone x1000, LOSS_SKIP: a
+  loss_spike rule skips; STEPS."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ import torch.distributed as dist
 
 import breakpod
 
-FSDP, BAD_AT, STEPS = os.environ["FSDP"], int(os.environ["BAD_AT"]), 6
+FSDP, BAD_AT = os.environ["FSDP"], int(os.environ["BAD_AT"])
+STEPS = int(os.environ.get("STEPS", "6"))
 POISON = float(os.environ["POISON"])
 MICRO = int(os.environ.get("MICRO", "1"))  # backwards a step
 NAN_LOSS_RANK = int(os.environ.get("NAN_LOSS_RANK", "-1"))  # its loss alone NaN at BAD_AT
+SPIKE_LOSS_RANK = int(os.environ.get("SPIKE_LOSS_RANK", "-1"))  # its loss alone x1000
 TOKEN = 7
 
 
@@ -70,6 +73,8 @@ def main() -> None:
     if "MAX_NORM" in os.environ:
         skip = {"name": "spikes", "check": "grad_norm", "action": ["log", "skip"]}
         rules = [{**skip, "max_norm": float(os.environ["MAX_NORM"])}]
+    if os.environ.get("LOSS_SKIP"):  # a loss spike drops the update
+        rules = [{"name": "lspike", "check": "loss_spike", "action": ["log", "skip"]}]
     if os.environ.get("PARK"):  # the NaN parks each rank, for a debugger
         rules = [{"name": "nan", "check": "nonfinite", "action": ["log", "break"]}]
     monitor = early
@@ -88,6 +93,8 @@ def main() -> None:
             loss = model(tokens).pow(2).mean()
             if rank == NAN_LOSS_RANK and step == BAD_AT:  # NaN, its gradients finite
                 loss = loss + torch.tensor(float("nan"))
+            if rank == SPIKE_LOSS_RANK and step == BAD_AT:  # an outlier batch on one rank
+                loss = loss * 1000
             loss.backward()
         if step == BAD_AT:
             say(rank, f"the embedding's gradient norm {full(net.emb.weight.grad).norm():.6e}")
@@ -109,6 +116,10 @@ def main() -> None:
 
 
 def shard(net: Net) -> torch.nn.Module:
+    if FSDP == "ddp":  # replicas, not shards
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(net)
     if FSDP in ("2", "hsdp"):  # hsdp: four ranks, two replicas of two shards
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -134,7 +145,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
     gathered, or FSDP1's flat pieces (each rank a run of its elements) put together."""
     if hasattr(t, "full_tensor"):
         return t.full_tensor().detach().clone()
-    if FSDP == "1-unsharded":  # whole on every rank
+    if FSDP in ("1-unsharded", "ddp"):  # whole on every rank
         return t.detach().clone().reshape(10, 4)
     pieces = [torch.zeros(0)] * dist.get_world_size()
     dist.all_gather_object(pieces, t.detach().flatten().clone())

@@ -18,13 +18,13 @@ import pytest
 from tests.distributed.torchrun import Job, free_ports, pdb_session
 
 FSDP_JOB = Path(__file__).with_name("fsdp_job.py")
-PORTS = {"2": 29510, "1": 29520, "hsdp": 29530, "1-unsharded": 29540}
-RANKS = {"2": 2, "1": 2, "hsdp": 4, "1-unsharded": 2}  # hsdp: two replicas of two shards
+PORTS = {"2": 29510, "1": 29520, "hsdp": 29530, "1-unsharded": 29540, "ddp": 29550}
+RANKS = {"2": 2, "1": 2, "hsdp": 4, "1-unsharded": 2, "ddp": 2}  # hsdp: 2 replicas of 2 shards
 
 
 def run(tmp_path: Path, fsdp: str, offset: int, **env: str) -> str:
     port = PORTS[fsdp] + offset
-    job = Job(tmp_path, RANKS[fsdp], port, FSDP_JOB, FSDP=fsdp, BAD_AT="3", **env)
+    job = Job(tmp_path, RANKS[fsdp], port, FSDP_JOB, FSDP=fsdp, **{"BAD_AT": "3", **env})
     try:
         assert job.wait(timeout=100) == 0, job.stderr
     finally:
@@ -152,4 +152,20 @@ def test_a_sharded_model_watched_on_one_rank_alone_is_judged_there_without_a_col
     assert "1 of the 2 ranks that shard the model watch it (after 10 s)" in stderr, stderr
     assert re.search(r"^rank 0: found step \d+ ", stderr, re.M), stderr
     assert "rank 1: found" not in stderr
+    assert "failed (" not in stderr, stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fsdp", ["ddp", "2"])
+def test_a_skip_one_rank_decides_alone_is_made_by_every_rank(tmp_path: Path, fsdp: str) -> None:
+    """Rank 1's loss alone spikes (its own batch) and its loss_spike rule skips the
+    update. Rank 0 saw no spike: it applied its update, and DDP's replicas parted (FSDP's
+    model was updated in part). The skip is agreed at the update now."""
+    stderr = run(
+        tmp_path, fsdp, 3, POISON="1", BAD_AT="12", STEPS="15", SPIKE_LOSS_RANK="1", LOSS_SKIP="1"
+    )
+    assert re.search(r"^rank 1: found step 12 loss <model>: \[lspike\]", stderr, re.M), stderr
+    assert not re.search(r"^rank 0: found step 12 loss", stderr, re.M)  # rank 0's loss: calm
+    assert "[rank 0] step 12: another rank skips this update, so this rank does too" in stderr
+    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
     assert "failed (" not in stderr, stderr

@@ -325,6 +325,8 @@ class Monitor(Sentinel):
             if self._gate.rules:  # their skips are the device's: no read waits for them
                 self._urgent = any(r.urgent for r in self.rules if r.name not in self._gate.rules)
                 self._urgent |= self.tier == tiers.SENTINEL and self.check_every == 1
+        # a skip of this rank's update alone would part the replicas or shards: agreed
+        self._peers = self._skip_peers()
         self._batchnorm = batchnorm
         self._detector = Detector(
             self.rules, [info for info, _ in self._params], batchnorm, self._norm_source

@@ -17,6 +17,7 @@ from breakpod._monitor.anomaly import Anomaly
 from breakpod._monitor.anomaly import user_frame as _user_frame
 from breakpod._monitor.detect import StepData
 from breakpod._monitor.hooks import ModuleHooks
+from breakpod._monitor.peers import Peers, peers_of
 from breakpod._monitor.stats import (
     Entry,
     StepRecord,
@@ -152,8 +153,18 @@ class StepPipeline(ModuleHooks):
         self._pending.append(record)
 
     def _apply_skip(self, step: int) -> None:
-        """Drop this step's update: no gradient, so the optimizer's step changes nothing."""
-        if not self._ctx.take_skip(step):
+        """Drop this step's update: no gradient, so the optimizer's step changes nothing.
+        Agreed with the peers (peers.py): if one rank drops it, every rank does."""
+        skip = self._ctx.take_skip(step)
+        if self._peers is not None:
+            agreed = self._peers.agree(skip)
+            if agreed and not skip:
+                announce(
+                    f"step {step}: another rank skips this update, so this rank does too (one "
+                    "rank alone would part the replicas, or update a sharded model in part)"
+                )
+            skip = agreed
+        if not skip:
             return
         if any(p._version != version for p, version in self._probe):
             announce(
@@ -170,6 +181,14 @@ class StepPipeline(ModuleHooks):
             if anomaly.step == step:
                 anomaly.skipped = True
         announce(f"step {step}: update skipped (gradients dropped before the optimizer step)")
+
+    def _skip_peers(self) -> Peers | None:
+        """The ranks that must skip with this one, if it can skip an update (a ``skip`` or
+        ``break`` rule, judged before the update) in a data-parallel job of several."""
+        acts = {a for r in self.rules for a in r.actions}
+        if self._is_probe or not self._urgent or not acts & {"skip", "break"}:
+            return None
+        return peers_of(self.model, [p for _, p in self._params])
 
     def flush(self) -> list[Anomaly]:
         """Read and evaluate everything now (a host sync); returns the new anomalies."""

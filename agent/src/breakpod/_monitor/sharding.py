@@ -24,21 +24,18 @@ judged per rank, as before. A sharded model's forward is never run by one rank a
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from breakpod._core.announce import announce
+from breakpod._monitor.roll_call import RollCall
 
 Norms = list[tuple[Any, list[int], Any]]  # (device, keys, norms), as NormPlan gives them
 FSDP1_SHARDED = frozenset({"FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"})
 FSDP1_FLATTENED = "_fsdp_flattened"  # FSDP1 marks each parameter it manages so
 MADE = 64  # index tensors kept on the device
-ROLL_CALL_SECONDS = 10.0  # the first sum waits this long for every rank to watch
-_ROLL_CALLS = itertools.count()  # the sums planned in this process, in order (as on every rank)
 _SAID: set[str] = set()  # the layouts said unsupported (once a process: probes plan too)
 
 
@@ -56,20 +53,24 @@ def local(tensor: Any) -> Any:
 class ShardedNorms:
     """Full norms from each rank's shards: squares summed over ``groups``."""
 
-    def __init__(self, groups: Sequence[Any], weights: Sequence[float], empty: set[int]) -> None:
+    def __init__(
+        self, groups: Sequence[Any], weights: Sequence[float], empty: set[int], ranks: list[int]
+    ) -> None:
         self.groups = list(groups)  # the process groups to sum over, one after another
         self._weights = list(weights)  # 1 / the replicas summed over too, per parameter
         self._weighted = any(w != 1.0 for w in weights)
         self._empty = empty  # parameters of which this rank holds nothing
         self._made: dict[Any, Any] = {}  # (device, index or "weights") -> its tensor
-        self._roll_call: RollCall | None = RollCall(self.groups)
+        self._roll_call: RollCall | None = RollCall(ranks, "shard the model")
 
     def _all_watch(self) -> None:
         """Before the first sum: does every rank of the groups watch the model? A rank
         alone summing would meet the others' next FSDP collective instead (a hang, or
         another's data). If not, each rank judges its own shards from here on."""
         roll_call, self._roll_call = self._roll_call, None
-        if roll_call is not None and not roll_call.answered():
+        if roll_call is not None and not roll_call.answered(
+            "each rank judges its own shard's gradient norms"
+        ):
             self.groups = []
 
     def full(self, parts: Norms) -> Norms:
@@ -117,44 +118,6 @@ class ShardedNorms:
         return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
 
 
-class RollCall:
-    """Every rank of some process groups answers in the job's store when its monitor plans
-    (no collective: a rank that never answers costs the others a wait, not a hang)."""
-
-    def __init__(self, groups: Sequence[Any]) -> None:
-        dist = sys.modules["torch.distributed"]
-        ranks = sorted({r for g in groups for r in dist.get_process_group_ranks(g)})
-        self.expected = len(ranks)
-        self._key = f"breakpod/watching/{next(_ROLL_CALLS)}/{ranks[0] if ranks else 0}"
-        self._store: Any = None
-        try:
-            self._store = dist.distributed_c10d._get_default_store()
-            self._store.add(self._key, 1)
-        except Exception:  # no default store to answer in: never summed
-            self._store = None
-
-    def answered(self) -> bool:
-        """Have all answered? Waits up to ``ROLL_CALL_SECONDS``; says so if not."""
-        deadline = time.monotonic() + ROLL_CALL_SECONDS
-        count = 0
-        while self._store is not None:
-            try:
-                count = self._store.add(self._key, 0)
-            except Exception:
-                break
-            if count >= self.expected:
-                return True
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
-        announce(
-            f"monitor: {count} of the {self.expected} ranks that shard the model watch it "
-            f"(after {ROLL_CALL_SECONDS:.0f} s): each rank judges its own shard's gradient "
-            "norms (call breakpod.watch() on every rank, for norms the ranks agree on)"
-        )
-        return False
-
-
 def sharded(params: Sequence[Any]) -> bool:
     """Are ``params`` sharded by FSDP? Their module's forward then gathers them from the
     other ranks (FSDP1's backward also reduces, even unsharded): nothing may run it alone."""
@@ -174,13 +137,23 @@ def sharding_of(model: Any, params: Sequence[Any]) -> ShardedNorms | None:
     return None
 
 
+def mesh_of(params: Sequence[Any]) -> Any:
+    """The one device mesh of ``params``' DTensors (FSDP2), else None."""
+    meshes = {p.device_mesh for p in params if _is_dtensor(p)}
+    return meshes.pop() if len(meshes) == 1 else None
+
+
+def mesh_ranks(mesh: Any) -> list[int]:
+    """Every rank of ``mesh``, the same list on each."""
+    return [int(r) for r in mesh.mesh.flatten().tolist()]
+
+
 def _fsdp2(params: Sequence[Any]) -> ShardedNorms | None:
     from torch.distributed.tensor import Replicate, Shard
 
-    meshes = {p.device_mesh for p in params if _is_dtensor(p)}
-    if len(meshes) > 1:
+    mesh = mesh_of(params)
+    if mesh is None:
         return _unsupported("its parameters lie on several device meshes")
-    mesh = meshes.pop()
     placements = [p.placements if _is_dtensor(p) else None for p in params]
     if any(not isinstance(pl, Shard | Replicate) for pls in placements if pls for pl in pls):
         return _unsupported("a parameter has a placement neither Shard nor Replicate")
@@ -194,7 +167,7 @@ def _fsdp2(params: Sequence[Any]) -> ShardedNorms | None:
         replicas = [mesh.size(d) for d in dims if pls is None or isinstance(pls[d], Replicate)]
         weights.append(1.0 / math.prod(replicas))
     empty = {i for i, p in enumerate(params) if local(p).numel() == 0}
-    return ShardedNorms([mesh.get_group(d) for d in dims], weights, empty)
+    return ShardedNorms([mesh.get_group(d) for d in dims], weights, empty, mesh_ranks(mesh))
 
 
 def _fsdp1(model: Any, params: Sequence[Any]) -> ShardedNorms | None:
@@ -218,7 +191,8 @@ def _fsdp1(model: Any, params: Sequence[Any]) -> ShardedNorms | None:
     # a parameter outside every unit is whole on every rank
     weights = [1.0 if getattr(p, FSDP1_FLATTENED, False) else 1.0 / size for p in params]
     empty = {i for i, p in enumerate(params) if p.numel() == 0}
-    return ShardedNorms([group], weights, empty)
+    ranks = sys.modules["torch.distributed"].get_process_group_ranks(group)
+    return ShardedNorms([group], weights, empty, ranks)
 
 
 def _unsupported(why: str) -> ShardedNorms | None:

@@ -19,6 +19,7 @@ from breakpod._monitor.detect import Detector, ParamInfo, Slot
 from breakpod._monitor.flight.recorder import FlightRecorder
 from breakpod._monitor.gate import UpdateGate
 from breakpod._monitor.norms import NormPlan
+from breakpod._monitor.peers import Peers
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.scaling import LossScaling
 from breakpod._monitor.sharding import ShardedNorms
@@ -70,6 +71,7 @@ class MonitorState:
     _state_params: list[Any]
     _sharding: ShardedNorms | None  # FSDP: the gradient norms summed over the ranks
     _sharded: bool  # FSDP, whether or not the norms can be summed
+    _peers: Peers | None  # the ranks a skip is agreed with (DDP, FSDP)
     _bn_slow: bool  # BatchNorm's statistics read once in SLOW_STEPS steps (the sentinel's rule)
     _bn_read: int
     _missing_grads: int

@@ -1,0 +1,60 @@
+"""Do all the ranks of some process groups watch the model? Asked before a monitor's
+first collective (the sum of a sharded model's norms, a skip agreed with the peers): a
+collective that one rank makes alone meets the others' next one instead (a hang, or
+another's data). The ranks answer in the job's store, which needs no collective: a rank
+that never answers costs the others a wait, not a hang."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from breakpod._core.announce import announce
+
+ROLL_CALL_SECONDS = 10.0  # a first collective waits this long for every rank to watch
+_ROLL_CALLS = itertools.count()  # the roll calls of this process, in order (as on every rank)
+
+
+class RollCall:
+    """Every one of some ranks answers in the job's store when its monitor plans
+    (no collective: a rank that never answers costs the others a wait, not a hang)."""
+
+    def __init__(self, ranks: Sequence[int], what: str) -> None:
+        """``ranks``: the same list on each of them (a mesh's every rank, not the groups
+        of one rank's: those overlap differently on each)."""
+        dist = sys.modules["torch.distributed"]
+        self.expected = len(ranks)
+        self.what = what  # what the ranks do: "shard the model"
+        first = min(ranks, default=0)
+        self._key = f"breakpod/watching/{next(_ROLL_CALLS)}/{first}-{len(ranks)}"
+        self._store: Any = None
+        try:
+            self._store = dist.distributed_c10d._get_default_store()
+            self._store.add(self._key, 1)
+        except Exception:  # no default store to answer in: no collective then
+            self._store = None
+
+    def answered(self, otherwise: str) -> bool:
+        """Have all answered? Waits up to ``ROLL_CALL_SECONDS``, and if not, says so and
+        what happens ``otherwise``."""
+        deadline = time.monotonic() + ROLL_CALL_SECONDS
+        count = 0
+        while self._store is not None:
+            try:
+                count = self._store.add(self._key, 0)
+            except Exception:
+                break
+            if count >= self.expected:
+                return True
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        announce(
+            f"monitor: {count} of the {self.expected} ranks that {self.what} watch it "
+            f"(after {ROLL_CALL_SECONDS:.0f} s): {otherwise} (call breakpod.watch() on "
+            "every rank, for verdicts the ranks agree on)"
+        )
+        return False
