@@ -125,9 +125,11 @@ class StepPipeline(ModuleHooks):
         self._pending.append(done)
         self._say_if_compiled(done)
         if self._urgent:  # a break/stop/skip rule needs the verdict before the update
-            self._read(done)
-            self._evaluate_landed(wait=True, frame=frame)
-            self._apply_skip(done.step)
+            try:
+                self._read(done)
+                self._evaluate_landed(wait=True, frame=frame)
+            finally:  # whatever failed: the peers wait for this rank's verdict (peers.py)
+                self._apply_skip(done.step)
         elif self.step_count % self.check_every == 0 or done.kept or done.read_now:
             self._read(done)  # kept tensors (break/snapshot rules) live one step, not check_every
         self._evaluate_landed(wait=False)
