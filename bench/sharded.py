@@ -6,7 +6,8 @@ shards' squared gradient norms summed, so every rank judges the full norms alike
 The anchor is what an FSDP2 user writes for the same knowledge: the total gradient
 norm as ``clip_grad_norm_`` takes it (``torch.nn.utils.get_total_norm`` of the
 DTensor gradients, ``full_tensor()``: one all-reduce), read once a step. Setups run
-interleaved, round after round, on one model; each ratio is the median over rounds
+interleaved, round after round, on one model (a skip rule adds the ranks' agreement
+at each update, one more all-reduce); each ratio is the median over rounds
 of a setup's step time over the unmonitored one's in the same round (the fastest of
 the round's steps each), as rank 0 times them.
 
@@ -24,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-LAYERS, WIDTH, BATCH, STEPS = 24, 256, 32, 8
-SETUPS = ("none", "naive", "tier 1 @1", "tier 1 @10")
+LAYERS, WIDTH, BATCH, STEPS = 24, 256, 32, 16
+SETUPS = ("none", "naive", "tier 1 @1", "tier 1 @10", "skip @1")
+SKIP = [{"name": "spikes", "check": "grad_norm", "action": ["log", "skip"]}]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 
@@ -83,8 +85,9 @@ def fastest_step(name: str, model: Any, opt: Any) -> float:
 
     import breakpod
 
-    every = {"tier 1 @1": 1, "tier 1 @10": 10}.get(name)
-    monitor = breakpod.watch(model, optimizer=opt, check_every=every) if every else None
+    every = {"tier 1 @1": 1, "tier 1 @10": 10, "skip @1": 1}.get(name)
+    rules = SKIP if name == "skip @1" else None
+    monitor = breakpod.watch(model, rules, optimizer=opt, check_every=every) if every else None
     x, y = torch.randn(BATCH, WIDTH), torch.randint(0, 10, (BATCH,))
     best = float("inf")
     for _ in range(STEPS):
@@ -128,6 +131,7 @@ def report(times: dict[str, list[float]], rounds: int, params: int) -> None:
         "naive": "naive: get_total_norm + full_tensor, one read",
         "tier 1 @1": "breakpod tier 1, check_every=1 (one all-reduce)",
         "tier 1 @10": "breakpod tier 1, check_every=10",
+        "skip @1": "tier 1 @1 + a skip rule (agreed by the ranks)",
     }
     for name in SETUPS:
         ratio = statistics.median(t / b for t, b in zip(times[name], base, strict=True))
