@@ -74,8 +74,7 @@ class ParamPlanning(Reporting):
         ``to_empty()`` after building on the meta device)? The old ones stop getting
         gradients, so this looks when more of them than before have none, and every
         :data:`REPLACED_EVERY` collections in case that came when none had any."""
-        ends = [p for _, p in self._params[:1] + self._params[-1:]]
-        if not self._sharded and sharded(ends):
+        if not self._sharded and sharded((self._params[0][1], self._params[-1][1])):
             return True  # wrapped by FSDP1 since (watch() came first): the same parameters
         grew = False
         if self._current.grads_done:  # a step without a backward (evaluation) says nothing
