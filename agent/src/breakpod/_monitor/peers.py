@@ -9,7 +9,7 @@ sharded model in part (FSDP). So a monitor that can skip an update (a ``skip`` o
 largest verdict wins, and a rank that skips for another says so.
 
 A collective must be made by every rank of its group, or the job hangs. So the peers
-first answer a roll call in the job's store (:class:`RollCall`: no collective); a
+first answer a roll call in the job's store (``roll_call.py``: no collective); a
 model watched on some ranks only is judged by each rank alone, as it says.
 """
 
@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from breakpod._monitor.roll_call import RollCall
+from breakpod._monitor.roll_call import Collectives
 from breakpod._monitor.sharding import mesh_of, mesh_ranks, sharded
 
 
@@ -27,25 +27,23 @@ class Peers:
     """Skips agreed with the ranks of ``groups``: if one skips an update, all do."""
 
     def __init__(self, groups: Sequence[Any], ranks: list[int]) -> None:
-        self.groups = list(groups)
-        self._roll_call: RollCall | None = RollCall(ranks, "train the model")
+        self._over = Collectives(groups, ranks, "train the model", "each rank skips for itself")
+        self._flag: Any = None  # the verdict's one element, reused: no tensor made a step
 
     def agree(self, skip: bool) -> bool:
         """This update's verdict, the peers' largest (a collective, and one read)."""
-        roll_call, self._roll_call = self._roll_call, None
-        if roll_call is not None and not roll_call.answered("each rank skips for itself"):
-            self.groups = []
-        if not self.groups:
+        groups = self._over.groups()
+        if not groups:
             return skip
         import torch
         import torch.distributed as dist
 
-        backend = dist.get_backend(self.groups[0])
-        device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else None
-        flag = torch.tensor([1.0 if skip else 0.0], device=device)
-        for group in self.groups:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(flag.item())
+        if self._flag is None:
+            self._flag = torch.zeros(1, device=self._over.device)
+        self._flag.fill_(1.0 if skip else 0.0)
+        for group in groups:
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(self._flag.item())
 
 
 def peers_of(model: Any, params: Sequence[Any]) -> Peers | None:

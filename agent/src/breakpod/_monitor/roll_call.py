@@ -58,3 +58,26 @@ class RollCall:
             "every rank, for verdicts the ranks agree on)"
         )
         return False
+
+
+class Collectives:
+    """The process groups a monitor's collective runs over, one after another, once every
+    rank of ``ranks`` answered the roll call (asked at the first use); none if not, and
+    each rank does ``otherwise`` alone. Also where the collective's tensors live."""
+
+    def __init__(self, groups: Sequence[Any], ranks: Sequence[int], what: str, otherwise: str):
+        self._groups = list(groups)
+        self._roll_call: RollCall | None = RollCall(ranks, what)
+        self._otherwise = otherwise
+        self.device: Any = None  # NCCL's: this rank's GPU; else the CPU
+        if self._groups:
+            import torch
+
+            nccl = "nccl" in sys.modules["torch.distributed"].get_backend(self._groups[0])
+            self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
+
+    def groups(self) -> list[Any]:
+        roll_call, self._roll_call = self._roll_call, None
+        if roll_call is not None and not roll_call.answered(self._otherwise):
+            self._groups = []
+        return self._groups

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from breakpod._core.announce import announce
-from breakpod._monitor.roll_call import RollCall
+from breakpod._monitor.roll_call import Collectives
 
 Norms = list[tuple[Any, list[int], Any]]  # (device, keys, norms), as NormPlan gives them
 FSDP1_SHARDED = frozenset({"FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"})
@@ -51,45 +51,36 @@ def local(tensor: Any) -> Any:
 
 
 class ShardedNorms:
-    """Full norms from each rank's shards: squares summed over ``groups``."""
+    """Full norms from each rank's shards: squares summed over ``groups`` (of ``ranks``)."""
 
     def __init__(
         self, groups: Sequence[Any], weights: Sequence[float], empty: set[int], ranks: list[int]
     ) -> None:
-        self.groups = list(groups)  # the process groups to sum over, one after another
         self._weights = list(weights)  # 1 / the replicas summed over too, per parameter
         self._weighted = any(w != 1.0 for w in weights)
         self._empty = empty  # parameters of which this rank holds nothing
         self._made: dict[Any, Any] = {}  # (device, index or "weights") -> its tensor
-        self._roll_call: RollCall | None = RollCall(ranks, "shard the model")
-
-    def _all_watch(self) -> None:
-        """Before the first sum: does every rank of the groups watch the model? A rank
-        alone summing would meet the others' next FSDP collective instead (a hang, or
-        another's data). If not, each rank judges its own shards from here on."""
-        roll_call, self._roll_call = self._roll_call, None
-        if roll_call is not None and not roll_call.answered(
-            "each rank judges its own shard's gradient norms"
-        ):
-            self.groups = []
+        # a rank alone summing would meet the others' next FSDP collective (a hang)
+        self._over = Collectives(
+            groups, ranks, "shard the model", "each rank judges its own shard's gradient norms"
+        )
 
     def full(self, parts: Norms) -> Norms:
         """The full parameters' norms, on every rank alike, from this rank's ``parts``."""
         import torch
         import torch.distributed as dist
 
-        if self._roll_call is not None:
-            self._all_watch()
-        if not self.groups:  # not every rank watches: each judges its own shards
+        groups = self._over.groups()
+        if not groups:  # not every rank watches: each judges its own shards
             return parts
-        device = parts[0][0] if parts else self._device()
+        device = parts[0][0] if parts else self._over.device
         squares = torch.zeros(len(self._weights), dtype=torch.float64, device=device)
         for _, keys, norms in parts:
             index = self._on(device, tuple(keys))
             squares.index_copy_(0, index, norms.to(device, torch.float64).square())
         if self._weighted:
             squares *= self._on(device, "weights")
-        for group in self.groups:
+        for group in groups:
             dist.all_reduce(squares, group=group)
         if not parts:  # no gradient on any rank (a backward under FSDP2's no-sync)
             return []
@@ -110,12 +101,6 @@ class ShardedNorms:
             )
             made = self._made[(device, what)] = torch.tensor(values, dtype=dtype, device=device)
         return made
-
-    def _device(self) -> Any:
-        import torch
-
-        backend = sys.modules["torch.distributed"].get_backend(self.groups[0])
-        return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend else "cpu"
 
 
 def sharded(params: Sequence[Any]) -> bool:
