@@ -73,7 +73,9 @@ def test_break_parks_with_the_anomaly_in_scope_and_training_goes_on(spawn, pdb_c
     )
     assert "poison: ([32, 16]) -> [32, 16]" in client.command("tshape monitor")
     assert "reported: step 3 forward poison" in client.command("tnan monitor")
-    assert "fc1.weight: |grad|=" in client.command("tgrad monitor")
+    grads = client.command("tgrad monitor")
+    assert "fc1.weight: |grad|=" in grads
+    assert "shard" not in grads, grads  # a whole tensor is not called one
     assert "RSS" in client.command("tmem")
     client.send("c")
     assert "continuing" in client.read_all()

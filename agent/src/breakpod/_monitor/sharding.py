@@ -34,7 +34,7 @@ from breakpod._monitor.roll_call import Collectives
 
 Norms = list[tuple[Any, list[int], Any]]  # (device, keys, norms), as NormPlan gives them
 FSDP1_SHARDED = frozenset({"FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"})
-FSDP1_FLATTENED = "_fsdp_flattened"  # FSDP1 marks each parameter it manages so
+FSDP1_FLATTENED = "_fsdp_flattened"  # the mark FSDP1 leaves on each parameter it manages
 MADE = 64  # index tensors kept on the device
 _SAID: set[str] = set()  # the layouts said unsupported (once a process: probes plan too)
 
@@ -48,6 +48,15 @@ def local(tensor: Any) -> Any:
 
     with torch.no_grad():  # the shard itself, not a differentiable view of it
         return to_local()
+
+
+def shard_of(tensor: Any) -> str:
+    """`` (this rank's shard of [10,4])`` for a DTensor of which this rank holds part, else
+    ``""`` (a plain tensor, or a replica: whole on every rank)."""
+    piece = local(tensor)
+    if piece is tensor or tuple(piece.shape) == tuple(tensor.shape):
+        return ""
+    return f" (this rank's shard of [{','.join(map(str, tensor.shape))}])"
 
 
 class ShardedNorms:

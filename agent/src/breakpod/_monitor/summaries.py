@@ -114,15 +114,12 @@ class _Stats:
 
 def _tensor(t: Any) -> str:
     from breakpod._monitor.checks import shape_of
-    from breakpod._monitor.sharding import local
+    from breakpod._monitor.sharding import local, shard_of
 
-    shard = local(t)  # a DTensor: this rank's shard (the others' would need them)
-    x = shard.detach()
+    x = local(t).detach()  # a DTensor: this rank's shard (the others' would need them)
     dtype = DTYPES.get(str(x.dtype).removeprefix("torch."), str(x.dtype).removeprefix("torch."))
     size = _size(x.numel() * x.element_size())
-    head = f"tensor[{','.join(map(str, shape_of(x)))}] {dtype} {x.device} {size}"
-    if shard is not t and tuple(shard.shape) != tuple(t.shape):  # not a whole replica
-        head += f" (this rank's shard of [{','.join(map(str, t.shape))}])"
+    head = f"tensor[{','.join(map(str, shape_of(x)))}] {dtype} {x.device} {size}{shard_of(t)}"
     values = _readable(x)
     parts = [head, *(_values(values) if values is not None else [])]
     if t.requires_grad:

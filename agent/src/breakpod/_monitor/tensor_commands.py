@@ -22,7 +22,7 @@ from breakpod._debug.registry import CommandSet
 from breakpod._monitor.anomaly import parked_context
 from breakpod._monitor.flight import table as flight_table
 from breakpod._monitor.monitor import MONITORS, Monitor, monitor_of
-from breakpod._monitor.sharding import local
+from breakpod._monitor.sharding import local, shard_of
 from breakpod._monitor.summaries import nonfinite_counts, summary
 from breakpod._monitor.timetravel import replay, whatif
 
@@ -87,7 +87,7 @@ def tgrad(debugger: pdb.Pdb, arg: str) -> None:
         counts = nonfinite_counts(grad)
         bad = " ".join(f"{k}={v}" for k, v in counts.items() if v)
         norm = float((grad if grad.is_complex() else grad.float()).norm())
-        shard = " (this rank's shard)" if grad is not param.grad else ""
+        shard = " (this rank's shard)" if shard_of(param.grad) else ""
         debugger.message(f"{name}: |grad|={norm:.4g}{' ' + bad if bad else ''}{shard}")
 
 
