@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import socket
 import subprocess
@@ -282,16 +283,17 @@ def test_reach_hints_name_the_pod_for_kubernetes():
 
 
 def _free_port_pair() -> int:
-    """A port P with P+1 free too (probed, then released)."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
+    """A port P with P+1 free too (probed, then released), below the kernel's ephemeral
+    range (32768 up): there no connection another test opens takes P+1 in between (one
+    did in a clean-clone run, and the second worker listened elsewhere, as it should)."""
+    start = random.randrange(20000, 31000, 2)
+    for port in range(start, start + 1000, 2):
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
         return port
     raise RuntimeError("no two adjacent free ports")
 
