@@ -75,3 +75,43 @@ def test_the_detailed_tier_under_compile_blames_the_parameters_and_says_why(spaw
     phase = "backward" if compiled else "forward"  # a parameter's gradient, or its output
     assert f"anomalies [(3, '0', '{phase}', 'live')] 0" in out, out + child.stderr
     assert ("ran under torch.compile" in child.stderr) == compiled, child.stderr
+
+
+LOSS_SKIP = """
+    import sys
+    import torch
+    from torch import nn
+    import breakpod
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    run = torch.compile(model, backend=sys.argv[1])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rules = [{"name": "lspike", "check": "loss_spike", "action": ["log", "skip"]}]
+    monitor = breakpod.watch(run, rules, optimizer=opt)
+    for step in range(16):
+        loss = run(torch.randn(16, 4)).pow(2).mean() * (1000 if step == 13 else 1)
+        opt.zero_grad()
+        loss.backward()
+        monitor.record_loss(loss)  # before the update: judged with its own step
+        before = model[0].weight.clone()
+        opt.step()
+        if step == 13:
+            print("updated at the spike", bool((model[0].weight != before).any()))
+    print("found", [(a.step, a.check, a.skipped) for a in monitor.anomalies if a.phase == "loss"])
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_models_loss_is_judged_with_its_own_step_before_the_update(spawn, backend):
+    """The end of a compiled model's backward went unheard (its output hook did not run in
+    the graph), so with ``optimizer=`` every loss was taken for the previous step's, read
+    after its update: a loss spike at step 13 was said at step 12, and its skip came too
+    late ("update not skipped: it was applied before the anomaly was found")."""
+    child = spawn(textwrap.dedent(LOSS_SKIP), env={"PYTHONPATH": ROOT}, args=[backend])
+    assert child.wait(timeout=200) == 0, child.stderr
+    out = child.stdout()
+    assert "found [(13, 'loss_spike', True)]" in out, out + child.stderr
+    assert "updated at the spike False" in out, out + child.stderr
+    assert "applied before the anomaly was found" not in child.stderr, child.stderr

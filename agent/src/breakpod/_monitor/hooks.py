@@ -19,7 +19,7 @@ from breakpod._monitor.rules import Rule
 from breakpod._monitor.state import Shapes
 from breakpod._monitor.stats import StepRecord
 from breakpod._monitor.tiers import DETAILED, OUTPUT_CHECKS, sentinel_blind
-from breakpod._monitor.timetravel.capture import REPLAYING, as_own
+from breakpod._monitor.timetravel.capture import REPLAYING, as_own, eager
 
 ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
 
@@ -149,14 +149,11 @@ class ModuleHooks(ShapeContracts):
             self._ignore_pass = not record.eval_only
 
     def _install_grad_hooks(self) -> None:
-        """One hook on the model's output queues the end-of-backward gradient norms.
-
-        (The model's output gradient is the first one a backward computes.) When
-        no backward passes through it, :meth:`step` collects the norms instead.
-        """
-        if self._params:
+        """One hook on the model's output queues the end-of-backward gradient norms (its
+        gradient is a backward's first); with no backward through it, ``step`` does."""
+        if self._params:  # run eagerly under torch.compile: the backward's end is heard there
             hook = self._guarded("model output hook", self._on_model_output)
-            self._handles.append(self.model.register_forward_hook(hook))
+            self._handles.append(self.model.register_forward_hook(eager(hook)))
         self._on_output_grad = self._guarded("output gradient hook", self._queue_backward_end)
         self._backward_end = self._guarded("gradient norms", self._on_backward_end)
         self._backward_last = self._guarded("gradient norms", self._queue_last)

@@ -116,8 +116,8 @@ class Capture:
         self._kept_to: list[Any] = []  # the same, in order
         self._kept_from: list[Any] = []  # the buffers they copy
         self._handles = [
-            model.register_forward_pre_hook(_eager(self._before), with_kwargs=True),
-            model.register_forward_hook(_eager(self._after)),
+            model.register_forward_pre_hook(eager(self._before), with_kwargs=True),
+            model.register_forward_hook(eager(self._after)),
         ]
 
     def _before(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -198,11 +198,11 @@ class Capture:
         self.last = None
 
 
-def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """A root hook that runs eagerly under ``torch.compile`` too: dynamo, once loaded
+def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """A root module's hook that runs eagerly under ``torch.compile`` too: dynamo, once loaded
     (importing it costs seconds, so never for an eager job), graph-breaks at a function
-    it is told not to trace and calls it as it is, so a compiled model's steps are
-    captured for the eager replay."""
+    it is told not to trace and calls it as it is: a compiled model's steps are captured
+    for the eager replay, and the end of its backward is heard (``hooks.py``)."""
     disabled: list[Callable[..., Any]] = []
 
     def run(*args: Any) -> Any:
