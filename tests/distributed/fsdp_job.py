@@ -11,6 +11,7 @@ Env:
 - POISON: nan, or the factor of a spike; BAD_AT: its step;
 - MAX_NORM: a grad_norm skip rule's limit; PARK: the NaN parks; CHECK_EVERY;
 - WATCH_FIRST: watch() before wrapping; WATCH_RANK: the only rank that watches;
+  WATCH_INNER: watch the module DDP wraps (as debug mode's zero-code watch does);
 - MICRO: FSDP2's backwards a step; NAN_LOSS_RANK: that rank's loss alone NaN (its
   gradients finite); SPIKE_LOSS_RANK: that rank's loss alone x1000, LOSS_SKIP: a
   loss_spike rule skips; STEPS."""
@@ -80,7 +81,8 @@ def main() -> None:
     monitor = early
     if early is None and rank == int(os.environ.get("WATCH_RANK", rank)):  # else: not this one
         every = int(os.environ.get("CHECK_EVERY", "1"))
-        monitor = breakpod.watch(model, rules, optimizer=opt, check_every=every)
+        watched = net if os.environ.get("WATCH_INNER") else model
+        monitor = breakpod.watch(watched, rules, optimizer=opt, check_every=every)
     torch.manual_seed(1 + rank)
     for step in range(STEPS):
         tokens = torch.randint(0, 10, (8, 5))

@@ -159,6 +159,8 @@ class ModuleHooks(ShapeContracts):
         self._backward_last = self._guarded("gradient norms", self._queue_last)
 
     def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
+        if self._peers_unknown:
+            self._look_for_ddp()
         if self._aside:  # the pass inside a transform ends here: later calls are checked
             self._aside = False
             return

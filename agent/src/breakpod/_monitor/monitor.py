@@ -327,6 +327,7 @@ class Monitor(Sentinel):
                 self._urgent |= self.tier == tiers.SENTINEL and self.check_every == 1
         # a skip of this rank's update alone would part the replicas or shards: agreed
         self._peers = self._skip_peers()
+        self._peers_unknown = self._peers is None and self._can_skip()  # see _look_for_ddp
         self._batchnorm = batchnorm
         self._detector = Detector(
             self.rules, [info for info, _ in self._params], batchnorm, self._norm_source

@@ -13,6 +13,7 @@ from breakpod._monitor import checks
 from breakpod._monitor.baselines import NormBaselines
 from breakpod._monitor.detect import Detector, ParamInfo
 from breakpod._monitor.norms import NormPlan
+from breakpod._monitor.peers import replicas_of, running_ddp
 from breakpod._monitor.reporting import Reporting
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.sharding import local, sharded, sharding_of
@@ -178,6 +179,14 @@ class ParamPlanning(Reporting):
             return False
         self._bn_read = step.step
         return True
+
+    def _look_for_ddp(self) -> None:
+        """In the model's forward: a model that DDP wraps, watched inside the wrapper, has
+        DDP's replicas as its peers. The first forward that DDP runs settles it."""
+        ddp = running_ddp()
+        if ddp is not None:
+            self._peers_unknown = False
+            self._peers = replicas_of(ddp, self.model)
 
 
 def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:

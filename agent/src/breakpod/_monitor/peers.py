@@ -53,13 +53,29 @@ def peers_of(model: Any, params: Sequence[Any]) -> Peers | None:
         return None
     if dist.get_world_size() < 2:
         return None
-    ddp = sys.modules["torch.nn.parallel"].DistributedDataParallel
-    if isinstance(model, ddp):
-        group = model.process_group
-        return Peers([group], dist.get_process_group_ranks(group))
+    if isinstance(model, sys.modules["torch.nn.parallel"].DistributedDataParallel):
+        return replicas_of(model)
     mesh = mesh_of(params)
     if mesh is not None:  # FSDP2: every dimension of its mesh, replicas and shards
         return Peers([mesh.get_group(d) for d in range(mesh.ndim)], mesh_ranks(mesh))
     if sharded(params):  # FSDP1: its units' process groups make up the world
         return Peers([dist.group.WORLD], list(range(dist.get_world_size())))
     return None
+
+
+def running_ddp() -> Any:
+    """The ``DistributedDataParallel`` whose forward runs now, if any (DDP marks it for
+    TorchDynamo), else None."""
+    ddp = sys.modules["torch.nn.parallel"].DistributedDataParallel
+    return getattr(ddp, "_active_ddp_module", None)
+
+
+def replicas_of(ddp: Any, model: Any = None) -> Peers | None:
+    """The peers of DDP's replicas (of ``model``, if DDP wraps it), else None."""
+    if model is not None and not any(m is model for m in ddp.module.modules()):
+        return None
+    import torch.distributed as dist
+
+    group = ddp.process_group
+    ranks = dist.get_process_group_ranks(group)
+    return Peers([group], ranks) if len(ranks) > 1 else None

@@ -184,11 +184,15 @@ class StepPipeline(ModuleHooks):
                 anomaly.skipped = True
         announce(f"step {step}: update skipped (gradients dropped before the optimizer step)")
 
-    def _skip_peers(self) -> Peers | None:
-        """The ranks that must skip with this one, if it can skip an update (a ``skip`` or
-        ``break`` rule, judged before the update) in a data-parallel job of several."""
+    def _can_skip(self) -> bool:
+        """Can this monitor skip an update (a ``skip`` or ``break`` rule, judged before it)?"""
         acts = {a for r in self.rules for a in r.actions}
-        if self._is_probe or not self._urgent or not acts & {"skip", "break"}:
+        return not self._is_probe and self._urgent and bool(acts & {"skip", "break"})
+
+    def _skip_peers(self) -> Peers | None:
+        """The ranks that must skip with this one, if it can skip an update, in a
+        data-parallel job of several."""
+        if not self._can_skip():
             return None
         return peers_of(self.model, [p for _, p in self._params])
 

@@ -72,6 +72,7 @@ class MonitorState:
     _sharding: ShardedNorms | None  # FSDP: the gradient norms summed over the ranks
     _sharded: bool  # FSDP, whether or not the norms can be summed
     _peers: Peers | None  # the ranks a skip is agreed with (DDP, FSDP)
+    _peers_unknown: bool  # a skipping monitor without peers yet: DDP may wrap the model
     _bn_slow: bool  # BatchNorm's statistics read once in SLOW_STEPS steps (the sentinel's rule)
     _bn_read: int
     _missing_grads: int
