@@ -414,30 +414,40 @@ def measure(
     warmup: int,
     make: Callable[[Callable[[], Any]], Iterator[Setup]] = setups,
     base_time: list[float] | None = None,
+    blocks: int = 1,
 ) -> list[Result]:
     """Per setup: median over rounds of its step time / the baseline's that round; reads/step.
 
     Within a round each setup's fastest of ``per_round`` steps is taken: other
     processes on a shared machine only ever add time, and do so to every setup.
+    With ``blocks``, the rounds are split among that many fresh sets of setups (new
+    copies of the model, new monitors): each copy's own speed (where its memory
+    landed: two unmonitored copies differ by a hundredth or more here) is then one
+    more draw that the median takes in, not a bias of the whole run.
     """
     data = build()[1]
-    runs = list(make(build))
-    with _quiet_warnings():
-        for s in runs:
-            for _ in range(warmup):
-                s.step(*data())
-            _reset_reads(s)
-        ratios: dict[int, list[float]] = {id(s): [] for s in runs}
-        for r in range(rounds):
-            times = {}
-            for s in runs[r % len(runs) :] + runs[: r % len(runs)]:
-                times[id(s)] = min(s.step(*data()) for _ in range(per_round))
+    ratios: dict[int, list[float]] = {}
+    reads: dict[int, float] = {}
+    runs: list[Setup] = []
+    for block in range(blocks):
+        runs = list(make(build))
+        with _quiet_warnings():
             for s in runs:
-                ratios[id(s)].append(times[id(s)] / times[id(runs[0])])
-            if base_time is not None:
-                base_time.append(times[id(runs[0])])
+                for _ in range(warmup):
+                    s.step(*data())
+                _reset_reads(s)
+            for r in range(block, rounds, blocks):
+                times = {}
+                for s in runs[r % len(runs) :] + runs[: r % len(runs)]:
+                    times[id(s)] = min(s.step(*data()) for _ in range(per_round))
+                for i, s in enumerate(runs):
+                    ratios.setdefault(i, []).append(times[id(s)] / times[id(runs[0])])
+                if base_time is not None:
+                    base_time.append(times[id(runs[0])])
+        for i, s in enumerate(runs):
+            reads[i] = reads.get(i, 0) + s.reads
     steps = rounds * per_round
-    return [(s, statistics.median(ratios[id(s)]), s.reads / steps) for s in runs]
+    return [(s, statistics.median(ratios[i]), reads[i] / steps) for i, s in enumerate(runs)]
 
 
 def _reset_reads(s: Setup) -> None:

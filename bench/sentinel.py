@@ -9,21 +9,23 @@ statistics, the flight recorder's loss and the step capture a replay needs. The
 detailed tier (per-module hooks, ``tier="detailed"``) is ``bench/monitors.py``'s
 subject; one row of it here for scale.
 
-Models: the small CNN and the transformer of ``bench/monitors.py``, a ResNet-18
-written out (torchvision's architecture; its wheels here are CUDA builds that do
-not load against the CPU torch), batch 16 x 3x64x64, and MLPs of 200 and 800
-small Linear+ReLU modules. Setups run interleaved, round after round; each ratio is
-the median over rounds of a setup's step time over the baseline's in the same
-round (the fastest of the round's steps each). Then, per model, the time from a
-trigger (a NaN written into the first layer's weight) to the localized report:
-the replay under the detailed checks. Then, from ``torch.profiler``, the torch
-ops per step that run a kernel (the launches on a GPU) and the host reads per
-step, next to GradScaler's (``torch.amp.GradScaler``: one fused non-finite check
-and one read a step), and the peak RSS of a process training with tier 1 next
-to one without (each in its own process: the peak is a process-wide maximum), with
-its private part apart, also against a baseline with breakpod's modules loaded. Last,
-a ``skip`` rule on gradient spikes at ``check_every=10``: decided on the device with
-a fused Adam, read before each update with a foreach one, next to GradScaler.
+Models: the small CNN and the transformer of ``bench/monitors.py``, a ResNet-18 written
+out (torchvision's architecture; its wheels here are CUDA builds that do not load
+against the CPU torch), batch 16 x 3x64x64, and MLPs of 200 and 800 small Linear+ReLU
+modules. Setups run interleaved, round after round; each ratio is the median over rounds
+of a setup's step time over the baseline's in the same round (the fastest of the round's
+steps each). The rounds are split among four fresh sets of model copies and monitors: a
+copy's own speed (where its memory landed) is then a draw the median takes in, not a
+bias of the whole run. Then, per model, the time from a trigger (a NaN written into the
+first layer's weight) to the localized report: the replay under the detailed checks.
+Then, from ``torch.profiler``, the torch ops per step that run a kernel (the launches on
+a GPU) and the host reads per step, next to GradScaler's (``torch.amp.GradScaler``: one
+fused non-finite check and one read a step), and the peak RSS of a process training with
+tier 1 next to one without (each in its own process: the peak is a process-wide
+maximum), with its private part apart, also against a baseline with breakpod's modules
+loaded. Last, a ``skip`` rule on gradient spikes at ``check_every=10``: decided on the
+device with a fused Adam, read before each update with a foreach one, next to
+GradScaler.
 
     python bench/sentinel.py [--rounds N] [--quick] [--cuda]
 """
@@ -61,6 +63,8 @@ import breakpod
 TIER1_TARGET = 1.02  # CNN, transformer, ResNet-18: tier 1 at check_every=1
 MLP_SLACK = 0.02  # MLPs: tier 1 at most the naive sentinel's ratio + this
 RSS_TARGET = 1.02  # peak RSS with tier 1 at most the baseline's + 2%
+BLOCKS = 4  # fresh copies of the models and monitors, each for a quarter of the rounds
+WARMUP = 6  # steps per setup before a block's rounds: past the baselines' warm-up (5)
 SYNCING = ("aten::item", "aten::_local_scalar_dense", "aten::is_nonzero")  # host reads
 
 
@@ -214,7 +218,8 @@ def cost(rounds: int, names: list[str]) -> list[str]:
     for name in names:
         build, detailed = MODELS[name]
         big = name in ("transformer", "resnet18")  # the fastest of 2 steps a round, not of 3
-        rows = measure(build, rounds, 2 if big else 3, warmup=2, make=sentinel_setups(detailed))
+        steps = 2 if big else 3
+        rows = measure(build, rounds, steps, WARMUP, sentinel_setups(detailed), blocks=BLOCKS)
         ratio = {getattr(s, "key", ""): r for s, r, _ in rows}
         reads = {getattr(s, "key", ""): n for s, _, n in rows}
         tier2 = f"{ratio['detailed 1']:>11.3f}x" if detailed else f"{'-':>12}"
@@ -518,8 +523,8 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if n.startswith("mlp")]
     print(
         f"torch {torch.__version__}, CPU, 1 thread; ratio = median over {args.rounds} interleaved "
-        "rounds of step time / baseline step time in the same round; control: an unmonitored "
-        "copy of the model, the noise floor"
+        f"rounds ({BLOCKS} sets of fresh copies) of step time / baseline step time in the same "
+        "round; control: an unmonitored copy of the model, the noise floor"
     )
     print("\n".join(cost(args.rounds, names)))
     print("\ntime from a trigger to the localized report (the replay under the detailed checks)")
