@@ -61,6 +61,26 @@ def test_a_job_stall_names_its_culprit_on_every_stalled_rank_and_in_the_reason_c
     assert "culprit" not in listing["other"] and "no step for 3s" in listing["other"]
 
 
+def test_a_rank_whose_own_stall_comes_after_the_report_is_named_its_culprit_too(broker):
+    """On a loaded node a rank's sender may flush its own stall after rank 0's report:
+    its session was not stalled when the report came, and said no culprit at all. It
+    takes the report's line when the report found it at the step its own event names;
+    a later stall at another step does not take an old report's line."""
+    for rank in (0, 1):
+        register(broker, f"r{rank}", job="train", rank=rank, world_size=2)
+    post_events(broker, {"id": "j", "session": "r0", "kind": "stall", "fields": REPORT})
+    own = {"seconds": 11.0, "step": 7, "rank": 1, "state": "user", "frame": "data.py:12 in fetch"}
+    post_events(broker, {"id": "s1", "session": "r1", "kind": "stall", "fields": own})
+    line = "rank 1 at data.py:12 in fetch (step 7, in user code)"
+    assert sessions(broker)["r1"]["culprit"] == line
+    assert f"culprit {line}" in rows(cli(broker, "sessions").stdout)["r1"]
+
+    post_events(broker, {"id": "r", "session": "r1", "kind": "resumed", "fields": {}})
+    later = {**own, "step": 30}  # another stall, which no report has covered yet
+    post_events(broker, {"id": "s2", "session": "r1", "kind": "stall", "fields": later})
+    assert sessions(broker)["r1"]["culprit"] is None
+
+
 def test_the_culprit_goes_when_the_stall_is_over(broker):
     register(broker, "r0", job="train", rank=0)
     post_events(broker, {"id": "j", "session": "r0", "kind": "stall", "fields": REPORT})

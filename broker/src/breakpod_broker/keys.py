@@ -76,6 +76,13 @@ def job_commands(namespace: str, job: str) -> str:
     return f"{PREFIX}job-commands:{{{namespace}/{job}}}"
 
 
+def job_stall(namespace: str, job: str) -> str:
+    """Hash: the culprit line of a job's last job-wide stall report, in one namespace, and
+    the step each rank was at (JSON), for the ranks whose own stall arrives after it
+    (stalls.py). TTL: retention, renewed on each report."""
+    return f"{PREFIX}job-stall:{{{namespace}/{job}}}"
+
+
 def counts(scope: str, what: str) -> str:
     """String: a listing scope's per-state session counts (``what`` = "counts": JSON
     {counts, at}, shared by the replicas; TTL a few refresh periods) or the lock of

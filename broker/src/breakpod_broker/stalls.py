@@ -6,10 +6,15 @@ only where that rank is. So that any rank's session, in ``breakpod sessions`` or
 on the dashboard, says whom the job waits for, the report's culprit line is
 written into the ``culprit`` field of each session of the job that is stalled
 when it arrives (a field that lasts as long as the state: scripts.STATE_EXTRAS).
+
+A rank's own event may arrive after the report (its sender flushed later, on a loaded
+node): its session then takes the line from the job's last report, if that report
+found the rank at the step its own event names (the same stall, not an earlier one).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from breakpod import protocol
@@ -51,13 +56,51 @@ async def blame(
 ) -> None:
     """Write each job-wide report's culprit line on the job's stalled sessions."""
     for event in events:
-        if event["kind"] != protocol.STALL:
-            continue
-        line = culprit_line(event.get("fields") or {})
         session = sessions.get(event["session"])
-        if line is None or session is None or not session.job:
+        if event["kind"] != protocol.STALL or session is None or not session.job:
             continue
-        await _mark(broker, session.job, session.namespace, line)
+        fields = event.get("fields") or {}
+        line = culprit_line(fields)
+        if line is not None:
+            await _remember(broker, session, fields, line)
+            await _mark(broker, session.job, session.namespace, line)
+        elif fields.get("scope") != "job":
+            await _late_rank(broker, event["session"], session, fields)
+
+
+async def _remember(broker: Broker, session: SessionOut, fields: dict[str, Any], line: str) -> None:
+    """The report's line and each rank's step, for the ranks whose own event comes later."""
+    steps = {
+        str(r["rank"]): r.get("step")
+        for r in fields["ranks"]
+        if isinstance(r, dict) and isinstance(r.get("rank"), int)
+    }
+    key = keys.job_stall(session.namespace or "", session.job or "")
+    async with broker.redis.pipeline(transaction=False) as pipe:
+        pipe.hset(key, mapping={"line": line, "steps": json.dumps(steps)})
+        pipe.expire(key, broker.settings.retention_seconds)
+        await pipe.execute()
+
+
+async def _late_rank(
+    broker: Broker, session_id: str, session: SessionOut, fields: dict[str, Any]
+) -> None:
+    """A rank's own stall, after the job's report on it: the report's culprit line."""
+    rank, step = fields.get("rank"), fields.get("step")
+    if not isinstance(rank, int) or not isinstance(step, int):
+        return
+    key = keys.job_stall(session.namespace or "", session.job or "")
+    line, steps = await broker.redis.hmget(key, "line", "steps")
+    if line is None or steps is None:
+        return
+    try:
+        if json.loads(steps).get(str(rank)) != step:
+            return  # a report on another stall
+    except (ValueError, AttributeError):
+        return
+    state = await broker.redis.hget(keys.session(session_id), "state")
+    if state == protocol.STATE_OF_KIND[protocol.STALL]:
+        await broker.redis.hset(keys.session(session_id), "culprit", line)
 
 
 async def _mark(broker: Broker, job: str, namespace: str | None, line: str) -> None:
