@@ -457,6 +457,22 @@ def _reset_reads(s: Setup) -> None:
 
 
 @contextlib.contextmanager
+def stderr_to_devnull() -> Iterator[None]:
+    """The process's fd 2 to /dev/null for a while: breakpod and torch's profiler write to
+    the real stderr, past ``sys.stderr``."""
+    if sys.__stderr__ is not None:
+        sys.__stderr__.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+@contextlib.contextmanager
 def _quiet_warnings() -> Iterator[None]:
     import warnings
 

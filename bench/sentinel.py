@@ -36,12 +36,11 @@ import argparse
 import contextlib
 import io
 import math
-import os
 import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -54,6 +53,7 @@ from monitors import (  # bench/
     measure,
     mlp,
     resnet,
+    stderr_to_devnull,
     transformer,
 )
 from torch import nn
@@ -264,25 +264,10 @@ def replay_time(build: Callable[[], Any]) -> tuple[float, str]:
 def replay_times(names: list[str]) -> list[str]:
     lines = [f"{'model':<12}{'replay s':>10}  localized"]
     for name in names:
-        with _quiet_warnings(), _stderr_silenced():  # the anomalies' log lines: the table has them
+        with _quiet_warnings(), stderr_to_devnull():  # the anomalies' log lines: the table has them
             seconds, said = replay_time(MODELS[name][0])
         lines.append(f"{name:<12}{seconds:>10.3f}  {said}")
     return lines
-
-
-@contextlib.contextmanager
-def _stderr_silenced() -> Iterator[None]:
-    """The process's stderr (breakpod writes to the real one) to /dev/null, for a while."""
-    if sys.__stderr__ is not None:
-        sys.__stderr__.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def counted_setups(build: Callable[[], Any]) -> list[Setup]:
@@ -311,7 +296,7 @@ def per_step_counts(names: list[str], steps: int = 10) -> list[str]:
                 for _ in range(3):
                     setup.step(*data())
                 flags = setup.monitor.reads if isinstance(setup, Tier) else 0
-                with _stderr_silenced(), profile(activities=[ProfilerActivity.CPU]) as prof:
+                with stderr_to_devnull(), profile(activities=[ProfilerActivity.CPU]) as prof:
                     for _ in range(steps):  # (torch's profiler says its stop on stderr)
                         setup.step(*data())
             top = launches(prof.events())

@@ -19,18 +19,16 @@ the ``stall`` event, over 10 runs (p50 and max).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import random
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from monitors import Setup, resnet, transformer
+from monitors import Setup, resnet, stderr_to_devnull, transformer
 
 import breakpod
 from breakpod._core import events
@@ -97,18 +95,6 @@ def latency(runs: int) -> list[float]:
     return late
 
 
-@contextlib.contextmanager
-def _stderr_to_devnull() -> Iterator[None]:
-    saved = os.dup(2)
-    with open(os.devnull, "wb") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds (CNN)")
@@ -127,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name}: breakpod.step() with stall detection {ratio:.4f}x (target <= {TARGET}x) {ok}"
         )
-    with _stderr_to_devnull():  # the stall reports themselves (written to fd 2)
+    with stderr_to_devnull():  # the stall reports themselves (written to fd 2)
         late = latency(args.runs)
     print(
         f"detection latency past BREAKPOD_STALL_AFTER={STALL_AFTER:g}s over {len(late)} stalls: "
