@@ -115,3 +115,35 @@ def test_a_compiled_models_loss_is_judged_with_its_own_step_before_the_update(sp
     assert "found [(13, 'loss_spike', True)]" in out, out + child.stderr
     assert "updated at the spike False" in out, out + child.stderr
     assert "applied before the anomaly was found" not in child.stderr, child.stderr
+
+
+FULLGRAPH = """
+    import sys
+    import torch
+    from torch import nn
+    import breakpod
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    monitor = breakpod.watch(model, optimizer=opt, replay=False, tier=sys.argv[1])
+    run = torch.compile(model, backend="eager", fullgraph=True)  # no graph break allowed
+    for step in range(4):
+        loss = run(torch.randn(8, 4)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        monitor.record_loss(loss)
+        opt.step()
+    print("trained", monitor.step_count, monitor.errors)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("tier", ["sentinel", "detailed"])
+def test_fullgraph_compile_trains_with_the_replay_capture_off(spawn, tier):
+    """``fullgraph=True`` forbids a graph break, and a hook run eagerly under compile is
+    one: the model's output hook runs eagerly only where the capture's root hooks break
+    the graph already; with the capture off it stands aside in the trace, as before."""
+    child = spawn(textwrap.dedent(FULLGRAPH), env={"PYTHONPATH": ROOT}, args=[tier])
+    assert child.wait(timeout=200) == 0, child.stderr
+    assert "trained 4 0" in child.stdout(), child.stdout() + child.stderr

@@ -19,7 +19,7 @@ from breakpod._monitor.rules import Rule
 from breakpod._monitor.state import Shapes
 from breakpod._monitor.stats import StepRecord
 from breakpod._monitor.tiers import DETAILED, OUTPUT_CHECKS, sentinel_blind
-from breakpod._monitor.timetravel.capture import REPLAYING, as_own, eager
+from breakpod._monitor.timetravel.capture import REPLAYING, as_own
 
 ACTIVATION_CHECKS = ("nonfinite", "activation", "dead_units")
 
@@ -151,22 +151,11 @@ class ModuleHooks(ShapeContracts):
     def _install_grad_hooks(self) -> None:
         """One hook on the model's output queues the end-of-backward gradient norms (its
         gradient is a backward's first); with no backward through it, ``step`` does."""
-        if self._params:  # run eagerly under torch.compile: the backward's end is heard there
-            hook = self._guarded("model output hook", self._on_model_output)
-            self._handles.append(self.model.register_forward_hook(eager(hook)))
+        if self._params:
+            self._hear_outputs(eagerly=False)
         self._on_output_grad = self._guarded("output gradient hook", self._queue_backward_end)
         self._backward_end = self._guarded("gradient norms", self._on_backward_end)
         self._backward_last = self._guarded("gradient norms", self._queue_last)
-
-    def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
-        if self._peers_unknown:
-            self._look_for_ddp()
-        if self._aside:  # the pass inside a transform ends here: later calls are checked
-            self._aside = False
-            return
-        out = checks.first_tensor(output)
-        if out is not None and out.requires_grad:
-            out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
 
     # ------------------------------------------------------------------ hooks (hot path)
     # A forward hook runs for every watched module in every step and a gradient hook for

@@ -235,6 +235,7 @@ class Monitor(Sentinel):
         self._ctx = ctx or ActionContext(model=model, snapshot_dir=Path("breakpod-snapshots"))
         self._ctx.monitor = self
         self._handles: list[Any] = []
+        self._output_hook: Any = None
         # leaf input -> its gradient hook (a learned input outlives the monitor)
         self._leaf_hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         number = next(_MONITOR_IDS)
@@ -284,6 +285,8 @@ class Monitor(Sentinel):
         parks = any(r.parks for r in self.rules)
         if self.enabled and capture_wanted(wanted, parks or self.tier == tiers.SENTINEL):
             self.capture = Capture(self.model, lambda: self.step_count)
+            if self._output_hook is not None:  # the root breaks the graph: heard eagerly
+                self._hear_outputs(eagerly=True)
 
     def replay(self) -> Any:
         """Re-run the last captured step under op instrumentation; see ``replay.py``."""

@@ -19,6 +19,7 @@ from breakpod._monitor.rules import Rule
 from breakpod._monitor.sharding import local, sharded, sharding_of
 from breakpod._monitor.stats import Entry, StepRecord, by_device
 from breakpod._monitor.tiers import SENTINEL
+from breakpod._monitor.timetravel.capture import eager
 
 REPLACED_EVERY = 64  # gradient collections between looks for replaced parameters
 PROBED = 4  # parameters whose version counters tell that an update was applied
@@ -179,6 +180,28 @@ class ParamPlanning(Reporting):
             return False
         self._bn_read = step.step
         return True
+
+    def _hear_outputs(self, *, eagerly: bool) -> None:
+        """The model's output hook; ``eagerly``: run under torch.compile too, where the
+        capture's root hooks break the graph already (capture.eager), so that a compiled
+        model's backward end is heard (else its losses would read as a step late)."""
+        hook = self._guarded("model output hook", self._on_model_output)
+        handle = self.model.register_forward_hook(eager(hook) if eagerly else hook)
+        if self._output_hook is not None:
+            self._output_hook.remove()
+            self._handles.remove(self._output_hook)
+        self._output_hook = handle
+        self._handles.append(handle)
+
+    def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
+        if self._peers_unknown:
+            self._look_for_ddp()
+        if self._aside:  # the pass inside a transform ends here: later calls are checked
+            self._aside = False
+            return
+        out = checks.first_tensor(output)
+        if out is not None and out.requires_grad:
+            out.register_hook(self._on_output_grad)  # type: ignore[no-untyped-call]
 
     def _look_for_ddp(self) -> None:
         """In the model's forward: a model that DDP wraps, watched inside the wrapper, has
