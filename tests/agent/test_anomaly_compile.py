@@ -126,8 +126,13 @@ FULLGRAPH = """
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = breakpod.watch(model, optimizer=opt, replay=False, tier=sys.argv[1])
-    run = torch.compile(model, backend="eager", fullgraph=True)  # no graph break allowed
+    tier, compiled_first = sys.argv[1], sys.argv[2] == "compiled-first"
+    if compiled_first:  # watch() sees fullgraph=True: the capture goes off by itself
+        run = torch.compile(model, backend="eager", fullgraph=True)
+        monitor = breakpod.watch(run, optimizer=opt, tier=tier)
+    else:  # compiled after watch(): the capture is switched off by hand
+        monitor = breakpod.watch(model, optimizer=opt, replay=False, tier=tier)
+        run = torch.compile(model, backend="eager", fullgraph=True)  # no graph break allowed
     for step in range(4):
         loss = run(torch.randn(8, 4)).pow(2).mean()
         opt.zero_grad()
@@ -139,11 +144,18 @@ FULLGRAPH = """
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("tier", ["sentinel", "detailed"])
-def test_fullgraph_compile_trains_with_the_replay_capture_off(spawn, tier):
+@pytest.mark.parametrize(
+    ("tier", "order"),
+    [("sentinel", "watch-first"), ("detailed", "watch-first"), ("sentinel", "compiled-first")],
+)
+def test_fullgraph_compile_trains_with_the_replay_capture_off(spawn, tier, order):
     """``fullgraph=True`` forbids a graph break, and a hook run eagerly under compile is
     one: the model's output hook runs eagerly only where the capture's root hooks break
-    the graph already; with the capture off it stands aside in the trace, as before."""
-    child = spawn(textwrap.dedent(FULLGRAPH), env={"PYTHONPATH": ROOT}, args=[tier])
+    the graph already; with the capture off it stands aside in the trace, as before.
+    ``watch()`` of a module compiled so turns the capture off, and says why (dynamo
+    failed the first compiled call: ``Attempted to call function marked as skipped``)."""
+    child = spawn(textwrap.dedent(FULLGRAPH), env={"PYTHONPATH": ROOT}, args=[tier, order])
     assert child.wait(timeout=200) == 0, child.stderr
     assert "trained 4 0" in child.stdout(), child.stdout() + child.stderr
+    said = "compiled with fullgraph=True, which allows no graph break" in child.stderr
+    assert said == (order == "compiled-first"), child.stderr

@@ -46,6 +46,14 @@ def _drop_compiled_code() -> None:
         reset()
 
 
+def compiled_whole(model: Any) -> bool:
+    """Was ``model`` compiled with ``fullgraph=True``? No graph break is allowed there, and
+    the replay capture's root hooks are one (they run eagerly: capture.eager)."""
+    if type(model).__name__ != "OptimizedModule":
+        return False
+    return getattr(getattr(model, "dynamo_ctx", None), "fullgraph", False) is True
+
+
 def unwrap_compiled(model: Any) -> Any:
     """The original module of a ``torch.compile``-d one, with a warning that explains why."""
     original = getattr(model, "_orig_mod", None)

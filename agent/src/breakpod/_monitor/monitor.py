@@ -49,7 +49,7 @@ from breakpod._core.config import env_flag
 from breakpod._core.errors import AnomalyError, ConfigError, RuleError
 from breakpod._monitor import optimizers, staging, tiers
 from breakpod._monitor.anomaly import ActionContext, Anomaly
-from breakpod._monitor.compiled import apply_compile_policy, unwrap_compiled
+from breakpod._monitor.compiled import apply_compile_policy, compiled_whole, unwrap_compiled
 from breakpod._monitor.detect import Detector, Slot
 from breakpod._monitor.flight.recorder import FlightRecorder, flight_steps
 from breakpod._monitor.gate import gate_for
@@ -113,6 +113,7 @@ def watch(
     apply_compile_policy()  # explicit in the environment, so honoured even when disabled
     enabled = monitor_enabled()
     if enabled:
+        replay = _replay_of(model, replay)
         model = unwrap_compiled(model)
         wiring.connect()  # anomaly events and broker commands, when a broker is set
     folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
@@ -122,6 +123,19 @@ def watch(
     )
     monitor.start_capture(replay)  # timetravel
     return monitor
+
+
+def _replay_of(model: Any, replay: bool | None) -> bool | None:
+    """``replay=``, but off for a model compiled with ``fullgraph=True``: the capture's root
+    hooks would break its graph, and dynamo would fail the first compiled call."""
+    if not compiled_whole(model) or replay is False:
+        return replay
+    announce(
+        "monitor: the model was compiled with fullgraph=True, which allows no graph break: "
+        "the replay capture (whose root hooks break the graph once) is off, so a non-finite "
+        "step is not localized by replay; compile without fullgraph for it"
+    )
+    return False
 
 
 def _check_arguments(model: Any, optimizer: Any, expect: Any) -> None:
