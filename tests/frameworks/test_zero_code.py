@@ -116,3 +116,35 @@ def test_an_unreadable_rules_file_is_one_line_and_training_goes_on(
     assert len(said) == 1 and "cannot read it" in said[0], err
     assert "anomaly: step 4 forward block: [nonfinite]" in err  # the defaults still watch
     assert "finished rank 0 finite=True" in out
+
+
+COMPILED = """
+import sys
+import torch
+
+torch.manual_seed(0)
+net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+model = torch.compile(net, backend="eager", fullgraph=sys.argv[1] == "fullgraph")
+for step in range(6):
+    loss = model(torch.randn(8, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+print("trained", float(loss) == float(loss))
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("graph", ["graph breaks allowed", "fullgraph"])
+def test_a_compiled_job_trains_in_debug_mode(spawn: Any, graph: str) -> None:
+    """Debug mode's global forward hook notes every module that runs before the first
+    step; dynamo traced it inside the compiled graph, and its write into a module dict
+    failed every compiled job's first call (``AssertionError: ... is already tracked for
+    mutation``), fullgraph or not. It stands aside in a trace now: the compiled module's
+    wrapper, which runs eagerly, is found, and the model inside it watched."""
+    env = {"PYTHONPATH": ROOT, "ENABLE_REMOTE_DEBUG": "1"}
+    child = spawn(COMPILED, env=env, args=[graph], stdin="closed")
+    assert child.wait(timeout=180) == 0, child.stderr
+    assert "trained True" in child.stdout(), child.stderr
+    assert "debug mode: watching Sequential for anomalies" in child.stderr, child.stderr

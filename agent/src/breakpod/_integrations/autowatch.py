@@ -113,7 +113,15 @@ def monitors() -> list[Monitor]:
 
 
 def _note(module: Any, args: Any) -> None:
+    if _compiling():  # dynamo traces global hooks, and a write into _ran fails its trace
+        return  # (a compiled module's wrapper, OptimizedModule, is noted: it runs eagerly)
     _ran[id(module)] = module
+
+
+def _compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

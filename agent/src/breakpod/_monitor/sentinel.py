@@ -234,8 +234,9 @@ class Sentinel(StepPipeline):
         grads = any(e.kind == "grads" for e in done.entries)
         if grads and self.capture.last is None:
             return (
-                "the watched model's own forward did not run in a training step (its modules "
-                "were called directly, as a LightningModule's training_step calls its networks)"
+                "the watched model's own forward was not seen in a training step (its modules "
+                "were called directly, as a LightningModule's training_step calls its networks, "
+                "or it runs a graph torch.compile made before watch(), blind to later hooks)"
             )
         if not grads and self.capture.last is not None and not done.partial:
             return "a step ended without gradients (an inference job: the sentinel reads gradients)"
