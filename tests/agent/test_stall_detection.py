@@ -144,3 +144,40 @@ def test_step_numbers_count_themselves_when_not_given():
     dog.beat(10)
     dog.beat()
     assert dog.step == 11
+
+
+COMPILED_COLLECTIVE = """
+import sys
+import torch
+import torch.distributed as dist
+from breakpod._job import collectives
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+collectives.install()  # as stall detection does
+
+
+def double_the_sum(t):
+    dist.all_reduce(t)  # a collective inside a compiled region (SyncBatchNorm makes some)
+    return t * 2
+
+
+run = torch.compile(double_the_sum, backend="eager", fullgraph=True)
+print("out", run(torch.ones(3)).tolist())
+dist.all_reduce(torch.ones(1))  # eagerly: counted
+print("counted", collectives.progress.entered)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_collective_in_a_fullgraph_compiled_region_runs_with_the_counters_installed(
+    spawn, tmp_path
+):
+    """The counting wrapper takes a lock, which dynamo cannot trace: a collective inside
+    ``torch.compile(fullgraph=True)`` failed the compile. Inside a trace it is the
+    original collective now (not counted); outside, counted as before."""
+    child = spawn(COMPILED_COLLECTIVE, args=[str(tmp_path / "store")])
+    assert child.wait(timeout=100) == 0, child.stderr
+    out = child.stdout()
+    assert "out [2.0, 2.0, 2.0]" in out, child.stderr
+    assert "counted 1" in out, out

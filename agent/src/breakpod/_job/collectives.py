@@ -5,6 +5,8 @@ the public ``torch.distributed`` collectives are wrapped, and a DDP model gets
 a counting all-reduce comm hook at its next forward (unless it has its own
 hook). Counting is host-side bookkeeping, no device sync. A rank whose
 ``entered`` is behind the collective its peers wait in is the one they wait for.
+A collective inside a ``torch.compile`` trace is not counted: the counter's lock would
+break the graph.
 """
 
 from __future__ import annotations
@@ -103,8 +105,12 @@ def installed() -> bool:
 
 
 def _counted(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    compiling = sys.modules["torch"].compiler.is_compiling
+
     @functools.wraps(fn)
     def counted(*args: Any, **kwargs: Any) -> Any:
+        if compiling():  # in a dynamo trace (SyncBatchNorm's): the counter's lock would break
+            return fn(*args, **kwargs)  # the graph, which fullgraph=True forbids
         progress.enter(name)
         try:
             return fn(*args, **kwargs)
