@@ -126,8 +126,8 @@ torch.manual_seed(0)
 net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
 opt = torch.optim.SGD(net.parameters(), lr=0.01)
 model = torch.compile(net, backend="eager", fullgraph=sys.argv[1] == "fullgraph")
-for step in range(6):
-    loss = model(torch.randn(8, 4)).pow(2).mean()
+for step in range(8):  # the last batch smaller: a recompile, with the monitor's hooks on
+    loss = model(torch.randn(8 if step < 7 else 5, 4)).pow(2).mean()
     opt.zero_grad()
     loss.backward()
     opt.step()
@@ -142,9 +142,13 @@ def test_a_compiled_job_trains_in_debug_mode(spawn: Any, graph: str) -> None:
     step; dynamo traced it inside the compiled graph, and its write into a module dict
     failed every compiled job's first call (``AssertionError: ... is already tracked for
     mutation``), fullgraph or not. It stands aside in a trace now: the compiled module's
-    wrapper, which runs eagerly, is found, and the model inside it watched."""
+    wrapper, which runs eagerly, is found, and the model inside it watched. Under
+    fullgraph=True without the replay capture, whose root hooks break the graph: the
+    recompile for the last, smaller batch traces the hooks watch() added, and failed."""
     env = {"PYTHONPATH": ROOT, "ENABLE_REMOTE_DEBUG": "1"}
     child = spawn(COMPILED, env=env, args=[graph], stdin="closed")
     assert child.wait(timeout=180) == 0, child.stderr
     assert "trained True" in child.stdout(), child.stderr
     assert "debug mode: watching Sequential for anomalies" in child.stderr, child.stderr
+    said = "compiled with fullgraph=True, which allows no graph break" in child.stderr
+    assert said == (graph == "fullgraph"), child.stderr

@@ -39,6 +39,7 @@ from breakpod._core.config import env_flag
 from breakpod._core.errors import AnomalyError
 from breakpod._job import optimizer_steps
 from breakpod._monitor import optimizers
+from breakpod._monitor.compiled import compiled_whole, say_no_capture
 from breakpod._monitor.monitor import Monitor, monitor_of, watch
 
 AUTO_WATCH_ENV = "BREAKPOD_AUTO_WATCH"
@@ -60,6 +61,7 @@ _forward_handle: Any = None
 _roots: list[weakref.ref[Any]] | None = None  # the outermost modules that ran
 _adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers done with
 _found: weakref.WeakKeyDictionary[Any, list[weakref.ref[Any]]] = weakref.WeakKeyDictionary()
+_whole: weakref.WeakSet[Any] = weakref.WeakSet()  # models compiled with fullgraph=True
 _monitors: dict[int, Monitor] = {}  # id(model) -> its monitor
 # id(monitor) -> the optimizer, stepped with a closure, whose steps end the monitor's
 _closure_stepped: dict[int, Any] = {}
@@ -105,6 +107,7 @@ def remove() -> None:
     _roots = None
     _adopted.clear()
     _found.clear()
+    _whole.clear()
     optimizer_steps.remove()
 
 
@@ -181,6 +184,7 @@ def _find(optimizer: Any) -> None:
     for model in models:
         _keep_alive(model)
     _found[optimizer] = [weakref.ref(unwrap(m)) for m in models]
+    _whole.update(unwrap(m) for m in models if _compiled_whole(m))
 
 
 def _program_marks_steps() -> bool:
@@ -212,6 +216,18 @@ def outermost(modules: Iterable[Any]) -> list[Any]:
     return [m for m in holding if id(m) not in inside]
 
 
+def _compiled_whole(model: Any) -> bool:
+    """Compiled with ``fullgraph=True``, under whichever wrappers: no graph break allowed (a
+    recompile, at a last batch of another size, would trace the capture's hooks)."""
+    for _ in range(4):
+        if compiled_whole(model):
+            return True
+        model = getattr(model, WRAPPERS.get(type(model).__name__, ""), None)
+        if model is None:
+            return False
+    return False
+
+
 def unwrap(model: Any) -> Any:
     for _ in range(4):
         inner = getattr(model, WRAPPERS.get(type(model).__name__, ""), None)
@@ -240,11 +256,15 @@ def _watch(model: Any, optimizer: Any, closure: bool) -> None:
     rules = os.environ.get(RULES_ENV, "").strip()
     config = {"rules": [PARK_ON_NONFINITE]}
     hooked = None if closure else optimizer  # a closure's forward comes after its pre-hook
+    replay = None
+    if model in _whole:
+        replay = False
+        say_no_capture()
     try:
-        monitor = watch(model, rules or None, config=config, optimizer=hooked)
+        monitor = watch(model, rules or None, config=config, optimizer=hooked, replay=replay)
     except Exception as e:  # an unreadable or wrong BREAKPOD_RULES: the defaults watch
         announce(f"{RULES_ENV}={rules}: {e}; the model is watched with the default rules")
-        monitor = watch(model, config=config, optimizer=hooked)
+        monitor = watch(model, config=config, optimizer=hooked, replay=replay)
     if closure:
         _closure_stepped[id(monitor)] = optimizer
     _monitors[id(model)] = monitor

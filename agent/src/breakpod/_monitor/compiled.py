@@ -19,6 +19,7 @@ import sys
 import warnings
 from typing import Any
 
+from breakpod._core.announce import announce
 from breakpod._core.config import DISABLE_COMPILE_ENV, env_flag
 
 ENV = DISABLE_COMPILE_ENV
@@ -52,6 +53,15 @@ def compiled_whole(model: Any) -> bool:
     if type(model).__name__ != "OptimizedModule":
         return False
     return getattr(getattr(model, "dynamo_ctx", None), "fullgraph", False) is True
+
+
+def say_no_capture() -> None:
+    """Why a model compiled with ``fullgraph=True`` is watched without the capture."""
+    announce(
+        "monitor: the model was compiled with fullgraph=True, which allows no graph break: "
+        "the replay capture (whose root hooks break the graph once) is off, so a non-finite "
+        "step is not localized by replay; compile without fullgraph for it"
+    )
 
 
 def unwrap_compiled(model: Any) -> Any:

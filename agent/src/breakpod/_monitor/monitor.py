@@ -49,7 +49,12 @@ from breakpod._core.config import env_flag
 from breakpod._core.errors import AnomalyError, ConfigError, RuleError
 from breakpod._monitor import optimizers, staging, tiers
 from breakpod._monitor.anomaly import ActionContext, Anomaly
-from breakpod._monitor.compiled import apply_compile_policy, compiled_whole, unwrap_compiled
+from breakpod._monitor.compiled import (
+    apply_compile_policy,
+    compiled_whole,
+    say_no_capture,
+    unwrap_compiled,
+)
 from breakpod._monitor.detect import Detector, Slot
 from breakpod._monitor.flight.recorder import FlightRecorder, flight_steps
 from breakpod._monitor.gate import gate_for
@@ -130,11 +135,7 @@ def _replay_of(model: Any, replay: bool | None) -> bool | None:
     hooks would break its graph, and dynamo would fail the first compiled call."""
     if not compiled_whole(model) or replay is False:
         return replay
-    announce(
-        "monitor: the model was compiled with fullgraph=True, which allows no graph break: "
-        "the replay capture (whose root hooks break the graph once) is off, so a non-finite "
-        "step is not localized by replay; compile without fullgraph for it"
-    )
+    say_no_capture()
     return False
 
 
