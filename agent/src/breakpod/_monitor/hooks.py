@@ -152,7 +152,7 @@ class ModuleHooks(ShapeContracts):
         """One hook on the model's output queues the end-of-backward gradient norms (its
         gradient is a backward's first); with no backward through it, ``step`` does."""
         if self._params:
-            self._hear_outputs(eagerly=False)
+            self._hear_outputs()
         self._on_output_grad = self._guarded("output gradient hook", self._queue_backward_end)
         self._backward_end = self._guarded("gradient norms", self._on_backward_end)
         self._backward_last = self._guarded("gradient norms", self._queue_last)

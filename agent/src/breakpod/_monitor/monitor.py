@@ -123,11 +123,16 @@ def watch(
         wiring.connect()  # anomaly events and broker commands, when a broker is set
     folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
     ctx = ActionContext(model=model, snapshot_dir=folder, sink=sink)
-    monitor = Monitor(
-        model, merged, check_every=every, optimizer=optimizer, ctx=ctx, enabled=enabled, tier=tier
+    return Monitor(
+        model,
+        merged,
+        check_every=every,
+        optimizer=optimizer,
+        ctx=ctx,
+        enabled=enabled,
+        tier=tier,
+        replay=replay,
     )
-    monitor.start_capture(replay)  # timetravel
-    return monitor
 
 
 def _replay_of(model: Any, replay: bool | None) -> bool | None:
@@ -232,6 +237,7 @@ class Monitor(Sentinel):
         enabled: bool = True,
         tier: str = tiers.DETAILED,
         probe: bool = False,
+        replay: bool | None = None,  # timetravel: capture for `replay`/`whatif` (capture.py)
     ) -> None:
         self.model = model
         self.tier = tier
@@ -250,7 +256,6 @@ class Monitor(Sentinel):
         self._ctx = ctx or ActionContext(model=model, snapshot_dir=Path("breakpod-snapshots"))
         self._ctx.monitor = self
         self._handles: list[Any] = []
-        self._output_hook: Any = None
         # leaf input -> its gradient hook (a learned input outlives the monitor)
         self._leaf_hooks: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         number = next(_MONITOR_IDS)
@@ -282,7 +287,7 @@ class Monitor(Sentinel):
         self._shape_active: set[tuple[str, str]] = set()
         self._shape_names: dict[tuple[str, str], dict[str, int]] = {}
         self._failed: set[str] = set()
-        self.capture: Capture | None = None  # timetravel: set by start_capture()
+        self.capture: Capture | None = None  # timetravel: set by _start_capture()
         self.flight: FlightRecorder | None = None  # the last steps on the device (flight.py)
         self._start_sentinel()
         if enabled and probe:
@@ -292,16 +297,15 @@ class Monitor(Sentinel):
             if previous is not None:  # two monitors would double every hook and report
                 announce("watch(): this model was already watched; closing the previous monitor")
                 previous.close()
+            self._start_capture(replay)  # first: the model's output hook follows it
             self._install(optimizer)
             MONITORS[model] = weakref.ref(self)
 
-    def start_capture(self, wanted: bool | None = None) -> None:
+    def _start_capture(self, wanted: bool | None) -> None:
         """Keep each step's root inputs, RNG and output gradient for ``replay``/``whatif``."""
         parks = any(r.parks for r in self.rules)
-        if self.enabled and capture_wanted(wanted, parks or self.tier == tiers.SENTINEL):
+        if capture_wanted(wanted, parks or self.tier == tiers.SENTINEL):
             self.capture = Capture(self.model, lambda: self.step_count)
-            if self._output_hook is not None:  # the root breaks the graph: heard eagerly
-                self._hear_outputs(eagerly=True)
 
     def replay(self) -> Any:
         """Re-run the last captured step under op instrumentation; see ``replay.py``."""

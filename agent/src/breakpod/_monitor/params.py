@@ -181,17 +181,16 @@ class ParamPlanning(Reporting):
         self._bn_read = step.step
         return True
 
-    def _hear_outputs(self, *, eagerly: bool) -> None:
-        """The model's output hook; ``eagerly``: run under torch.compile too, where the
-        capture's root hooks break the graph already (capture.eager), so that a compiled
-        model's backward end is heard (else its losses would read as a step late)."""
+    def _hear_outputs(self) -> None:
+        """The model's output hook. With the replay capture, whose root hooks break a
+        compiled graph already (capture.eager), it runs eagerly under torch.compile too,
+        so that a compiled model's backward end is heard (else its losses would read as
+        a step late); without, it stands aside in the trace (``fullgraph=True`` allows no
+        break)."""
         hook = self._guarded("model output hook", self._on_model_output)
-        handle = self.model.register_forward_hook(eager(hook) if eagerly else hook)
-        if self._output_hook is not None:
-            self._output_hook.remove()
-            self._handles.remove(self._output_hook)
-        self._output_hook = handle
-        self._handles.append(handle)
+        if self.capture is not None:
+            hook = eager(hook)
+        self._handles.append(self.model.register_forward_hook(hook))
 
     def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
         if self._peers_unknown:

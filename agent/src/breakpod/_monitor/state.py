@@ -52,7 +52,6 @@ class MonitorState:
     _optimizer: Any
     _gate: UpdateGate | None  # a fused optimizer: NaN/Inf updates skipped on the device
     _handles: list[Any]
-    _output_hook: Any  # the model's output hook's handle (hooks.py)
     _leaf_hooks: weakref.WeakKeyDictionary[Any, Any]
     _flight_columns: bool
     _batchnorm: dict[str, frozenset[str]]
