@@ -216,25 +216,25 @@ def outermost(modules: Iterable[Any]) -> list[Any]:
     return [m for m in holding if id(m) not in inside]
 
 
+def _layers(model: Any) -> list[Any]:
+    """``model`` and the modules its wrappers wrap, outermost first (at most four deep)."""
+    layers = [model]
+    for _ in range(4):
+        inner = getattr(layers[-1], WRAPPERS.get(type(layers[-1]).__name__, ""), None)
+        if inner is None:
+            break
+        layers.append(inner)
+    return layers
+
+
 def _compiled_whole(model: Any) -> bool:
     """Compiled with ``fullgraph=True``, under whichever wrappers: no graph break allowed (a
     recompile, at a last batch of another size, would trace the capture's hooks)."""
-    for _ in range(4):
-        if compiled_whole(model):
-            return True
-        model = getattr(model, WRAPPERS.get(type(model).__name__, ""), None)
-        if model is None:
-            return False
-    return False
+    return any(compiled_whole(layer) for layer in _layers(model))
 
 
 def unwrap(model: Any) -> Any:
-    for _ in range(4):
-        inner = getattr(model, WRAPPERS.get(type(model).__name__, ""), None)
-        if inner is None:
-            return model
-        model = inner
-    return model
+    return _layers(model)[-1]
 
 
 def _holds(model: Any, held: set[int]) -> bool:
