@@ -255,7 +255,7 @@ def test_compiled_module_warns_and_watches_the_original(monkeypatch):
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")  # restored after: watch() sets it to 1
     model = Net()
     compiled = torch.compile(model)
-    with pytest.warns(RuntimeWarning, match="hooks added after compilation are ignored"):
+    with pytest.warns(RuntimeWarning, match="hooks do not run inside the compiled graph"):
         monitor = breakpod.watch(compiled, tier="detailed")
     try:
         import os

@@ -99,14 +99,14 @@ def test_replay_off_installs_no_hook_and_says_how_to_turn_it_on():
     model = Net()
     hooks = len(model._forward_pre_hooks)
     monitor = breakpod.watch(model, replay=False)
-    watched = len(model._forward_pre_hooks)  # the monitor's own (the batch check)
+    watched = len(monitor._root.pre)  # the monitor's own (the batch check)
     assert monitor.capture is None
     with pytest.raises(replay.ReplayError, match="replay=True"):
         monitor.replay()
     monitor.close()
     on = breakpod.watch(model, rules=[{"name": "b", "check": "nonfinite", "action": "break"}])
     assert on.capture is not None  # a parking rule turns capture on by default
-    assert len(model._forward_pre_hooks) == watched + 1  # capture adds exactly one
+    assert len(on._root.pre) == watched + 1  # capture adds exactly one
     on.close()
     assert len(model._forward_pre_hooks) == hooks
 

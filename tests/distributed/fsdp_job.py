@@ -14,7 +14,7 @@ Env:
   WATCH_INNER: watch the module DDP wraps (as debug mode's zero-code watch does);
 - MICRO: FSDP2's backwards a step; NAN_LOSS_RANK: that rank's loss alone NaN (its
   gradients finite); SPIKE_LOSS_RANK: that rank's loss alone x1000, LOSS_SKIP: a
-  loss_spike rule skips; STEPS."""
+  loss_spike rule skips; STEPS; COMPILE: the wrapped model compiled (aot_eager)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,8 @@ def main() -> None:
     net = Net()
     early = breakpod.watch(net) if os.environ.get("WATCH_FIRST") else None  # before FSDP
     model = shard(net)
+    if os.environ.get("COMPILE"):  # the sharded model compiled (after watch() or before)
+        model = torch.compile(model, backend="aot_eager")
     opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     rules = None
     if "MAX_NORM" in os.environ:

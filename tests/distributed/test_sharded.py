@@ -156,16 +156,21 @@ def test_a_sharded_model_watched_on_one_rank_alone_is_judged_there_without_a_col
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("fsdp", "inner"), [("ddp", ""), ("ddp", "1"), ("2", "")])
+@pytest.mark.parametrize(
+    ("fsdp", "inner", "compiled"),
+    [("ddp", "", ""), ("ddp", "1", ""), ("2", "", ""), ("ddp", "1", "1")],
+)
 def test_a_skip_one_rank_decides_alone_is_made_by_every_rank(
-    tmp_path: Path, fsdp: str, inner: str
+    tmp_path: Path, fsdp: str, inner: str, compiled: str
 ) -> None:
     """Rank 1's loss alone spikes (its own batch) and its loss_spike rule skips the
     update. Rank 0 saw no spike: it applied its update, and DDP's replicas parted (FSDP's
     model was updated in part). The skip is agreed at the update now, also when the
-    module DDP wraps is the one watched (its replicas found in DDP's forward)."""
-    spike = {"SPIKE_LOSS_RANK": "1", "LOSS_SKIP": "1", "WATCH_INNER": inner}
-    stderr = run(tmp_path, fsdp, 3 + len(inner), POISON="1", BAD_AT="12", STEPS="15", **spike)
+    module DDP wraps is the one watched (its replicas found in DDP's forward, or, compiled,
+    among the layers of the wrapper its root hooks run on)."""
+    spike = {"SPIKE_LOSS_RANK": "1", "LOSS_SKIP": "1", "WATCH_INNER": inner, "COMPILE": compiled}
+    offset = 3 + len(inner) + 2 * len(compiled)
+    stderr = run(tmp_path, fsdp, offset, POISON="1", BAD_AT="12", STEPS="15", **spike)
     assert re.search(r"^rank 1: found step 12 loss <model>: \[lspike\]", stderr, re.M), stderr
     assert not re.search(r"^rank 0: found step 12 loss", stderr, re.M)  # rank 0's loss: calm
     assert "[rank 0] step 12: another rank skips this update, so this rank does too" in stderr

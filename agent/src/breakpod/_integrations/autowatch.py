@@ -39,8 +39,8 @@ from breakpod._core.config import env_flag
 from breakpod._core.errors import AnomalyError
 from breakpod._job import optimizer_steps
 from breakpod._monitor import optimizers
-from breakpod._monitor.compiled import compiled_whole, say_no_capture
 from breakpod._monitor.monitor import Monitor, monitor_of, watch
+from breakpod._monitor.root_hooks import layers
 
 AUTO_WATCH_ENV = "BREAKPOD_AUTO_WATCH"
 AUTO_STEPS_ENV = "BREAKPOD_AUTO_STEPS"
@@ -48,12 +48,6 @@ RULES_ENV = "BREAKPOD_RULES"
 # debug mode's default: a non-finite value parks before the update (the other defaults log)
 PARK = ["log", "event", "break"]  # rule actions
 PARK_ON_NONFINITE = {"name": "nonfinite", "check": "nonfinite", "action": PARK}
-WRAPPERS = {  # class name -> the attribute holding the model it wraps
-    "DistributedDataParallel": "module",
-    "DataParallel": "module",
-    "_LightningModuleWrapperBase": "_forward_module",
-    "OptimizedModule": "_orig_mod",
-}
 
 _ran: dict[int, Any] = {}  # modules that ran a forward before the first optimizer step
 _handles: list[Any] = []
@@ -61,7 +55,6 @@ _forward_handle: Any = None
 _roots: list[weakref.ref[Any]] | None = None  # the outermost modules that ran
 _adopted: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers done with
 _found: weakref.WeakKeyDictionary[Any, list[weakref.ref[Any]]] = weakref.WeakKeyDictionary()
-_whole: weakref.WeakSet[Any] = weakref.WeakSet()  # models compiled with fullgraph=True
 _monitors: dict[int, Monitor] = {}  # id(model) -> its monitor
 # id(monitor) -> the optimizer, stepped with a closure, whose steps end the monitor's
 _closure_stepped: dict[int, Any] = {}
@@ -107,7 +100,6 @@ def remove() -> None:
     _roots = None
     _adopted.clear()
     _found.clear()
-    _whole.clear()
     optimizer_steps.remove()
 
 
@@ -184,7 +176,6 @@ def _find(optimizer: Any) -> None:
     for model in models:
         _keep_alive(model)
     _found[optimizer] = [weakref.ref(unwrap(m)) for m in models]
-    _whole.update(unwrap(m) for m in models if _compiled_whole(m))
 
 
 def _program_marks_steps() -> bool:
@@ -216,25 +207,8 @@ def outermost(modules: Iterable[Any]) -> list[Any]:
     return [m for m in holding if id(m) not in inside]
 
 
-def _layers(model: Any) -> list[Any]:
-    """``model`` and the modules its wrappers wrap, outermost first (at most four deep)."""
-    layers = [model]
-    for _ in range(4):
-        inner = getattr(layers[-1], WRAPPERS.get(type(layers[-1]).__name__, ""), None)
-        if inner is None:
-            break
-        layers.append(inner)
-    return layers
-
-
-def _compiled_whole(model: Any) -> bool:
-    """Compiled with ``fullgraph=True``, under whichever wrappers: no graph break allowed (a
-    recompile, at a last batch of another size, would trace the capture's hooks)."""
-    return any(compiled_whole(layer) for layer in _layers(model))
-
-
 def unwrap(model: Any) -> Any:
-    return _layers(model)[-1]
+    return layers(model)[-1]
 
 
 def _holds(model: Any, held: set[int]) -> bool:
@@ -256,15 +230,11 @@ def _watch(model: Any, optimizer: Any, closure: bool) -> None:
     rules = os.environ.get(RULES_ENV, "").strip()
     config = {"rules": [PARK_ON_NONFINITE]}
     hooked = None if closure else optimizer  # a closure's forward comes after its pre-hook
-    replay = None
-    if model in _whole:
-        replay = False
-        say_no_capture()
     try:
-        monitor = watch(model, rules or None, config=config, optimizer=hooked, replay=replay)
+        monitor = watch(model, rules or None, config=config, optimizer=hooked)
     except Exception as e:  # an unreadable or wrong BREAKPOD_RULES: the defaults watch
         announce(f"{RULES_ENV}={rules}: {e}; the model is watched with the default rules")
-        monitor = watch(model, config=config, optimizer=hooked, replay=replay)
+        monitor = watch(model, config=config, optimizer=hooked)
     if closure:
         _closure_stepped[id(monitor)] = optimizer
     _monitors[id(model)] = monitor

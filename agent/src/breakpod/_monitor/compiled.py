@@ -1,15 +1,14 @@
 """The ``torch.compile`` interaction.
 
-Dynamo traces a module's hooks when it compiles, so hooks added *after*
-``torch.compile(model)`` are not seen by the compiled graph. breakpod's
-debug mode therefore turns compilation off: ``BREAKPOD_DISABLE_COMPILE=1``
-exports ``TORCH_COMPILE_DISABLE=1`` (read by dynamo when it is imported)
-and, if dynamo is already loaded, flips its ``disable`` switch and drops the
-graphs it already compiled (they would keep running without the hooks).
+Per-module hooks stand aside in a dynamo trace (they would fail on the tensor marks), so
+the detailed tier checks a compiled model at the step boundary only (gradient norms,
+parameters, the loss) and says so once. The sentinel loses nothing: its hooks are on the
+model's own call, and they leave the graph (``root_hooks.py``).
 
-Hooks never run inside a dynamo trace (they would fail on the tensor marks):
-a compiled model is checked at the step boundary only (gradient norms,
-parameters, the loss), and the monitor says so once.
+For the detailed tier's hooks, ``BREAKPOD_DISABLE_COMPILE=1`` turns compilation off: it
+exports ``TORCH_COMPILE_DISABLE=1`` (read by dynamo when it is imported) and, if dynamo is
+already loaded, flips its ``disable`` switch and drops the graphs it already compiled
+(they would keep running without the hooks).
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ import sys
 import warnings
 from typing import Any
 
-from breakpod._core.announce import announce
 from breakpod._core.config import DISABLE_COMPILE_ENV, env_flag
 
 ENV = DISABLE_COMPILE_ENV
@@ -47,35 +45,20 @@ def _drop_compiled_code() -> None:
         reset()
 
 
-def compiled_whole(model: Any) -> bool:
-    """Was ``model`` compiled with ``fullgraph=True``? No graph break is allowed there, and
-    the replay capture's root hooks are one (they run eagerly: capture.eager)."""
-    if type(model).__name__ != "OptimizedModule":
-        return False
-    return getattr(getattr(model, "dynamo_ctx", None), "fullgraph", False) is True
-
-
-def say_no_capture() -> None:
-    """Why a model compiled with ``fullgraph=True`` is watched without the capture."""
-    announce(
-        "monitor: the model was compiled with fullgraph=True, which allows no graph break: "
-        "the replay capture (whose root hooks break the graph once) is off, so a non-finite "
-        "step is not localized by replay; compile without fullgraph for it"
-    )
-
-
-def unwrap_compiled(model: Any) -> Any:
-    """The original module of a ``torch.compile``-d one, with a warning that explains why."""
+def unwrap_compiled(model: Any, *, detailed: bool) -> Any:
+    """The original module of a ``torch.compile``-d one; for the detailed tier, with a
+    warning that says what its hooks miss (the sentinel's root hooks run outside the
+    graph, root_hooks.py: it loses nothing)."""
     original = getattr(model, "_orig_mod", None)
     if original is None or type(model).__name__ != "OptimizedModule":
         return model
-    warnings.warn(
-        "breakpod.watch() got a torch.compile()-d module: hooks added after compilation are "
-        "ignored by the compiled graph, so the monitors would see nothing. breakpod watches the "
-        "original module instead, which only runs when compilation is off: set "
-        "BREAKPOD_DISABLE_COMPILE=1 (or TORCH_COMPILE_DISABLE=1) before torch.compile, or call "
-        "watch() before compiling and accept graph breaks at every hook.",
-        RuntimeWarning,
-        stacklevel=3,
-    )
+    if detailed:
+        warnings.warn(
+            "breakpod.watch() got a torch.compile()-d module: breakpod watches the module it "
+            "compiled, but the detailed tier's per-module hooks do not run inside the compiled "
+            "graph (gradient norms, parameters and the loss are still checked). For them set "
+            "BREAKPOD_DISABLE_COMPILE=1 (or TORCH_COMPILE_DISABLE=1) before torch.compile.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return original

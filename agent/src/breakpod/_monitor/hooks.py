@@ -100,8 +100,7 @@ class ModuleHooks(ShapeContracts):
         if self._module_checks:
             self._plan_input_slot()
         # always: a training pass is where a step begins (see record_loss)
-        hook = self._guarded("model input hook", self._on_model_input)
-        self._handles.append(self.model.register_forward_pre_hook(hook))
+        self._root.pre.append(self._guarded("model input hook", self._on_model_input))
 
     def _plan_input_slot(self) -> None:
         batch_rules = frozenset(
@@ -115,7 +114,7 @@ class ModuleHooks(ShapeContracts):
             parks = any(r.parks for r in self.rules if r.name in batch_rules)
             self._input_slot = self._new_slot("", "input", batch_rules, retain=parks)
 
-    def _on_model_input(self, module: Any, inputs: tuple[Any, ...]) -> None:
+    def _on_model_input(self, module: Any, inputs: tuple[Any, ...], kwargs: Any) -> None:
         self._pass += 1  # a claim holds for one pass: a module may return one tensor each step
         if self._grad_enabled():
             self._updated = False  # a training pass: the next step has begun (see record_loss)

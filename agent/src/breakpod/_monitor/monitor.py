@@ -51,14 +51,13 @@ from breakpod._monitor import optimizers, staging, tiers
 from breakpod._monitor.anomaly import ActionContext, Anomaly
 from breakpod._monitor.compiled import (
     apply_compile_policy,
-    compiled_whole,
-    say_no_capture,
     unwrap_compiled,
 )
 from breakpod._monitor.detect import Detector, Slot
 from breakpod._monitor.flight.recorder import FlightRecorder, flight_steps
 from breakpod._monitor.gate import gate_for
 from breakpod._monitor.pipeline import JUDGE_LABEL
+from breakpod._monitor.root_hooks import RootHooks
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
 from breakpod._monitor.scaling import LossScaling
 from breakpod._monitor.sentinel import Sentinel
@@ -118,8 +117,7 @@ def watch(
     apply_compile_policy()  # explicit in the environment, so honoured even when disabled
     enabled = monitor_enabled()
     if enabled:
-        replay = _replay_of(model, replay)
-        model = unwrap_compiled(model)
+        model = unwrap_compiled(model, detailed=tier == tiers.DETAILED)
         wiring.connect()  # anomaly events and broker commands, when a broker is set
     folder = Path(snapshot_dir or settings.get("snapshot_dir") or "breakpod-snapshots")
     ctx = ActionContext(model=model, snapshot_dir=folder, sink=sink)
@@ -133,15 +131,6 @@ def watch(
         tier=tier,
         replay=replay,
     )
-
-
-def _replay_of(model: Any, replay: bool | None) -> bool | None:
-    """``replay=``, but off for a model compiled with ``fullgraph=True``: the capture's root
-    hooks would break its graph, and dynamo would fail the first compiled call."""
-    if not compiled_whole(model) or replay is False:
-        return replay
-    say_no_capture()
-    return False
 
 
 def _check_arguments(model: Any, optimizer: Any, expect: Any) -> None:
@@ -291,13 +280,15 @@ class Monitor(Sentinel):
         self.flight: FlightRecorder | None = None  # the last steps on the device (flight.py)
         self._start_sentinel()
         if enabled and probe:
+            self._root = RootHooks(model)
             self._install(optimizer)
         elif enabled:
             previous = monitor_of(model)
             if previous is not None:  # two monitors would double every hook and report
                 announce("watch(): this model was already watched; closing the previous monitor")
                 previous.close()
-            self._start_capture(replay)  # first: the model's output hook follows it
+            self._root = RootHooks(model)
+            self._start_capture(replay)  # first: its root hooks run before the monitor's
             self._install(optimizer)
             MONITORS[model] = weakref.ref(self)
 
@@ -305,7 +296,7 @@ class Monitor(Sentinel):
         """Keep each step's root inputs, RNG and output gradient for ``replay``/``whatif``."""
         parks = any(r.parks for r in self.rules)
         if capture_wanted(wanted, parks or self.tier == tiers.SENTINEL):
-            self.capture = Capture(self.model, lambda: self.step_count)
+            self.capture = Capture(self._root, lambda: self.step_count)
 
     def replay(self) -> Any:
         """Re-run the last captured step under op instrumentation; see ``replay.py``."""
@@ -367,6 +358,8 @@ class Monitor(Sentinel):
         self._leaf_hooks.clear()
         if self.capture is not None:  # timetravel
             self.capture.close()
+        if self.enabled:  # else it never had root hooks
+            self._root.close()
         self._close_sentinel()
         if self.flight is not None:
             self.flight.close()

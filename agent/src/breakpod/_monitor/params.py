@@ -13,13 +13,13 @@ from breakpod._monitor import checks
 from breakpod._monitor.baselines import NormBaselines
 from breakpod._monitor.detect import Detector, ParamInfo
 from breakpod._monitor.norms import NormPlan
-from breakpod._monitor.peers import replicas_of, running_ddp
+from breakpod._monitor.peers import ddp_in, replicas_of, running_ddp
 from breakpod._monitor.reporting import Reporting
+from breakpod._monitor.root_hooks import layers
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.sharding import local, sharded, sharding_of
 from breakpod._monitor.stats import Entry, StepRecord, by_device
 from breakpod._monitor.tiers import SENTINEL
-from breakpod._monitor.timetravel.capture import eager
 
 REPLACED_EVERY = 64  # gradient collections between looks for replaced parameters
 PROBED = 4  # parameters whose version counters tell that an update was applied
@@ -182,15 +182,9 @@ class ParamPlanning(Reporting):
         return True
 
     def _hear_outputs(self) -> None:
-        """The model's output hook. With the replay capture, whose root hooks break a
-        compiled graph already (capture.eager), it runs eagerly under torch.compile too,
-        so that a compiled model's backward end is heard (else its losses would read as
-        a step late); without, it stands aside in the trace (``fullgraph=True`` allows no
-        break)."""
-        hook = self._guarded("model output hook", self._on_model_output)
-        if self.capture is not None:
-            hook = eager(hook)
-        self._handles.append(self.model.register_forward_hook(hook))
+        """The model's output hook: a root hook (root_hooks.py), so a compiled model's
+        backward end is heard too (else its losses would read as a step late)."""
+        self._root.post.append(self._guarded("model output hook", self._on_model_output))
 
     def _on_model_output(self, module: Any, inputs: Any, output: Any) -> None:
         if self._peers_unknown:
@@ -204,8 +198,11 @@ class ParamPlanning(Reporting):
 
     def _look_for_ddp(self) -> None:
         """In the model's forward: a model that DDP wraps, watched inside the wrapper, has
-        DDP's replicas as its peers. The first forward that DDP runs settles it."""
+        DDP's replicas as its peers. The first forward that DDP runs settles it (compiled,
+        the hook runs on the compiled wrapper, after DDP's forward: DDP is among its layers)."""
         ddp = running_ddp()
+        if ddp is None and self._root.wrapper is not None:
+            ddp = ddp_in(layers(self._root.wrapper))
         if ddp is not None:
             self._peers_unknown = False
             self._peers = replicas_of(ddp, self.model)

@@ -16,7 +16,7 @@ model watched on some ranks only is judged by each rank alone, as it says.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from breakpod._monitor.roll_call import Collectives
@@ -68,6 +68,12 @@ def running_ddp() -> Any:
     TorchDynamo), else None."""
     ddp = sys.modules["torch.nn.parallel"].DistributedDataParallel
     return getattr(ddp, "_active_ddp_module", None)
+
+
+def ddp_in(modules: Iterable[Any]) -> Any:
+    """The ``DistributedDataParallel`` among ``modules``, if any."""
+    ddp = sys.modules["torch.nn.parallel"].DistributedDataParallel
+    return next((m for m in modules if isinstance(m, ddp)), None)
 
 
 def replicas_of(ddp: Any, model: Any = None) -> Peers | None:

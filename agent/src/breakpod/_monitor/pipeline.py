@@ -109,6 +109,7 @@ class StepPipeline(ModuleHooks):
             last.step, last.forwards = self.step_count, 1
 
     def _end_step(self, loss: Any, frame: FrameType | None = None) -> None:
+        self._root.settle()  # a model compiled since: its root hooks leave the graph
         if loss is not None:
             self._put_loss(loss)
         if not self._current.grads_done and self._params:

@@ -232,11 +232,11 @@ class Sentinel(StepPipeline):
         if self.tier != SENTINEL or self._is_probe or self.capture is None:
             return ""
         grads = any(e.kind == "grads" for e in done.entries)
-        if grads and self.capture.last is None:
-            return (
+        if grads and self.capture.last is None and not self._root.move_outside():
+            return (  # (compiled, its hooks leave the graph: it is captured from its next step)
                 "the watched model's own forward was not seen in a training step (its modules "
                 "were called directly, as a LightningModule's training_step calls its networks, "
-                "or it runs a graph torch.compile made before watch(), blind to later hooks)"
+                "or it runs inside a function compiled by torch.compile)"
             )
         if not grads and self.capture.last is not None and not done.partial:
             return "a step ended without gradients (an inference job: the sentinel reads gradients)"

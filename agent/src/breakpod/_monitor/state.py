@@ -20,6 +20,7 @@ from breakpod._monitor.flight.recorder import FlightRecorder
 from breakpod._monitor.gate import UpdateGate
 from breakpod._monitor.norms import NormPlan
 from breakpod._monitor.peers import Peers
+from breakpod._monitor.root_hooks import RootHooks
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.scaling import LossScaling
 from breakpod._monitor.sharding import ShardedNorms
@@ -47,6 +48,7 @@ class MonitorState:
     skipped_steps: int
     shapes: dict[str, Shapes]
     capture: Capture | None
+    _root: RootHooks  # the model's own call: its hooks, compiled or not (root_hooks.py)
     flight: FlightRecorder | None
     _ctx: ActionContext
     _optimizer: Any

@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from breakpod._core.announce import announce
 from breakpod._core.config import ENV, env_flag
 from breakpod._monitor.checks import all_finite
+from breakpod._monitor.root_hooks import RootHooks
 
 REPLAY_ENV = "BREAKPOD_REPLAY"
 DEBUG_ENV = ENV["enabled"]  # debug mode: ENABLE_REMOTE_DEBUG
@@ -101,8 +101,10 @@ class StepInputs:
 class Capture:
     """Hooks on the root module that keep the last forward's :class:`StepInputs`."""
 
-    def __init__(self, model: Any, clock: Callable[[], int]) -> None:
+    def __init__(self, root: RootHooks, clock: Callable[[], int]) -> None:
+        model = root.model
         self.model = model
+        self._root = root
         self.last: StepInputs | None = None
         self.errors = 0
         self._clock = clock
@@ -115,13 +117,11 @@ class Capture:
         self._kept: dict[str, Any] = {}  # the last copies of the running statistics
         self._kept_to: list[Any] = []  # the same, in order
         self._kept_from: list[Any] = []  # the buffers they copy
-        self._handles = [
-            model.register_forward_pre_hook(eager(self._before), with_kwargs=True),
-            model.register_forward_hook(eager(self._after)),
-        ]
+        root.pre.append(self._before)
+        root.post.append(self._after)
 
     def _before(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if replaying() or _compiling():
+        if replaying():
             return
         try:
             step = self._clock()
@@ -174,7 +174,7 @@ class Capture:
         self._kept_from = [] if lazy else live
 
     def _after(self, module: Any, args: Any, output: Any) -> None:
-        if replaying() or _compiling() or self.last is None:
+        if replaying() or self.last is None:
             return
         outs = grad_outputs(output)
         self.last.output_grads = [None] * len(outs)
@@ -192,28 +192,10 @@ class Capture:
             announce(f"replay capture failed ({type(error).__name__}: {error}); the job continues")
 
     def close(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        if self._before in self._root.pre:
+            self._root.pre.remove(self._before)
+            self._root.post.remove(self._after)
         self.last = None
-
-
-def eager(hook: Callable[..., Any]) -> Callable[..., Any]:
-    """A root module's hook that runs eagerly under ``torch.compile`` too: dynamo, once loaded
-    (importing it costs seconds, so never for an eager job), graph-breaks at a function
-    it is told not to trace and calls it as it is: a compiled model's steps are captured
-    for the eager replay, and the end of its backward is heard (``hooks.py``)."""
-    disabled: list[Callable[..., Any]] = []
-
-    def run(*args: Any) -> Any:
-        dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is None:
-            return hook(*args)
-        if not disabled:
-            disabled.append(dynamo.disable(hook))
-        return disabled[0](*args)
-
-    return run
 
 
 def rng_states() -> tuple[Any, list[Any]]:
@@ -250,12 +232,6 @@ def _detached(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _detached(v) for k, v in value.items()}
     return value
-
-
-def _compiling() -> bool:
-    import torch
-
-    return bool(torch.compiler.is_compiling())
 
 
 def grad_outputs(output: Any) -> list[Any]:

@@ -1,0 +1,204 @@
+"""Hooks on the watched model's own call, run eagerly, under ``torch.compile`` too.
+
+The replay capture (the step's inputs, RNG, output gradient) and the monitor's step
+marks (a training pass begins, its backward ends) need the model's call as it happens,
+with real tensors. Eagerly they are the model's forward hooks. Under ``torch.compile``
+the model's hooks are traced into its graph, where they cannot run: run eagerly there,
+a hook is a graph break, and ``fullgraph=True`` allows none (dynamo fails the call).
+
+So inside a trace the hooks leave a mark and nothing else (an attribute write, which
+dynamo replays after each call of the graph: no break, no guard), and at the next eager
+moment (the step's end, or a watched gradient's accumulation) they move outside the
+compiled region: onto the ``torch.compile`` wrapper (``OptimizedModule``) that runs the
+model, or around the call that ``model.compile()`` compiled in place. A compiled model's
+steps are captured from its second step on. A model called only from inside a compiled
+function has no eager call of its own to move to: the monitor says so, once.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from breakpod._core.announce import announce
+
+WRAPPERS = {  # class name -> the attribute holding the module it runs
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "_LightningModuleWrapperBase": "_forward_module",
+    "OptimizedModule": "_orig_mod",
+}
+NOWHERE = (
+    "monitor: the model runs inside a function compiled by torch.compile, where its hooks "
+    "cannot run: its steps are not captured for replay, and with optimizer= a loss is "
+    "judged after the update; compile the model itself (torch.compile(model) or "
+    "model.compile()) for them"
+)
+
+Hook = Callable[..., None]
+_said: weakref.WeakSet[Any] = weakref.WeakSet()  # models whose NOWHERE was said
+
+
+class RootHooks:
+    """The hooks on ``model``'s own call: ``pre(model, args, kwargs)`` before its forward,
+    ``post(model, args, output)`` after, in the order added."""
+
+    def __init__(self, model: Any) -> None:
+        import torch
+
+        self.model = model
+        self.pre: list[Hook] = []
+        self.post: list[Hook] = []
+        self.traced = False  # written from inside a compiled graph
+        self._compiling = torch.compiler.is_compiling  # a constant in a trace
+        self._settled = False  # looked for the call outside the graph (once)
+        self.moved = False  # the hooks run on that call now
+        self.wrapper: Any = None  # the torch.compile wrapper they run on, if that call is one
+        self._outside = False  # the call outside runs the hooks: the inner ones stand aside
+        self._compiled_call: Any = None  # model.compile()'s, and the call that replaced it
+        self._around_call: Any = None
+        self._handles = [
+            model.register_forward_pre_hook(self._inner_pre, with_kwargs=True),
+            model.register_forward_hook(self._inner_post),
+        ]
+        self._hear_gradients()
+
+    def _hear_gradients(self) -> None:
+        """A watched gradient's accumulation: the one eager moment of a compiled step when
+        no optimizer= or ``step()`` ends it (a lazy module's parameters, not made yet: no)."""
+        from torch.nn.parameter import is_lazy
+
+        first = next((p for p in self.model.parameters() if p.requires_grad), None)
+        if first is not None and not is_lazy(first):  # weakly: autograd's hooks escape gc
+            self._handles.append(first.register_post_accumulate_grad_hook(_settler(self)))
+
+    def _inner_pre(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self._compiling():  # constant in a trace: all the graph keeps is this write
+            self.traced = True
+        elif not self._outside:
+            self.run_pre(args, kwargs)
+
+    def _inner_post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        if self._compiling():
+            self.traced = True
+        elif not self._outside:
+            self.run_post(args, output)
+
+    def _outer_pre(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._outside = True  # a graph that falls back to eager runs the inner hooks too
+        self.run_pre(args, kwargs)
+
+    def _outer_post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
+        self._outside = False  # always called: an exception in forward clears it too
+        self.run_post(args, output)
+
+    def run_pre(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for hook in self.pre:
+            hook(self.model, args, kwargs)
+
+    def run_post(self, args: tuple[Any, ...], output: Any) -> None:
+        for hook in self.post:
+            hook(self.model, args, output)
+
+    def settle(self) -> None:
+        """At an eager moment: a model traced since runs compiled, so its hooks move to the
+        call outside the graph (once: a recompile traces the inner ones to the mark again)."""
+        if self.traced and not self._settled:
+            self.move_outside()
+
+    def move_outside(self) -> bool:
+        """Move the hooks onto the compiled call that runs the model, if there is one (also
+        for a graph compiled before the hooks, which dynamo does not retrace for them)."""
+        if self._settled:
+            return self.moved
+        self._settled = True
+        try:
+            self.moved = self._onto_compiled_call()
+        except Exception as e:  # never into training: the steps go uncaptured
+            announce(f"monitor: the model's hooks could not leave its compiled graph ({e})")
+        return self.moved
+
+    def _onto_compiled_call(self) -> bool:
+        compiled_call = getattr(self.model, "_compiled_call_impl", None)
+        if compiled_call is not None:  # model.compile(): the model's own call is compiled
+            self._compiled_call, self._around_call = compiled_call, self._around(compiled_call)
+            self.model._compiled_call_impl = self._around_call
+            return True
+        wrapper = compiled_wrapper(self.model)
+        if wrapper is None:
+            if self.traced and self.model not in _said:
+                _said.add(self.model)  # once a model, not again for its detailed probe
+                announce(NOWHERE)
+            return False
+        self.wrapper = wrapper
+        self._handles += [
+            wrapper.register_forward_pre_hook(self._outer_pre, with_kwargs=True),
+            wrapper.register_forward_hook(self._outer_post, always_call=True),
+        ]
+        return True
+
+    def _around(self, compiled_call: Any) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._outer_pre(self.model, args, kwargs)
+            output = None
+            try:
+                output = compiled_call(*args, **kwargs)
+            finally:
+                self._outer_post(self.model, args, output)
+            return output
+
+        return call
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        now = self.model.__dict__.get("_compiled_call_impl")
+        if self._around_call is not None and now is self._around_call:  # not compiled since
+            self.model._compiled_call_impl = self._compiled_call
+        self.pre.clear()
+        self.post.clear()
+
+
+def _settler(root: RootHooks) -> Callable[[Any], None]:
+    """A gradient hook that settles ``root`` while it lives (it never keeps it alive: the
+    hook sits in autograd's C++ node, where the collector cannot see a cycle through it)."""
+    ref = weakref.ref(root)
+
+    def settle(param: Any) -> None:
+        live = ref()
+        if live is not None:
+            live.settle()
+
+    return settle
+
+
+def compiled_wrapper(model: Any) -> Any:
+    """The ``torch.compile`` wrapper that runs ``model`` (through DDP's too), or None.
+    Found by one pass over the collector's objects: once a job, at its first compiled step."""
+    wrapper_type = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
+    if wrapper_type is None:
+        return None
+    for candidate in gc.get_objects():
+        if issubclass(type(candidate), wrapper_type) and _runs(candidate, model):
+            return candidate
+    return None
+
+
+def layers(model: Any) -> list[Any]:
+    """``model`` and the modules its wrappers run, outermost first (at most four deep)."""
+    found = [model]
+    for _ in range(4):
+        inner = getattr(found[-1], WRAPPERS.get(type(found[-1]).__name__, ""), None)
+        if inner is None:
+            break
+        found.append(inner)
+    return found
+
+
+def _runs(wrapper: Any, model: Any) -> bool:
+    """Does ``wrapper`` run ``model`` itself, through wrappers only (never a larger model)?"""
+    return any(layer is model for layer in layers(wrapper)[1:])
