@@ -10,7 +10,7 @@ import torch
 
 import breakpod
 from breakpod._monitor.monitor import monitor_of
-from tests.agent.nets import Net, train
+from tests.agent.nets import Net, batch, train
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +30,32 @@ def test_a_watched_model_is_freed_after_del_without_close():
         del model, monitor, optimizer
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
+
+
+def test_a_watched_model_saved_whole_loads_unwatched():
+    """``torch.save(model)`` pickles the model's hooks with it: the root hooks' capture
+    clock (a lambda) failed it. The loaded model's root hooks do nothing, and a deep
+    copy (an EMA model) shares the original's, as it shares its module hooks."""
+    import copy
+    import io
+
+    model = Net()
+    monitor = breakpod.watch(model)
+    train(model, monitor, 2)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    last = monitor.capture.last
+    loaded(batch(0)[0]).sum().backward()
+    assert monitor.capture.last is last and monitor.errors == 0  # not the monitor's forward
+    copy.deepcopy(model)(batch(1)[0])
+    assert monitor.capture.last is not last  # the copy's forward is heard, as before
+    monitor.close()
+    again = breakpod.watch(loaded)  # the loaded model can be watched itself
+    train(loaded, again, 2)
+    assert again.step_count == 2 and again.errors == 0 and again.capture.last.step == 1
+    again.close()
 
 
 def test_the_monitor_lives_as_long_as_its_model():

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 import torch
 
-from breakpod._monitor.root_hooks import RootHooks, compiled_wrapper
+from breakpod._monitor.root_hooks import RootHooks, compiled_wrappers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 
@@ -41,6 +41,7 @@ CALLS = """
         root.post.append(lambda m, args, out: calls.append(("post", out is not None)))
     else:
         run = torch.compile(model, backend="eager", fullgraph=True)
+        other = torch.compile(model, backend="aot_eager")  # for evaluation, say
 
     def step(batch):
         calls.clear()
@@ -60,6 +61,9 @@ CALLS = """
         calls.clear()
         model(torch.randn(6, 4))  # the model called itself, eagerly
         print("direct", calls)
+        calls.clear()
+        other(torch.randn(8, 4))
+        print("the other wrapper", calls)
     root.close()
     print("closed", step(7), model._forward_hooks, model._forward_pre_hooks)
 """
@@ -78,6 +82,7 @@ def test_the_root_hooks_run_once_per_call_outside_the_compiled_graph(spawn, case
         assert "eager [('pre', (4, 4)), ('post', True)]" in out, out  # once, not twice
         assert "after a failed call [('pre', (5, 4)), ('post', True)]" in out, out
         assert "direct [('pre', (6, 4)), ('post', True)]" in out, out
+        assert "the other wrapper [('pre', (8, 4)), ('post', True)]" in out, out
     assert "Traceback" not in child.stderr, child.stderr
 
 
@@ -115,7 +120,7 @@ def test_a_model_inside_a_compiled_function_trains_and_says_what_it_misses(spawn
     assert "compile the model itself" in said[0], said
 
 
-def test_the_wrapper_is_found_through_ddp_and_never_for_a_larger_model():
+def test_every_wrapper_is_found_through_ddp_and_never_for_a_larger_model():
     """Only a chain of wrappers runs the model with the model's inputs: a compiled larger
     model that contains it calls it with its own."""
     from torch._dynamo.eval_frame import OptimizedModule
@@ -130,10 +135,12 @@ def test_the_wrapper_is_found_through_ddp_and_never_for_a_larger_model():
     outer = torch.nn.Sequential(model, torch.nn.ReLU())
     larger = torch.compile(outer, backend="eager")
     assert isinstance(larger, OptimizedModule)
-    assert compiled_wrapper(model) is None
+    assert compiled_wrappers(model) == []
     wrapped = torch.compile(DistributedDataParallel(model), backend="eager")
-    assert compiled_wrapper(model) is wrapped
-    del larger, wrapped
+    evaluation = torch.compile(model, backend="eager", mode="max-autotune-no-cudagraphs")
+    found = compiled_wrappers(model)
+    assert len(found) == 2 and {id(w) for w in found} == {id(wrapped), id(evaluation)}
+    del larger, wrapped, evaluation
 
 
 def test_a_lazy_model_gets_its_gradient_hook_never():

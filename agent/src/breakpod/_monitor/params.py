@@ -199,10 +199,10 @@ class ParamPlanning(Reporting):
     def _look_for_ddp(self) -> None:
         """In the model's forward: a model that DDP wraps, watched inside the wrapper, has
         DDP's replicas as its peers. The first forward that DDP runs settles it (compiled,
-        the hook runs on the compiled wrapper, after DDP's forward: DDP is among its layers)."""
+        the hook runs on the compiled wrappers, after DDP's forward: DDP is among their layers)."""
         ddp = running_ddp()
-        if ddp is None and self._root.wrapper is not None:
-            ddp = ddp_in(layers(self._root.wrapper))
+        if ddp is None and self._root.wrappers:
+            ddp = ddp_in(m for wrapper in self._root.wrappers for m in layers(wrapper))
         if ddp is not None:
             self._peers_unknown = False
             self._peers = replicas_of(ddp, self.model)

@@ -56,7 +56,7 @@ class RootHooks:
         self._compiling = torch.compiler.is_compiling  # a constant in a trace
         self._settled = False  # looked for the call outside the graph (once)
         self.moved = False  # the hooks run on that call now
-        self.wrapper: Any = None  # the torch.compile wrapper they run on, if that call is one
+        self.wrappers: list[Any] = []  # the torch.compile wrappers they run on, if any
         self._outside = False  # the call outside runs the hooks: the inner ones stand aside
         self._compiled_call: Any = None  # model.compile()'s, and the call that replaced it
         self._around_call: Any = None
@@ -127,18 +127,16 @@ class RootHooks:
             self._compiled_call, self._around_call = compiled_call, self._around(compiled_call)
             self.model._compiled_call_impl = self._around_call
             return True
-        wrapper = compiled_wrapper(self.model)
-        if wrapper is None:
-            if self.traced and self.model not in _said:
-                _said.add(self.model)  # once a model, not again for its detailed probe
-                announce(NOWHERE)
-            return False
-        self.wrapper = wrapper
-        self._handles += [
-            wrapper.register_forward_pre_hook(self._outer_pre, with_kwargs=True),
-            wrapper.register_forward_hook(self._outer_post, always_call=True),
-        ]
-        return True
+        self.wrappers = compiled_wrappers(self.model)  # a training one, an evaluation one
+        if not self.wrappers and self.traced and self.model not in _said:
+            _said.add(self.model)  # once a model, not again for its detailed probe
+            announce(NOWHERE)
+        for wrapper in self.wrappers:
+            self._handles += [
+                wrapper.register_forward_pre_hook(self._outer_pre, with_kwargs=True),
+                wrapper.register_forward_hook(self._outer_post, always_call=True),
+            ]
+        return bool(self.wrappers)
 
     def _around(self, compiled_call: Any) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -152,6 +150,16 @@ class RootHooks:
 
         return call
 
+    def __reduce__(self) -> tuple[Callable[[], RootHooks], tuple[()]]:
+        """Saved with its model (``torch.save(model)``): the loaded model is not watched,
+        and its hooks do nothing."""
+        return _unwatched, ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> RootHooks:
+        """A deep copy of the model (an EMA copy) shares the hooks, as it shares the
+        monitor's module hooks: its no_grad passes are told from training ones alike."""
+        return self
+
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
@@ -161,6 +169,19 @@ class RootHooks:
             self.model._compiled_call_impl = self._compiled_call
         self.pre.clear()
         self.post.clear()
+
+
+def _unwatched() -> RootHooks:
+    """The hooks of a watched model loaded from a file: none to run, nothing to move."""
+    import torch
+
+    root = RootHooks.__new__(RootHooks)
+    root.pre, root.post, root._handles = [], [], []
+    root.traced = root._settled = root.moved = root._outside = False
+    root._compiling = torch.compiler.is_compiling
+    root.wrappers = []
+    root._compiled_call = root._around_call = None
+    return root
 
 
 def _settler(root: RootHooks) -> Callable[[Any], None]:
@@ -176,16 +197,18 @@ def _settler(root: RootHooks) -> Callable[[Any], None]:
     return settle
 
 
-def compiled_wrapper(model: Any) -> Any:
-    """The ``torch.compile`` wrapper that runs ``model`` (through DDP's too), or None.
-    Found by one pass over the collector's objects: once a job, at its first compiled step."""
+def compiled_wrappers(model: Any) -> list[Any]:
+    """The ``torch.compile`` wrappers that run ``model`` (through DDP's too). Found by one
+    pass over the collector's objects (75 ms in a process that imported transformers):
+    once a job, at its first compiled step."""
     wrapper_type = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     if wrapper_type is None:
-        return None
-    for candidate in gc.get_objects():
-        if issubclass(type(candidate), wrapper_type) and _runs(candidate, model):
-            return candidate
-    return None
+        return []
+    return [
+        candidate
+        for candidate in gc.get_objects()
+        if issubclass(type(candidate), wrapper_type) and _runs(candidate, model)
+    ]
 
 
 def layers(model: Any) -> list[Any]:
