@@ -48,7 +48,7 @@ CALLS = """
         run(torch.randn(batch, 4)).sum().backward()  # the gradient hook settles
         return list(calls)
 
-    print("first", step(2), root.traced)
+    print("first", step(2), root.moved)  # its graph marked it; its gradient moved them
     print("second", step(3), root.moved)
     if case == "fullgraph":
         with torch.compiler.set_stance("force_eager"):  # the graph falls back to eager
@@ -64,6 +64,8 @@ CALLS = """
         calls.clear()
         other(torch.randn(8, 4))
         print("the other wrapper", calls)
+        run = torch.compile(model, backend="eager")  # made after the hooks moved
+        print("a later wrapper", step(2), step(3))
     root.close()
     print("closed", step(7), model._forward_hooks, model._forward_pre_hooks)
 """
@@ -75,7 +77,7 @@ def test_the_root_hooks_run_once_per_call_outside_the_compiled_graph(spawn, case
     child = spawn(textwrap.dedent(CALLS), env={"PYTHONPATH": ROOT}, args=[case])
     assert child.wait(timeout=180) == 0, child.stderr
     out = child.stdout()
-    assert "first [] True" in out, out  # traced: the first step is not seen
+    assert "first [] True" in out, out  # traced: the first step is not seen, then moved
     assert "second [('pre', (3, 4)), ('post', True)] True" in out, out
     assert "closed [] OrderedDict() OrderedDict()" in out, out
     if case == "fullgraph":
@@ -83,6 +85,8 @@ def test_the_root_hooks_run_once_per_call_outside_the_compiled_graph(spawn, case
         assert "after a failed call [('pre', (5, 4)), ('post', True)]" in out, out
         assert "direct [('pre', (6, 4)), ('post', True)]" in out, out
         assert "the other wrapper [('pre', (8, 4)), ('post', True)]" in out, out
+        # its first step marks the model traced again: the next finds it
+        assert "a later wrapper [] [('pre', (3, 4)), ('post', True)]" in out, out
     assert "Traceback" not in child.stderr, child.stderr
 
 

@@ -9,9 +9,9 @@ a hook is a graph break, and ``fullgraph=True`` allows none (dynamo fails the ca
 So inside a trace the hooks leave a mark and nothing else (an attribute write, which
 dynamo replays after each call of the graph: no break, no guard), and at the next eager
 moment (the step's end, or a watched gradient's accumulation) they move outside the
-compiled region: onto the ``torch.compile`` wrapper (``OptimizedModule``) that runs the
+compiled region: onto each ``torch.compile`` wrapper (``OptimizedModule``) that runs the
 model, or around the call that ``model.compile()`` compiled in place. A compiled model's
-steps are captured from its second step on. A model called only from inside a compiled
+steps are captured from its second step on (a wrapper's, from its second call). A model called only from inside a compiled
 function has no eager call of its own to move to: the monitor says so, once.
 """
 
@@ -39,6 +39,7 @@ NOWHERE = (
 )
 
 Hook = Callable[..., None]
+LOOKS = 4  # at most, a model: each is one pass over the collector's objects
 _said: weakref.WeakSet[Any] = weakref.WeakSet()  # models whose NOWHERE was said
 
 
@@ -54,9 +55,10 @@ class RootHooks:
         self.post: list[Hook] = []
         self.traced = False  # written from inside a compiled graph
         self._compiling = torch.compiler.is_compiling  # a constant in a trace
-        self._settled = False  # looked for the call outside the graph (once)
+        self._looks = 0  # times the compiled calls that run the model were looked for
         self.moved = False  # the hooks run on that call now
-        self.wrappers: list[Any] = []  # the torch.compile wrappers they run on, if any
+        # the torch.compile wrappers they run on, if any (weakly: they go when the user's do)
+        self.wrappers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._outside = False  # the call outside runs the hooks: the inner ones stand aside
         self._compiled_call: Any = None  # model.compile()'s, and the call that replaced it
         self._around_call: Any = None
@@ -93,6 +95,7 @@ class RootHooks:
 
     def _outer_post(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
         self._outside = False  # always called: an exception in forward clears it too
+        self.traced = False  # this call's graph marked it: a mark left is another call's
         self.run_post(args, output)
 
     def run_pre(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -104,39 +107,43 @@ class RootHooks:
             hook(self.model, args, output)
 
     def settle(self) -> None:
-        """At an eager moment: a model traced since runs compiled, so its hooks move to the
-        call outside the graph (once: a recompile traces the inner ones to the mark again)."""
-        if self.traced and not self._settled:
+        """At an eager moment: a compiled call that none of the hooks' calls outside covers
+        ran the model (its graph marked it), so they move onto it. A few looks at most: a
+        wrapper made later (an evaluation one) is found, a compiled function never is."""
+        if self.traced and self._looks < LOOKS:
             self.move_outside()
 
     def move_outside(self) -> bool:
-        """Move the hooks onto the compiled call that runs the model, if there is one (also
+        """Move the hooks onto the compiled calls that run the model, if there are any (also
         for a graph compiled before the hooks, which dynamo does not retrace for them)."""
-        if self._settled:
+        if self._looks >= LOOKS:
             return self.moved
-        self._settled = True
+        self._looks += 1
+        traced, self.traced = self.traced, False
         try:
-            self.moved = self._onto_compiled_call()
+            self.moved = self._onto_compiled_calls(traced) or self.moved
         except Exception as e:  # never into training: the steps go uncaptured
             announce(f"monitor: the model's hooks could not leave its compiled graph ({e})")
         return self.moved
 
-    def _onto_compiled_call(self) -> bool:
+    def _onto_compiled_calls(self, traced: bool) -> bool:
         compiled_call = getattr(self.model, "_compiled_call_impl", None)
-        if compiled_call is not None:  # model.compile(): the model's own call is compiled
+        if compiled_call is not None and compiled_call is not self._around_call:
+            # model.compile(): the model's own call is compiled
             self._compiled_call, self._around_call = compiled_call, self._around(compiled_call)
             self.model._compiled_call_impl = self._around_call
             return True
-        self.wrappers = compiled_wrappers(self.model)  # a training one, an evaluation one
-        if not self.wrappers and self.traced and self.model not in _said:
+        new = [w for w in compiled_wrappers(self.model) if w not in self.wrappers]
+        if not new and traced and not self.moved and self.model not in _said:
             _said.add(self.model)  # once a model, not again for its detailed probe
             announce(NOWHERE)
-        for wrapper in self.wrappers:
+        for wrapper in new:  # a training one, an evaluation one
+            self.wrappers.add(wrapper)
             self._handles += [
                 wrapper.register_forward_pre_hook(self._outer_pre, with_kwargs=True),
                 wrapper.register_forward_hook(self._outer_post, always_call=True),
             ]
-        return bool(self.wrappers)
+        return bool(new)
 
     def _around(self, compiled_call: Any) -> Callable[..., Any]:
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -177,9 +184,10 @@ def _unwatched() -> RootHooks:
 
     root = RootHooks.__new__(RootHooks)
     root.pre, root.post, root._handles = [], [], []
-    root.traced = root._settled = root.moved = root._outside = False
+    root.traced = root.moved = root._outside = False
+    root._looks = LOOKS
     root._compiling = torch.compiler.is_compiling
-    root.wrappers = []
+    root.wrappers = weakref.WeakSet()
     root._compiled_call = root._around_call = None
     return root
 
