@@ -26,6 +26,11 @@ SETUP = """
     if setup == "watch-then-compile":
         monitor = breakpod.watch(model)
         run = torch.compile(model, backend=backend)
+    elif setup == "a-twin-alongside":  # an unwatched copy, compiled too (a reference model)
+        twin = torch.compile(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)),
+                             backend=backend)
+        monitor = breakpod.watch(model)
+        run = torch.compile(model, backend=backend)
     elif setup == "watch-compiled":
         run = torch.compile(model, backend=backend)
         monitor = breakpod.watch(run)
@@ -36,6 +41,8 @@ SETUP = """
         monitor = breakpod.watch(model)
     for step in range(4):
         x = torch.randn(2, 4)
+        if setup == "a-twin-alongside":
+            twin(x).sum().backward()
         if step == 3:
             model[0].weight.data[0, 0] = float("nan")  # corrupt the first layer
         run(x).sum().backward()
@@ -48,6 +55,10 @@ SETUP = """
 SETUPS = ["watch-then-compile", "watch-compiled", "disable-after-first-call"]
 CASES = [(b, s) for b in ("eager", "aot_eager") for s in SETUPS]
 CASES.append(("inductor", "watch-then-compile"))  # a C++ compile: one case only
+# dynamo reuses the twin's graph, traced without hooks, for the watched model (it guards
+# neither on the module nor on its hooks): no hook ran in it, so no step was captured. The
+# hooks run on the compiled wrapper now, whichever graph runs inside
+CASES += [("eager", "a-twin-alongside"), ("inductor", "a-twin-alongside")]
 
 
 @pytest.mark.timeout(240)

@@ -11,8 +11,9 @@ dynamo replays after each call of the graph: no break, no guard), and at the nex
 moment (the step's end, or a watched gradient's accumulation) they move outside the
 compiled region: onto each ``torch.compile`` wrapper (``OptimizedModule``) that runs the
 model, or around the call that ``model.compile()`` compiled in place. A compiled model's
-steps are captured from its second step on (a wrapper's, from its second call). A model called only from inside a compiled
-function has no eager call of its own to move to: the monitor says so, once.
+steps are captured from its second step on (a wrapper's, from its second call). A model
+called only from inside a compiled function has no eager call of its own to move to: the
+monitor says so, once.
 """
 
 from __future__ import annotations
