@@ -155,3 +155,21 @@ def test_a_lazy_model_gets_its_gradient_hook_never():
     assert len(root._handles) == 2  # the two forward hooks, no gradient hook
     root.close()
     assert not model._forward_hooks and len(model._forward_pre_hooks) == own
+
+
+def test_a_parameter_that_takes_no_hook_never_fails_watch(capfd):
+    """A parameter type of some library that refuses autograd hooks: the step's end alone
+    settles the root hooks, and watch() says so instead of raising."""
+
+    class NoHooks(torch.nn.Parameter):
+        def register_post_accumulate_grad_hook(self, hook):  # type: ignore[no-untyped-def]
+            raise RuntimeError("this parameter type takes no hooks")
+
+    model = torch.nn.Linear(2, 2)
+    model.weight = NoHooks(torch.randn(2, 2))
+    root = RootHooks(model)
+    assert len(root._handles) == 2
+    assert "no gradient hook on NoHooks (this parameter type takes no hooks)" in (
+        capfd.readouterr().err
+    )
+    root.close()

@@ -75,8 +75,12 @@ class RootHooks:
         from torch.nn.parameter import is_lazy
 
         first = next((p for p in self.model.parameters() if p.requires_grad), None)
-        if first is not None and not is_lazy(first):  # weakly: autograd's hooks escape gc
+        if first is None or is_lazy(first):
+            return
+        try:  # weakly: autograd's hooks escape the collector
             self._handles.append(first.register_post_accumulate_grad_hook(_settler(self)))
+        except RuntimeError as e:  # a parameter type that takes no hook: the step's end only
+            announce(f"monitor: no gradient hook on {type(first).__name__} ({e})")
 
     def _inner_pre(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self._compiling():  # constant in a trace: all the graph keeps is this write
