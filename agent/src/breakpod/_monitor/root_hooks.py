@@ -58,6 +58,7 @@ class RootHooks:
         self._compiling = torch.compiler.is_compiling  # a constant in a trace
         self._looks = 0  # times the compiled calls that run the model were looked for
         self.moved = False  # the hooks run on that call now
+        self._unproven = False  # moved, and no training step has told since whether they run
         # the torch.compile wrappers they run on, if any (weakly: they go when the user's do)
         self.wrappers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._outside = False  # the call outside runs the hooks: the inner ones stand aside
@@ -120,16 +121,30 @@ class RootHooks:
 
     def move_outside(self) -> bool:
         """Move the hooks onto the compiled calls that run the model, if there are any (also
-        for a graph compiled before the hooks, which dynamo does not retrace for them)."""
+        for a graph compiled before the hooks, which dynamo does not retrace for them);
+        True if they moved now."""
         if self._looks >= LOOKS:
-            return self.moved
+            return False
         self._looks += 1
         traced, self.traced = self.traced, False
         try:
-            self.moved = self._onto_compiled_calls(traced) or self.moved
+            now = self._onto_compiled_calls(traced)
         except Exception as e:  # never into training: the steps go uncaptured
             announce(f"monitor: the model's hooks could not leave its compiled graph ({e})")
-        return self.moved
+            now = False
+        self.moved |= now
+        self._unproven |= now
+        return now
+
+    def give_a_step(self) -> bool:
+        """A training step ran and the hooks did not see it: were they just moved (give
+        them a step to run where they went), or can they move now? False when they run
+        nowhere the model's training passes go: a wrapper no one calls (Lightning compiles
+        ``training_step``, not the module), a compiled function."""
+        if self._unproven:
+            self._unproven = False
+            return True
+        return self.move_outside()
 
     def _onto_compiled_calls(self, traced: bool) -> bool:
         compiled_call = getattr(self.model, "_compiled_call_impl", None)
@@ -189,7 +204,7 @@ def _unwatched() -> RootHooks:
 
     root = RootHooks.__new__(RootHooks)
     root.pre, root.post, root._handles = [], [], []
-    root.traced = root.moved = root._outside = False
+    root.traced = root.moved = root._outside = root._unproven = False
     root._looks = LOOKS
     root._compiling = torch.compiler.is_compiling
     root.wrappers = weakref.WeakSet()

@@ -232,7 +232,7 @@ class Sentinel(StepPipeline):
         if self.tier != SENTINEL or self._is_probe or self.capture is None:
             return ""
         grads = any(e.kind == "grads" for e in done.entries)
-        if grads and self.capture.last is None and not self._root.move_outside():
+        if grads and self.capture.last is None and not self._root.give_a_step():
             return (  # (compiled, its hooks leave the graph: it is captured from its next step)
                 "the watched model's own forward was not seen in a training step (its modules "
                 "were called directly, as a LightningModule's training_step calls its networks, "
