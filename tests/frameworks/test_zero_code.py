@@ -156,3 +156,71 @@ def test_a_compiled_job_trains_in_debug_mode(spawn: Any, graph: str) -> None:
     assert "trained True" in out, child.stderr
     assert "debug mode: watching Sequential for anomalies" in child.stderr, child.stderr
     assert "captured [7]" in out, out + child.stderr
+
+
+LIGHTNING_COMPILED = """
+import torch
+import pytorch_lightning as pl
+
+torch.manual_seed(0)
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return torch.randn(8, generator=g), torch.randint(0, 4, (), generator=g)
+
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        layers = [torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)]
+        self.net = torch.nn.Sequential(*layers)
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, index):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self(x), y)
+
+    def on_train_batch_start(self, batch, index):
+        if index in (6, 7):  # one step's fault: written, then mended
+            self.net[0].weight.data[0, 0] = float("nan") if index == 6 else 0.1
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+module = Module()
+trainer = pl.Trainer(max_steps=8, accelerator="cpu", devices=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False)
+trainer.fit(torch.compile(module, backend="eager", fullgraph=True),
+            torch.utils.data.DataLoader(Data(), batch_size=4))
+print("finite", bool(torch.isfinite(module.net[2].weight).all()))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_lightning_module_compiled_is_found_and_parks_on_a_nan(spawn: Any) -> None:
+    """Lightning compiles ``training_step`` itself (``from_compiled``), so every module ran
+    inside a compiled graph, where the global hook that finds the model stands aside: debug
+    mode watched nothing, and said nothing. The hook marks that it was traced, and the
+    model is found by the optimizer's parameters instead; its step is not replayable (it
+    says so), and the NaN parks before the update, which the expired hold skips. Its
+    stall clock's forward hook, traced in the graph now, stands aside there (its clock
+    read failed the fullgraph compile)."""
+    env = {"PYTHONPATH": ROOT, "ENABLE_REMOTE_DEBUG": "1", "BREAKPOD_HOLD_SECONDS": "0.5"}
+    env["BREAKPOD_ON_EXPIRE"] = "skip"
+    child = spawn(LIGHTNING_COMPILED, env=env, stdin="closed")
+    assert child.wait(timeout=180) == 0, child.stderr
+    err = child.stderr
+    assert "debug mode: watching Module for anomalies" in err, err
+    assert "not seen in a training step" in err, err
+    assert "anomaly: step 6 loss <model>: [nonfinite] loss is nan: waiting up to" in err, err
+    assert "step 6: update skipped" in err, err
+    assert "finite True" in child.stdout(), err

@@ -50,6 +50,7 @@ PARK = ["log", "event", "break"]  # rule actions
 PARK_ON_NONFINITE = {"name": "nonfinite", "check": "nonfinite", "action": PARK}
 
 _ran: dict[int, Any] = {}  # modules that ran a forward before the first optimizer step
+_traced = [False]  # some module ran inside a compiled graph, where _note cannot keep it
 _handles: list[Any] = []
 _forward_handle: Any = None
 _roots: list[weakref.ref[Any]] | None = None  # the outermost modules that ran
@@ -97,6 +98,7 @@ def remove() -> None:
     _monitors.clear()
     _closure_stepped.clear()
     _ran.clear()
+    _traced[0] = False
     _roots = None
     _adopted.clear()
     _found.clear()
@@ -109,6 +111,7 @@ def monitors() -> list[Monitor]:
 
 def _note(module: Any, args: Any) -> None:
     if _compiling():  # dynamo traces global hooks, and a write into _ran fails its trace
+        _traced[0] = True  # (a constant's does not: dynamo replays it after the graph)
         return  # (a compiled module's wrapper, OptimizedModule, is noted: it runs eagerly)
     _ran[id(module)] = module
 
@@ -166,7 +169,7 @@ def _find(optimizer: Any) -> None:
     at its next step); the stall clock hears their forwards from now."""
     global _roots
     if _roots is None:
-        ran = outermost(_ran.values())
+        ran = outermost(_ran.values()) or _ran_compiled(optimizer)
         if not ran:
             return
         _roots = [weakref.ref(m) for m in ran]
@@ -200,6 +203,21 @@ def _stop_noting() -> None:
     _ran.clear()
 
 
+def _ran_compiled(optimizer: Any) -> list[Any]:
+    """The models that ran only inside compiled graphs (Lightning compiles ``training_step``
+    itself), where ``_note`` could not keep them: the outermost modules that hold the
+    optimizer's parameters, found by one pass over the collector's objects."""
+    if not _traced[0]:
+        return []
+    import gc
+
+    from torch.nn import Module
+
+    held = {id(p) for p in optimizers.params_of(optimizer)}
+    found = (m for m in gc.get_objects() if issubclass(type(m), Module) and _holds(m, held))
+    return outermost(found)
+
+
 def outermost(modules: Iterable[Any]) -> list[Any]:
     """The modules with parameters that no other one of them contains."""
     holding = [m for m in modules if next(iter(m.parameters()), None) is not None]
@@ -223,7 +241,8 @@ def _keep_alive(model: Any) -> None:
 
 
 def _alive(module: Any, args: Any) -> None:
-    optimizer_steps.alive()
+    if not _compiling():  # traced, its clock read would fail a fullgraph compile
+        optimizer_steps.alive()
 
 
 def _watch(model: Any, optimizer: Any, closure: bool) -> None:
