@@ -40,7 +40,7 @@ from breakpod._core.errors import AnomalyError
 from breakpod._job import optimizer_steps
 from breakpod._monitor import optimizers
 from breakpod._monitor.monitor import Monitor, monitor_of, watch
-from breakpod._monitor.root_hooks import layers
+from breakpod._monitor.root_hooks import layers, live_instances
 
 AUTO_WATCH_ENV = "BREAKPOD_AUTO_WATCH"
 AUTO_STEPS_ENV = "BREAKPOD_AUTO_STEPS"
@@ -209,13 +209,10 @@ def _ran_compiled(optimizer: Any) -> list[Any]:
     optimizer's parameters, found by one pass over the collector's objects."""
     if not _traced[0]:
         return []
-    import gc
-
     from torch.nn import Module
 
     held = {id(p) for p in optimizers.params_of(optimizer)}
-    found = (m for m in gc.get_objects() if issubclass(type(m), Module) and _holds(m, held))
-    return outermost(found)
+    return outermost(m for m in live_instances(Module) if _holds(m, held))
 
 
 def outermost(modules: Iterable[Any]) -> list[Any]:

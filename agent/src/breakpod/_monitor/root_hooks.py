@@ -21,7 +21,7 @@ from __future__ import annotations
 import gc
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from breakpod._core.announce import announce
@@ -49,6 +49,7 @@ class RootHooks:
     ``post(model, args, output)`` after, in the order added."""
 
     def __init__(self, model: Any) -> None:
+        """``model`` None: the inert hooks of a watched model loaded from a file."""
         import torch
 
         self.model = model
@@ -56,19 +57,26 @@ class RootHooks:
         self.post: list[Hook] = []
         self.traced = False  # written from inside a compiled graph
         self._compiling = torch.compiler.is_compiling  # a constant in a trace
-        self._looks = 0  # times the compiled calls that run the model were looked for
-        self.moved = False  # the hooks run on that call now
+        # times the compiled calls that run the model were looked for (an inert one: never)
+        self._looks = 0 if model is not None else LOOKS
         self._unproven = False  # moved, and no training step has told since whether they run
         # the torch.compile wrappers they run on, if any (weakly: they go when the user's do)
         self.wrappers: weakref.WeakSet[Any] = weakref.WeakSet()
         self._outside = False  # the call outside runs the hooks: the inner ones stand aside
         self._compiled_call: Any = None  # model.compile()'s, and the call that replaced it
         self._around_call: Any = None
-        self._handles = [
-            model.register_forward_pre_hook(self._inner_pre, with_kwargs=True),
-            model.register_forward_hook(self._inner_post),
-        ]
-        self._hear_gradients()
+        self._handles: list[Any] = []
+        if model is not None:
+            self._handles += [
+                model.register_forward_pre_hook(self._inner_pre, with_kwargs=True),
+                model.register_forward_hook(self._inner_post),
+            ]
+            self._hear_gradients()
+
+    @property
+    def moved(self) -> bool:
+        """Do the hooks run on a call outside the graph (a wrapper, model.compile()'s)?"""
+        return self._around_call is not None or len(self.wrappers) > 0
 
     def _hear_gradients(self) -> None:
         """A watched gradient's accumulation: the one eager moment of a compiled step when
@@ -132,7 +140,6 @@ class RootHooks:
         except Exception as e:  # never into training: the steps go uncaptured
             announce(f"monitor: the model's hooks could not leave its compiled graph ({e})")
             now = False
-        self.moved |= now
         self._unproven |= now
         return now
 
@@ -177,10 +184,10 @@ class RootHooks:
 
         return call
 
-    def __reduce__(self) -> tuple[Callable[[], RootHooks], tuple[()]]:
+    def __reduce__(self) -> tuple[type[RootHooks], tuple[None]]:
         """Saved with its model (``torch.save(model)``): the loaded model is not watched,
         and its hooks do nothing."""
-        return _unwatched, ()
+        return RootHooks, (None,)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RootHooks:
         """A deep copy of the model (an EMA copy) shares the hooks, as it shares the
@@ -191,25 +198,11 @@ class RootHooks:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        now = self.model.__dict__.get("_compiled_call_impl")
-        if self._around_call is not None and now is self._around_call:  # not compiled since
-            self.model._compiled_call_impl = self._compiled_call
+        around = self._around_call
+        if around is not None and self.model.__dict__.get("_compiled_call_impl") is around:
+            self.model._compiled_call_impl = self._compiled_call  # (not compiled since)
         self.pre.clear()
         self.post.clear()
-
-
-def _unwatched() -> RootHooks:
-    """The hooks of a watched model loaded from a file: none to run, nothing to move."""
-    import torch
-
-    root = RootHooks.__new__(RootHooks)
-    root.pre, root.post, root._handles = [], [], []
-    root.traced = root.moved = root._outside = root._unproven = False
-    root._looks = LOOKS
-    root._compiling = torch.compiler.is_compiling
-    root.wrappers = weakref.WeakSet()
-    root._compiled_call = root._around_call = None
-    return root
 
 
 def _settler(root: RootHooks) -> Callable[[Any], None]:
@@ -232,11 +225,14 @@ def compiled_wrappers(model: Any) -> list[Any]:
     wrapper_type = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     if wrapper_type is None:
         return []
-    return [
-        candidate
-        for candidate in gc.get_objects()
-        if issubclass(type(candidate), wrapper_type) and _runs(candidate, model)
-    ]
+    return [wrapper for wrapper in live_instances(wrapper_type) if _runs(wrapper, model)]
+
+
+def live_instances(cls: type) -> Iterator[Any]:
+    """Every object of ``cls`` (or a subclass) that the collector tracks: one pass over
+    them all. Told by type, not isinstance(): a dead weakproxy raises there, and a
+    deprecated torch alias warns."""
+    return (found for found in gc.get_objects() if issubclass(type(found), cls))
 
 
 def layers(model: Any) -> list[Any]:
