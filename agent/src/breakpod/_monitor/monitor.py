@@ -49,10 +49,7 @@ from breakpod._core.config import env_flag
 from breakpod._core.errors import AnomalyError, ConfigError, RuleError
 from breakpod._monitor import optimizers, staging, tiers
 from breakpod._monitor.anomaly import ActionContext, Anomaly
-from breakpod._monitor.compiled import (
-    apply_compile_policy,
-    unwrap_compiled,
-)
+from breakpod._monitor.compiled import apply_compile_policy, unwrap_compiled
 from breakpod._monitor.detect import Detector, Slot
 from breakpod._monitor.flight.recorder import FlightRecorder, flight_steps
 from breakpod._monitor.gate import gate_for
@@ -279,17 +276,17 @@ class Monitor(Sentinel):
         self.capture: Capture | None = None  # timetravel: set by _start_capture()
         self.flight: FlightRecorder | None = None  # the last steps on the device (flight.py)
         self._start_sentinel()
-        if enabled and probe:
-            self._root = RootHooks(model)
-            self._install(optimizer)
-        elif enabled:
-            previous = monitor_of(model)
-            if previous is not None:  # two monitors would double every hook and report
-                announce("watch(): this model was already watched; closing the previous monitor")
-                previous.close()
-            self._root = RootHooks(model)
+        if not enabled:
+            return
+        previous = None if probe else monitor_of(model)
+        if previous is not None:  # two monitors would double every hook and report
+            announce("watch(): this model was already watched; closing the previous monitor")
+            previous.close()
+        self._root = RootHooks(model)
+        if not probe:  # a probe replays the sentinel's capture
             self._start_capture(replay)  # first: its root hooks run before the monitor's
-            self._install(optimizer)
+        self._install(optimizer)
+        if not probe:
             MONITORS[model] = weakref.ref(self)
 
     def _start_capture(self, wanted: bool | None) -> None:
