@@ -14,7 +14,8 @@ Env:
   WATCH_INNER: watch the module DDP wraps (as debug mode's zero-code watch does);
 - MICRO: FSDP2's backwards a step; NAN_LOSS_RANK: that rank's loss alone NaN (its
   gradients finite); SPIKE_LOSS_RANK: that rank's loss alone x1000, LOSS_SKIP: a
-  loss_spike rule skips; STEPS; COMPILE: the wrapped model compiled (aot_eager)."""
+  loss_spike rule skips; STEPS; COMPILE: the wrapped model compiled (aot_eager);
+- CLOSE_RANK (a rank, or "all") closes its monitor after step CLOSE_AT, and trains on."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ POISON = float(os.environ["POISON"])
 MICRO = int(os.environ.get("MICRO", "1"))  # backwards a step
 NAN_LOSS_RANK = int(os.environ.get("NAN_LOSS_RANK", "-1"))  # its loss alone NaN at BAD_AT
 SPIKE_LOSS_RANK = int(os.environ.get("SPIKE_LOSS_RANK", "-1"))  # its loss alone x1000
+CLOSE_RANK, CLOSE_AT = os.environ.get("CLOSE_RANK", ""), int(os.environ.get("CLOSE_AT", "-1"))
 TOKEN = 7
 
 
@@ -108,6 +110,9 @@ def main() -> None:
         elif monitor is not None:
             monitor.record_loss(loss)  # judged with its step, before the update
         opt.step()
+        if step == CLOSE_AT and monitor is not None and CLOSE_RANK in ("all", str(rank)):
+            monitor.close()
+            say(rank, f"closed its monitor after step {step}")
         if step == BAD_AT:
             changed = (full(net.emb.weight) != before).any(dim=1).nonzero().flatten().tolist()
             say(rank, f"rows updated at the bad step {changed}")

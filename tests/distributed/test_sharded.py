@@ -176,3 +176,54 @@ def test_a_skip_one_rank_decides_alone_is_made_by_every_rank(
     assert "[rank 0] step 12: another rank skips this update, so this rank does too" in stderr
     assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
     assert "failed (" not in stderr, stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_monitor_closed_on_one_replica_leaves_at_the_next_update_and_follows_its_skip(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 closes its monitor after step 11; rank 0's loss spikes at step 12, and its
+    rule skips that update. Rank 0's agreement met rank 1's next DDP all-reduce instead
+    (gloo aborted the job: "Received data size doesn't match expected size"). Rank 1 now
+    makes one last agreement at its next update, saying it leaves, and follows the skip."""
+    spike = {"SPIKE_LOSS_RANK": "0", "LOSS_SKIP": "1", "CLOSE_RANK": "1", "CLOSE_AT": "11"}
+    stderr = run(tmp_path, "ddp", 11, POISON="1", BAD_AT="12", STEPS="15", **spike)
+    assert re.search(r"^rank 0: found step 12 loss <model>: \[lspike\]", stderr, re.M), stderr
+    assert "[rank 0] step 12: 1 of the 2 ranks closed their monitor" in stderr, stderr
+    assert "[rank 1] step 12: another rank skips this update, so this rank does too" in stderr
+    assert "[rank 1] step 12: this rank's monitor closed: it left its peers' agreements" in stderr
+    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    assert "rank 1: found" not in stderr  # its monitor closed before
+    assert "failed (" not in stderr, stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("closing", "offset"), [("1", 11), ("all", 12)])
+def test_a_sharded_model_whose_monitor_closes_on_some_ranks_trains_on(
+    tmp_path: Path, closing: str, offset: int
+) -> None:
+    """Each backward sums the shards' gradient norms over the ranks: rank 1 closing alone
+    after step 4 left rank 0 waiting in the next sum (the job hung). Rank 1's monitor now
+    goes on watching, and finds the NaN of step 8, until every rank's has closed; ranks
+    that all close go at the next backward, and say nothing."""
+    stderr = run(
+        tmp_path,
+        "2",
+        offset,
+        POISON="nan",
+        BAD_AT="8",
+        STEPS="10",
+        CLOSE_AT="4",
+        CLOSE_RANK=closing,
+    )
+    found = said(stderr, "found")
+    waits = "[rank 1] monitor: closed on this rank while other ranks still watch the sharded"
+    if closing == "1":
+        assert waits in stderr, stderr
+        assert set(found) == {"0", "1"}, stderr
+        assert all(line.startswith("step 8 backward emb: [nonfinite]") for line in found.values())
+        assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    else:
+        assert "monitor: closed on this rank" not in stderr, stderr
+        assert found == {}, stderr
+    assert "failed (" not in stderr, stderr

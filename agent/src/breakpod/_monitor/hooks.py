@@ -375,6 +375,10 @@ class ModuleHooks(ShapeContracts):
 
     def _on_backward_end(self) -> None:
         self._backward_queued = False
+        if self._closing:  # closed while its peers still watched: have they all closed?
+            self.close()
+            if not self.enabled:
+                return
         self._updated = False  # a backward after the update: the next step has begun
         if self._current.grads_done and self._update_skipped():
             self._end_skipped_step()
@@ -407,6 +411,9 @@ class ModuleHooks(ShapeContracts):
 
     def _end_skipped_step(self) -> None:
         """The step whose update the loop skipped ends here (pipeline.py)."""
+
+    def close(self) -> None:
+        """Remove every hook (monitor.py)."""
 
     def _backward_done(self) -> None:
         """After the gradients' norms: the sentinel looks at them here (sentinel.py)."""

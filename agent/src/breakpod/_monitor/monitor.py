@@ -254,6 +254,10 @@ class Monitor(Sentinel):
         self._host_buffers = HostBuffers()  # the reads' pinned copies, reused (CUDA only)
         self._backward_queued = False
         self._optimizer = optimizer
+        self._peers = None  # the ranks a skip is agreed with (peers.py)
+        self._departure = None  # closed: its last agreement with its peers, yet to come
+        self._closing = False  # closed while peers still sum its norms (_stays_for_peers)
+        self._said_closing = False
         # a rule that must act before the update, or the sentinel at check_every=1: its one
         # read a step waits at the step's end, so a bad step's replay comes before the update
         self._urgent = any(r.urgent for r in rules) or (
@@ -345,10 +349,13 @@ class Monitor(Sentinel):
 
     def close(self) -> None:
         """Read what is still pending (the last steps' statistics, a loss recorded after
-        the optimizer's step), then remove every hook; the anomalies stay for inspection."""
+        the optimizer's step), then remove every hook; the anomalies stay for inspection.
+        A sharded model's monitor goes on until every rank's has closed (_stays_for_peers)."""
         if self.enabled and self._pending:  # else the exporters never hear the last step
             with contextlib.suppress(AnomalyError):  # a stop rule: training is over anyway
                 self.flush()
+        if self._stays_for_peers():
+            return
         for handle in [*self._handles, *self._leaf_hooks.values()]:
             handle.remove()
         self._handles.clear()
@@ -362,8 +369,31 @@ class Monitor(Sentinel):
             self.flight.close()
         self._pending, self._inflight, self._current = [], [], self._record(self.step_count)
         self.enabled = False
+        self._leave_peers_later()
         if monitor_of(self.model) is self:
             MONITORS.pop(self.model, None)
+
+    def _stays_for_peers(self) -> bool:
+        """A sharded model's gradient norms are summed over the ranks at each backward: a
+        rank that closed alone would leave the others waiting in that sum (a hang). So its
+        monitor goes on until every rank's has closed, as told in the job's store, and
+        closes at the end of the next backward after (hooks.py). Each backward runs FSDP's
+        own collectives before that end, so every rank sees the same count there."""
+        over = self._sharding.collectives if self.enabled and self._sharding else None
+        if over is None or not over.live:
+            return False
+        if over.leave(now=not self._closing):
+            over.disband()
+            return False
+        if self._closing and not self._said_closing:  # a backward came, before all closed
+            self._said_closing = True  # (a rank that closes at the end says nothing)
+            announce(
+                "monitor: closed on this rank while other ranks still watch the sharded "
+                "model, whose gradient norms are summed over the ranks at each backward: it "
+                "goes on watching until every rank's monitor has closed"
+            )
+        self._closing = True
+        return True
 
     def __enter__(self) -> Monitor:
         return self

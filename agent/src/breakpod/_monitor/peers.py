@@ -5,8 +5,9 @@ What a rank judges alone (its own batch's loss, the detailed tier's activations,
 debugger's ``skip`` at its park) may differ from the others' verdicts. A skip of one
 rank alone parts the replicas (DDP: their weights differ from then on) or updates a
 sharded model in part (FSDP). So a monitor that can skip an update (a ``skip`` or
-``break`` rule) agrees with its peers at each update: one all-reduce of a flag, the
-largest verdict wins, and a rank that skips for another says so.
+``break`` rule) agrees with its peers at each update: one all-reduce of two counts (the
+ranks that skip, those that leave), a skip of any wins, and a rank that skips for another
+says so. A monitor closed on one rank makes one more, to leave (:class:`Departure`).
 
 A collective must be made by every rank of its group, or the job hangs. So the peers
 first answer a roll call in the job's store (``roll_call.py``: no collective); a
@@ -19,6 +20,7 @@ import sys
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from breakpod._core.announce import announce
 from breakpod._monitor.roll_call import Collectives
 from breakpod._monitor.sharding import mesh_of, mesh_ranks, sharded
 
@@ -28,10 +30,21 @@ class Peers:
 
     def __init__(self, groups: Sequence[Any], ranks: list[int]) -> None:
         self._over = Collectives(groups, ranks, "train the model", "each rank skips for itself")
-        self._flag: Any = None  # the verdict's one element, reused: no tensor made a step
+        self._size = len(ranks)
+        # the verdict's two elements, reused (no tensor made a step): the ranks that skip
+        # this update, and those whose monitor closed and leave the agreement with it
+        self._flag: Any = None
+        self.leaving = False  # this rank's monitor closed: its next agreement is its last
 
-    def agree(self, skip: bool) -> bool:
-        """This update's verdict, the peers' largest (a collective, and one read)."""
+    @property
+    def owed(self) -> bool:
+        """Will the peers make their next agreement with this rank? (So a monitor closed
+        here must make it too, or they wait in it: a hang, or another collective's data.)"""
+        return self._over.live
+
+    def agree(self, skip: bool, step: int) -> bool:
+        """This update's verdict: does any peer skip it? (A collective, and one read.) A
+        peer that left (its monitor closed) ends the agreement, for every rank at once."""
         groups = self._over.groups()
         if not groups:
             return skip
@@ -39,11 +52,65 @@ class Peers:
         import torch.distributed as dist
 
         if self._flag is None:
-            self._flag = torch.zeros(1, device=self._over.device)
-        self._flag.fill_(1.0 if skip else 0.0)
-        for group in groups:
-            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=group)
-        return bool(self._flag.item())
+            self._flag = torch.zeros(2, device=self._over.device)
+        self._flag[0].fill_(float(skip))
+        self._flag[1].fill_(float(self.leaving))
+        for group in groups:  # summed over each group in turn: over all the ranks
+            dist.all_reduce(self._flag, op=dist.ReduceOp.SUM, group=group)
+        skips, left = self._flag.tolist()
+        if left:
+            self._over.disband()
+            if not self.leaving:
+                announce(
+                    f"step {step}: {left:.0f} of the {self._size} ranks closed their monitor: "
+                    "from the next update on, each rank skips for itself (a skip of one rank "
+                    "alone parts the replicas: close the monitor on every rank at once)"
+                )
+        return bool(skips > 0)
+
+
+class Departure:
+    """A closed monitor's last agreement with its peers, made where they make their next
+    (the next update): it says that this rank leaves, and follows their skip of that
+    update (this rank's update alone applied would part the replicas). It holds no
+    monitor: left in the optimizer's hooks once done (one cannot be removed while the
+    optimizer runs them), it keeps nothing alive."""
+
+    def __init__(self, peers: Peers, step: int, optimizer: Any, model: Any) -> None:
+        peers.leaving = True
+        self._peers: Peers | None = peers
+        self._step = step
+        self._optimizer = optimizer
+        self._model = model
+
+    def __call__(self, *_: Any) -> None:
+        peers, self._peers = self._peers, None
+        if peers is None:
+            return
+        try:
+            if peers.agree(False, self._step):
+                follow(self._step)
+                drop_update(self._optimizer, self._model)
+        except Exception as e:  # the agent's failure, never the job's
+            announce(f"monitor's last agreement failed ({type(e).__name__}: {e}); job continues")
+            return
+        announce(f"step {self._step}: this rank's monitor closed: it left its peers' agreements")
+        self._optimizer = self._model = None
+
+
+def follow(step: int) -> None:
+    announce(
+        f"step {step}: another rank skips this update, so this rank does too (one rank alone "
+        "would part the replicas, or update a sharded model in part)"
+    )
+
+
+def drop_update(optimizer: Any, model: Any) -> None:
+    """Leave this update undone: optimizers leave a parameter without a gradient as it is."""
+    groups = optimizer.param_groups if optimizer is not None else ()
+    params = [p for group in groups for p in group["params"]] or list(model.parameters())
+    for p in params:
+        p.grad = None
 
 
 def peers_of(model: Any, params: Sequence[Any]) -> Peers | None:

@@ -17,7 +17,7 @@ from breakpod._monitor.anomaly import Anomaly
 from breakpod._monitor.anomaly import user_frame as _user_frame
 from breakpod._monitor.detect import StepData
 from breakpod._monitor.hooks import ModuleHooks
-from breakpod._monitor.peers import Peers, peers_of
+from breakpod._monitor.peers import Departure, Peers, drop_update, follow, peers_of
 from breakpod._monitor.stats import (
     Entry,
     StepRecord,
@@ -73,6 +73,8 @@ class StepPipeline(ModuleHooks):
         records ``loss`` (for the step the optimizer ended, when called after it).
         """
         if not self.enabled:
+            if self._departure is not None:  # closed: its last agreement with its peers is due
+                self._departure()
             return
         frame = _user_frame(sys._getframe(1))
         with self._contained("step boundary"):
@@ -160,12 +162,9 @@ class StepPipeline(ModuleHooks):
         Agreed with the peers (peers.py): if one rank drops it, every rank does."""
         skip = self._ctx.take_skip(step)
         if self._peers is not None:
-            agreed = self._peers.agree(skip)
+            agreed = self._peers.agree(skip, step)
             if agreed and not skip:
-                announce(
-                    f"step {step}: another rank skips this update, so this rank does too (one "
-                    "rank alone would part the replicas, or update a sharded model in part)"
-                )
+                follow(step)
             skip = agreed
         if not skip:
             return
@@ -176,14 +175,23 @@ class StepPipeline(ModuleHooks):
                 "optimizer.step(), or pass watch(optimizer=...))"
             )
             return
-        params = _optimizer_params(self._optimizer) or list(self.model.parameters())
-        for p in params:
-            p.grad = None  # optimizers leave a parameter without a gradient untouched
+        drop_update(self._optimizer, self.model)
         self.skipped_steps += 1
         for anomaly in self.anomalies:
             if anomaly.step == step:
                 anomaly.skipped = True
         announce(f"step {step}: update skipped (gradients dropped before the optimizer step)")
+
+    def _leave_peers_later(self) -> None:
+        """close() with peers that agree each update's skip with this rank: they make their
+        next agreement with it, so this rank makes it too, and leaves there (peers.py)."""
+        if self._peers is None or not self._peers.owed or self._peers.leaving:
+            return
+        departure = Departure(self._peers, self.step_count, self._optimizer, self.model)
+        if self._optimizer is None:  # monitor.step() makes it
+            self._departure = departure
+        else:
+            self._handles.append(self._optimizer.register_step_pre_hook(departure))
 
     def _can_skip(self) -> bool:
         """Can this monitor skip an update (a ``skip`` or ``break`` rule, judged before it)?"""
@@ -281,9 +289,3 @@ class StepPipeline(ModuleHooks):
     def _mark_skipped(self, data: StepData, anomalies: list[Anomaly]) -> None:
         if self._gate is not None and self._gate.mark(data.step, anomalies, data.gate):
             self.skipped_steps += 1
-
-
-def _optimizer_params(optimizer: Any) -> list[Any]:
-    if optimizer is None:
-        return []
-    return [p for group in optimizer.param_groups for p in group["params"]]

@@ -59,6 +59,14 @@ class RollCall:
         )
         return False
 
+    def closed(self, now: bool) -> bool:
+        """Have all the ranks closed their monitor (``now``: this one closes now)? Told in
+        the store too; without one, the ranks made no collective, and any rank may go."""
+        try:
+            return bool(self._store.add(f"{self._key}/closed", int(now)) >= self.expected)
+        except Exception:
+            return True
+
 
 class Collectives:
     """The process groups a monitor's collective runs over, one after another, once every
@@ -67,7 +75,8 @@ class Collectives:
 
     def __init__(self, groups: Sequence[Any], ranks: Sequence[int], what: str, otherwise: str):
         self._groups = list(groups)
-        self._roll_call: RollCall | None = RollCall(ranks, what)
+        self._roll_call = RollCall(ranks, what)
+        self._asked = False  # the roll call, at the first use
         self._otherwise = otherwise
         self.device: Any = None  # NCCL's: this rank's GPU; else the CPU
         if self._groups:
@@ -77,7 +86,22 @@ class Collectives:
             self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
 
     def groups(self) -> list[Any]:
-        roll_call, self._roll_call = self._roll_call, None
-        if roll_call is not None and not roll_call.answered(self._otherwise):
-            self._groups = []
+        if not self._asked:
+            self._asked = True
+            if not self._roll_call.answered(self._otherwise):
+                self._groups = []
         return self._groups
+
+    @property
+    def live(self) -> bool:
+        """Do the ranks still make this collective (or will they ask the roll call)?"""
+        return not self._asked or bool(self._groups)
+
+    def disband(self) -> None:
+        """No more of this collective, on this rank: each rank does ``otherwise`` alone."""
+        self._asked, self._groups = True, []
+
+    def leave(self, now: bool = True) -> bool:
+        """This rank's monitor closes (``now``; or did before): have every rank's? (Told in
+        the job's store: a rank may leave the collective once all do.)"""
+        return self._roll_call.closed(now)

@@ -70,7 +70,7 @@ class ShardedNorms:
         self._empty = empty  # parameters of which this rank holds nothing
         self._made: dict[Any, Any] = {}  # (device, index or "weights") -> its tensor
         # a rank alone summing would meet the others' next FSDP collective (a hang)
-        self._over = Collectives(
+        self.collectives = Collectives(
             groups, ranks, "shard the model", "each rank judges its own shard's gradient norms"
         )
 
@@ -79,10 +79,10 @@ class ShardedNorms:
         import torch
         import torch.distributed as dist
 
-        groups = self._over.groups()
+        groups = self.collectives.groups()
         if not groups:  # not every rank watches: each judges its own shards
             return parts
-        device = parts[0][0] if parts else self._over.device
+        device = parts[0][0] if parts else self.collectives.device
         squares = torch.zeros(len(self._weights), dtype=torch.float64, device=device)
         for _, keys, norms in parts:
             index = self._on(device, tuple(keys))

@@ -19,7 +19,7 @@ from breakpod._monitor.detect import Detector, ParamInfo, Slot
 from breakpod._monitor.flight.recorder import FlightRecorder
 from breakpod._monitor.gate import UpdateGate
 from breakpod._monitor.norms import NormPlan
-from breakpod._monitor.peers import Peers
+from breakpod._monitor.peers import Departure, Peers
 from breakpod._monitor.root_hooks import RootHooks
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.scaling import LossScaling
@@ -74,6 +74,9 @@ class MonitorState:
     _sharding: ShardedNorms | None  # FSDP: the gradient norms summed over the ranks
     _sharded: bool  # FSDP, whether or not the norms can be summed
     _peers: Peers | None  # the ranks a skip is agreed with (DDP, FSDP)
+    _closing: bool  # closed while its peers still sum its norms (monitor._stays_for_peers)
+    _said_closing: bool
+    _departure: Departure | None  # closed, without optimizer=: monitor.step() leaves its peers
     _peers_unknown: bool  # a skipping monitor without peers yet: DDP may wrap the model
     _bn_slow: bool  # BatchNorm's statistics read once in SLOW_STEPS steps (the sentinel's rule)
     _bn_read: int
