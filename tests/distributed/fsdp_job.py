@@ -15,7 +15,9 @@ Env:
 - MICRO: FSDP2's backwards a step; NAN_LOSS_RANK: that rank's loss alone NaN (its
   gradients finite); SPIKE_LOSS_RANK: that rank's loss alone x1000, LOSS_SKIP: a
   loss_spike rule skips; STEPS; COMPILE: the wrapped model compiled (aot_eager);
-- CLOSE_RANK (a rank, or "all") closes its monitor after step CLOSE_AT, and trains on."""
+- CLOSE_RANK (a rank, or "all") closes its monitor after step CLOSE_AT, and trains on;
+- FAIL_RANK: that rank's monitor fails from step FAIL_AT on (a fault injected into the
+  agent), at each step's end and each backward's norms."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ NAN_LOSS_RANK = int(os.environ.get("NAN_LOSS_RANK", "-1"))  # its loss alone NaN
 SPIKE_LOSS_RANK = int(os.environ.get("SPIKE_LOSS_RANK", "-1"))  # its loss alone x1000
 CLOSE_RANK, CLOSE_AT = os.environ.get("CLOSE_RANK", ""), int(os.environ.get("CLOSE_AT", "-1"))
 TOKEN = 7
+STEP = [0]  # the step the loop is in
 
 
 class Poisoned(torch.autograd.Function):
@@ -88,7 +91,10 @@ def main() -> None:
         watched = net if os.environ.get("WATCH_INNER") else model
         monitor = breakpod.watch(watched, rules, optimizer=opt, check_every=every)
     torch.manual_seed(1 + rank)
+    if rank == int(os.environ.get("FAIL_RANK", "-1")):
+        inject_faults(int(os.environ["FAIL_AT"]))
     for step in range(STEPS):
+        STEP[0] = step
         tokens = torch.randint(0, 10, (8, 5))
         tokens[0, 0] = TOKEN  # in every rank's batch: its row gets a gradient
         net.poison = step == BAD_AT
@@ -124,6 +130,23 @@ def main() -> None:
     # out without tearing gloo down: its teardown aborts now and then ("terminate called
     # without an active exception", after every rank is done; breakpod or not)
     os._exit(0)
+
+
+def inject_faults(start: int) -> None:
+    """The monitor's own failures from step ``start`` on: in the step's end, before its read
+    and its agreed skip; in each backward, before the norms' sum with the other ranks."""
+    from breakpod._monitor import norms, staging
+
+    def failing(real):
+        def run(*args, **kwargs):
+            if STEP[0] >= start:
+                raise RuntimeError("a fault injected into the monitor")
+            return real(*args, **kwargs)
+
+        return run
+
+    staging.Stager.end_step = failing(staging.Stager.end_step)
+    norms.NormPlan.__call__ = failing(norms.NormPlan.__call__)
 
 
 def shard(net: Net) -> torch.nn.Module:

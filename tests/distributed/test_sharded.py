@@ -227,3 +227,22 @@ def test_a_sharded_model_whose_monitor_closes_on_some_ranks_trains_on(
         assert "monitor: closed on this rank" not in stderr, stderr
         assert found == {}, stderr
     assert "failed (" not in stderr, stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("fsdp", "offset"), [("ddp", 12), ("2", 13)])
+def test_a_monitor_that_fails_on_one_rank_never_leaves_the_others_waiting(
+    tmp_path: Path, fsdp: str, offset: int
+) -> None:
+    """Rank 1's monitor fails inside each step's end and each backward's norms from step 10
+    on (a fault injected into the agent); rank 0's loss spikes at step 12, and its rule
+    skips that update. The failure skipped rank 1's agreement (gloo aborted a DDP job, an
+    FSDP one hung in the norms' sum). Whatever fails, this rank's part is made: rank 1
+    follows the skip, and says what failed."""
+    faults = {"FAIL_RANK": "1", "FAIL_AT": "10", "SPIKE_LOSS_RANK": "0", "LOSS_SKIP": "1"}
+    stderr = run(tmp_path, fsdp, offset, POISON="1", BAD_AT="12", STEPS="15", **faults)
+    assert re.search(r"^rank 0: found step 12 loss <model>: \[lspike\]", stderr, re.M), stderr
+    assert "[rank 1] step 12: another rank skips this update, so this rank does too" in stderr
+    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    failed = re.findall(r"\[rank (\d)\] monitor .* failed \(RuntimeError: a fault injected", stderr)
+    assert set(failed) == {"1"}, stderr

@@ -380,10 +380,15 @@ class ModuleHooks(ShapeContracts):
             if not self.enabled:
                 return
         self._updated = False  # a backward after the update: the next step has begun
-        if self._current.grads_done and self._update_skipped():
-            self._end_skipped_step()
-        self._current.grads_done = True
-        self._collect_grads()
+        sums = self._sharding.sums if self._sharding is not None else 0
+        try:
+            if self._current.grads_done and self._update_skipped():
+                self._end_skipped_step()
+            self._current.grads_done = True
+            self._collect_grads()
+        finally:  # whatever failed: the other ranks wait in the norms' sum for this one's
+            if self._sharding is not None and self._sharding.sums == sums:
+                self._sharding.full([])
         self._backward_done()
 
     def _update_skipped(self) -> bool:

@@ -255,6 +255,7 @@ class Monitor(Sentinel):
         self._backward_queued = False
         self._optimizer = optimizer
         self._peers = None  # the ranks a skip is agreed with (peers.py)
+        self._decided = 0  # updates whose skip was decided (with the peers, if any)
         self._departure = None  # closed: its last agreement with its peers, yet to come
         self._closing = False  # closed while peers still sum its norms (_stays_for_peers)
         self._said_closing = False

@@ -111,6 +111,17 @@ class StepPipeline(ModuleHooks):
             last.step, last.forwards = self.step_count, 1
 
     def _end_step(self, loss: Any, frame: FrameType | None = None) -> None:
+        step, decided = self._current.step, self._decided
+        try:
+            self._finish_step(loss, frame)
+        finally:  # whatever failed: the step ends (numbered as on the other ranks), a
+            # skip decided stands, and the peers wait for this rank's verdict
+            if self._current.step == step:
+                self._current, self.step_count = self._record(step + 1), step + 1
+            if self._urgent and self._decided == decided:
+                self._apply_skip(step)
+
+    def _finish_step(self, loss: Any, frame: FrameType | None = None) -> None:
         self._root.settle()  # a model compiled since: its root hooks leave the graph
         if loss is not None:
             self._put_loss(loss)
@@ -128,11 +139,9 @@ class StepPipeline(ModuleHooks):
         self._pending.append(done)
         self._say_if_compiled(done)
         if self._urgent:  # a break/stop/skip rule needs the verdict before the update
-            try:
-                self._read(done)
-                self._evaluate_landed(wait=True, frame=frame)
-            finally:  # whatever failed: the peers wait for this rank's verdict (peers.py)
-                self._apply_skip(done.step)
+            self._read(done)
+            self._evaluate_landed(wait=True, frame=frame)
+            self._apply_skip(done.step)
         elif self.step_count % self.check_every == 0 or done.kept or done.read_now:
             self._read(done)  # kept tensors (break/snapshot rules) live one step, not check_every
         self._evaluate_landed(wait=False)
@@ -161,6 +170,7 @@ class StepPipeline(ModuleHooks):
         """Drop this step's update: no gradient, so the optimizer's step changes nothing.
         Agreed with the peers (peers.py): if one rank drops it, every rank does."""
         skip = self._ctx.take_skip(step)
+        self._decided += 1
         if self._peers is not None:
             agreed = self._peers.agree(skip, step)
             if agreed and not skip:

@@ -254,13 +254,13 @@ class Sentinel(StepPipeline):
         live._found = [(a, r) for a, r in live._found if a.step > step]
         return first
 
-    def _end_step(self, loss: Any, frame: FrameType | None = None) -> None:
+    def _finish_step(self, loss: Any, frame: FrameType | None = None) -> None:
         live = self._live
         if live is not None:  # its step first, so that this step's judgement has it
             live._end_step(None)
             live.flush()
         done = self._current
-        super()._end_step(loss, frame)
+        super()._finish_step(loss, frame)
         if live is not None and live._found:  # what only the detailed tier saw (no trigger)
             said = {(a.step, a.rule) for a in self.anomalies}
             left = [

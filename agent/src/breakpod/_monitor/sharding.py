@@ -69,6 +69,7 @@ class ShardedNorms:
         self._weighted = any(w != 1.0 for w in weights)
         self._empty = empty  # parameters of which this rank holds nothing
         self._made: dict[Any, Any] = {}  # (device, index or "weights") -> its tensor
+        self.sums = 0  # made with the other ranks (a rank's part is owed at each backward)
         # a rank alone summing would meet the others' next FSDP collective (a hang)
         self.collectives = Collectives(
             groups, ranks, "shard the model", "each rank judges its own shard's gradient norms"
@@ -82,6 +83,7 @@ class ShardedNorms:
         groups = self.collectives.groups()
         if not groups:  # not every rank watches: each judges its own shards
             return parts
+        self.sums += 1
         device = parts[0][0] if parts else self.collectives.device
         squares = torch.zeros(len(self._weights), dtype=torch.float64, device=device)
         for _, keys, norms in parts:
