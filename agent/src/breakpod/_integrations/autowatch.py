@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from breakpod._core.announce import announce
+from breakpod._core.compiling import compiling_check
 from breakpod._core.config import env_flag
 from breakpod._core.errors import AnomalyError
 from breakpod._job import optimizer_steps
@@ -61,6 +62,7 @@ _monitors: dict[int, Monitor] = {}  # id(model) -> its monitor
 _closure_stepped: dict[int, Any] = {}
 _wanted = {"watch": False, "steps": False}
 _failed: set[str] = set()
+_compiling = compiling_check()  # looked up again at install(), once torch is imported
 
 
 def install() -> None:
@@ -75,7 +77,8 @@ def install() -> None:
         register_optimizer_step_pre_hook,
     )
 
-    global _forward_handle
+    global _forward_handle, _compiling
+    _compiling = compiling_check()
     _forward_handle = register_module_forward_pre_hook(_note)
     if _wanted["watch"]:  # a closure-stepped optimizer's monitors end their steps there
         _handles.append(register_optimizer_step_pre_hook(_before_step))
@@ -114,12 +117,6 @@ def _note(module: Any, args: Any) -> None:
         _traced[0] = True  # (a constant's does not: dynamo replays it after the graph)
         return  # (a compiled module's wrapper, OptimizedModule, is noted: it runs eagerly)
     _ran[id(module)] = module
-
-
-def _compiling() -> bool:
-    import torch
-
-    return torch.compiler.is_compiling()
 
 
 def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

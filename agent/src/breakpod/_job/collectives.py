@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from breakpod._core.compiling import compiling_check
+
 COLLECTIVES = (
     "all_reduce",
     "broadcast",
@@ -105,7 +107,7 @@ def installed() -> bool:
 
 
 def _counted(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
-    compiling = sys.modules["torch"].compiler.is_compiling
+    compiling = compiling_check()
 
     @functools.wraps(fn)
     def counted(*args: Any, **kwargs: Any) -> Any:

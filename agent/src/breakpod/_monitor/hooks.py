@@ -10,11 +10,11 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from breakpod._core.compiling import compiling_check
 from breakpod._core.errors import AnomalyError
 from breakpod._monitor import checks, staging
 from breakpod._monitor.contracts import ShapeContracts, _shapes
 from breakpod._monitor.detect import Slot
-from breakpod._monitor.reporting import _is_compiling
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.state import Shapes
 from breakpod._monitor.stats import StepRecord
@@ -188,7 +188,7 @@ class ModuleHooks(ShapeContracts):
         grad_hooks: dict[int, Callable[[Any], None]] = {}
         seen = self.shapes
         fwd_marks = self._fwd_marks
-        compiling = _is_compiling()
+        compiling = compiling_check()
 
         def hook(module: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
             # see _guarded (a probe's hooks see replays), _in_transform
@@ -237,7 +237,7 @@ class ModuleHooks(ShapeContracts):
         """The hook that checks the gradient w.r.t. a module's input (see _forward_hook):
         a node pre-hook given the node's output gradients, of which it takes ``index``,
         or, with ``index`` -1, a tensor hook given the gradient itself."""
-        compiling = _is_compiling()
+        compiling = compiling_check()
 
         def hook(grads: Any) -> None:
             # closed: a tensor hook on a leaf (a parameter fed as an input) outlives close()

@@ -10,6 +10,7 @@ from types import FrameType
 from typing import Any
 
 from breakpod._core.announce import announce
+from breakpod._core.compiling import compiling_check
 from breakpod._core.errors import AnomalyError
 from breakpod._monitor.anomaly import Anomaly, dispatch, merge_same_tensor
 from breakpod._monitor.rules import Rule
@@ -61,7 +62,7 @@ class Reporting(MonitorState):
     def _guarded(self, where: str, fn: Callable[..., None]) -> Callable[..., None]:
         """Wrap a hook: a failure is reported once and swallowed; only ``stop`` raises."""
 
-        compiling = _is_compiling()
+        compiling = compiling_check()
 
         def hook(*args: Any) -> None:
             if compiling():  # dynamo would trace the hook's tensor marks and fail: skip it
@@ -121,15 +122,3 @@ class Reporting(MonitorState):
             f"step={self.step_count} check_every={self.check_every} "
             f"anomalies={len(self.anomalies)} skipped_steps={self.skipped_steps}>"
         )
-
-
-def _is_compiling() -> Callable[[], bool]:
-    """True inside a torch.compile trace (constant there, so the hook traces to nothing);
-    looked up once per hook, not per call."""
-    compiler = getattr(sys.modules.get("torch"), "compiler", None)
-    check = getattr(compiler, "is_compiling", None)
-    return check if check is not None else _never
-
-
-def _never() -> bool:
-    return False

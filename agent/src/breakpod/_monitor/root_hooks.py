@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from breakpod._core.announce import announce
+from breakpod._core.compiling import compiling_check
 
 WRAPPERS = {  # class name -> the attribute holding the module it runs
     "DistributedDataParallel": "module",
@@ -50,13 +51,11 @@ class RootHooks:
 
     def __init__(self, model: Any) -> None:
         """``model`` None: the inert hooks of a watched model loaded from a file."""
-        import torch
-
         self.model = model
         self.pre: list[Hook] = []
         self.post: list[Hook] = []
         self.traced = False  # written from inside a compiled graph
-        self._compiling = torch.compiler.is_compiling  # a constant in a trace
+        self._compiling = compiling_check()  # a constant in a trace
         # times the compiled calls that run the model were looked for (an inert one: never)
         self._looks = 0 if model is not None else LOOKS
         self._unproven = False  # moved, and no training step has told since whether they run
