@@ -16,6 +16,8 @@ Env:
   gradients finite); SPIKE_LOSS_RANK: that rank's loss alone x1000, LOSS_SKIP: a
   loss_spike rule skips; STEPS; COMPILE: the wrapped model compiled (aot_eager);
 - CLOSE_RANK (a rank, or "all") closes its monitor after step CLOSE_AT, and trains on;
+- REWATCH_EVERY: every rank closes its monitor and watches anew every that many steps (a
+  monitor an epoch; a loss_spike rule then needs 3 steps of history, not 10);
 - FAIL_RANK: that rank's monitor fails from step FAIL_AT on (a fault injected into the
   agent), at each step's end and each backward's norms."""
 
@@ -34,6 +36,7 @@ POISON = float(os.environ["POISON"])
 MICRO = int(os.environ.get("MICRO", "1"))  # backwards a step
 NAN_LOSS_RANK = int(os.environ.get("NAN_LOSS_RANK", "-1"))  # its loss alone NaN at BAD_AT
 SPIKE_LOSS_RANK = int(os.environ.get("SPIKE_LOSS_RANK", "-1"))  # its loss alone x1000
+REWATCH_EVERY = int(os.environ.get("REWATCH_EVERY", "0"))
 CLOSE_RANK, CLOSE_AT = os.environ.get("CLOSE_RANK", ""), int(os.environ.get("CLOSE_AT", "-1"))
 TOKEN = 7
 STEP = [0]  # the step the loop is in
@@ -83,6 +86,8 @@ def main() -> None:
         rules = [{**skip, "max_norm": float(os.environ["MAX_NORM"])}]
     if os.environ.get("LOSS_SKIP"):  # a loss spike drops the update
         rules = [{"name": "lspike", "check": "loss_spike", "action": ["log", "skip"]}]
+        if REWATCH_EVERY:
+            rules[0]["min_history"] = 3
     if os.environ.get("PARK"):  # the NaN parks each rank, for a debugger
         rules = [{"name": "nan", "check": "nonfinite", "action": ["log", "break"]}]
     monitor = early
@@ -90,6 +95,7 @@ def main() -> None:
         every = int(os.environ.get("CHECK_EVERY", "1"))
         watched = net if os.environ.get("WATCH_INNER") else model
         monitor = breakpod.watch(watched, rules, optimizer=opt, check_every=every)
+    anomalies = []
     torch.manual_seed(1 + rank)
     if rank == int(os.environ.get("FAIL_RANK", "-1")):
         inject_faults(int(os.environ["FAIL_AT"]))
@@ -119,12 +125,18 @@ def main() -> None:
         if step == CLOSE_AT and monitor is not None and CLOSE_RANK in ("all", str(rank)):
             monitor.close()
             say(rank, f"closed its monitor after step {step}")
+        if REWATCH_EVERY and (step + 1) % REWATCH_EVERY == 0:  # an epoch's end
+            monitor.close()
+            anomalies += monitor.anomalies
+            monitor = breakpod.watch(watched, rules, optimizer=opt, check_every=every)
         if step == BAD_AT:
             changed = (full(net.emb.weight) != before).any(dim=1).nonzero().flatten().tolist()
             say(rank, f"rows updated at the bad step {changed}")
     if monitor is not None:
         monitor.close()
-    for a in monitor.anomalies if monitor is not None else ():
+        anomalies += monitor.anomalies
+        say(rank, f"optimizer step pre-hooks left {len(opt._optimizer_step_pre_hooks)}")
+    for a in anomalies:
         say(rank, f"found {a} | skipped={a.skipped} | value={a.value:.6e}")
     dist.barrier()
     # out without tearing gloo down: its teardown aborts now and then ("terminate called

@@ -246,3 +246,23 @@ def test_a_monitor_that_fails_on_one_rank_never_leaves_the_others_waiting(
     assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
     failed = re.findall(r"\[rank (\d)\] monitor .* failed \(RuntimeError: a fault injected", stderr)
     assert set(failed) == {"1"}, stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_monitor_made_anew_each_epoch_on_every_rank_agrees_and_leaves_one_hook(
+    tmp_path: Path,
+) -> None:
+    """Every rank closes its monitor and watches anew every 5 steps (``with watch(...)`` an
+    epoch). Each close leaves one last agreement at the next update, made by every rank at
+    once, before the new monitor's own; a spike of rank 1's loss in the third epoch is
+    still skipped by both. The optimizer keeps one hook for all those departures, not one
+    an epoch."""
+    spike = {"SPIKE_LOSS_RANK": "1", "LOSS_SKIP": "1", "REWATCH_EVERY": "5"}
+    stderr = run(tmp_path, "ddp", 13, POISON="1", BAD_AT="13", STEPS="15", **spike)
+    assert re.search(r"^rank 1: found step 3 loss <model>: \[lspike\]", stderr, re.M), stderr
+    assert "[rank 0] step 3: another rank skips this update, so this rank does too" in stderr
+    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    assert stderr.count("this rank's monitor closed: it left its peers' agreements") == 4
+    assert "ranks closed their monitor" not in stderr  # all left at once: nobody stays
+    assert said(stderr, "optimizer step pre-hooks left") == {"0": "1", "1": "1"}, stderr
+    assert "failed (" not in stderr, stderr

@@ -17,6 +17,7 @@ model watched on some ranks only is judged by each rank alone, as it says.
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -72,9 +73,7 @@ class Peers:
 class Departure:
     """A closed monitor's last agreement with its peers, made where they make their next
     (the next update): it says that this rank leaves, and follows their skip of that
-    update (this rank's update alone applied would part the replicas). It holds no
-    monitor: left in the optimizer's hooks once done (one cannot be removed while the
-    optimizer runs them), it keeps nothing alive."""
+    update (this rank's update alone applied would part the replicas)."""
 
     def __init__(self, peers: Peers, step: int, optimizer: Any, model: Any) -> None:
         peers.leaving = True
@@ -96,6 +95,31 @@ class Departure:
             return
         announce(f"step {self._step}: this rank's monitor closed: it left its peers' agreements")
         self._optimizer = self._model = None
+
+
+class Departures:
+    """The departures owed at an optimizer's next update: one step pre-hook an optimizer,
+    kept (a hook cannot be removed while the optimizer runs its hooks; an idle one costs a
+    call a step), so that a monitor closed each epoch adds none."""
+
+    def __init__(self) -> None:
+        self.owed: list[Departure] = []
+
+    def __call__(self, *_: Any) -> None:
+        owed, self.owed = self.owed, []
+        for departure in owed:  # in the order the monitors closed: as on every rank
+            departure()
+
+
+_DEPARTURES: weakref.WeakKeyDictionary[Any, Departures] = weakref.WeakKeyDictionary()
+
+
+def leave_at_next_update(departure: Departure, optimizer: Any) -> None:
+    departures = _DEPARTURES.get(optimizer)
+    if departures is None:
+        departures = _DEPARTURES[optimizer] = Departures()
+        optimizer.register_step_pre_hook(departures)
+    departures.owed.append(departure)
 
 
 def follow(step: int) -> None:

@@ -17,7 +17,14 @@ from breakpod._monitor.anomaly import Anomaly
 from breakpod._monitor.anomaly import user_frame as _user_frame
 from breakpod._monitor.detect import StepData
 from breakpod._monitor.hooks import ModuleHooks
-from breakpod._monitor.peers import Departure, Peers, drop_update, follow, peers_of
+from breakpod._monitor.peers import (
+    Departure,
+    Peers,
+    drop_update,
+    follow,
+    leave_at_next_update,
+    peers_of,
+)
 from breakpod._monitor.stats import (
     Entry,
     StepRecord,
@@ -201,7 +208,7 @@ class StepPipeline(ModuleHooks):
         if self._optimizer is None:  # monitor.step() makes it
             self._departure = departure
         else:
-            self._handles.append(self._optimizer.register_step_pre_hook(departure))
+            leave_at_next_update(departure, self._optimizer)
 
     def _can_skip(self) -> bool:
         """Can this monitor skip an update (a ``skip`` or ``break`` rule, judged before it)?"""
