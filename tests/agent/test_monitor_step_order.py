@@ -124,6 +124,38 @@ def test_without_optimizer_a_step_after_the_update_never_claims_a_skip(capfd):
     assert "step 2: update not skipped: optimizer.step() ran before monitor.step()" in err
 
 
+def test_an_update_the_loop_skipped_itself_never_costs_the_next_step_its_update(capfd):
+    """The loop skips the update of a NaN step itself (as GradScaler does): the step ends
+    at the next backward, where a ``skip`` rule dropped the gradients it found, which were
+    the next step's. That update was lost, and the step it ended had no gradients, so the
+    sentinel took the job for an inference job and kept the detailed tier on for good."""
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rules = [{"name": "nan", "check": "nonfinite", "action": "skip"}]
+    monitor = breakpod.watch(model, rules, optimizer=opt)
+    moved = []
+    for step in range(6):
+        x, y = batch(step)
+        if step == 2:
+            x[0, 0] = float("nan")
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        if torch.isfinite(loss):
+            opt.step()
+        now = list(model.parameters())
+        moved.append(any(bool((p != b).any()) for p, b in zip(now, before, strict=True)))
+    monitor.close()
+    assert moved == [True, True, False, True, True, True]
+    (a,) = monitor.anomalies
+    assert (a.step, a.module, a.phase, a.skipped) == (2, "fc1", "input", True), a
+    assert monitor.skipped_steps == 0  # the loop skipped it, not the monitor
+    err = capfd.readouterr().err
+    assert "update skipped" not in err
+    assert "detailed tier is on" not in err, err
+
+
 def test_an_evaluation_pass_after_the_update_keeps_a_late_loss_on_its_step():
     """A no_grad pass between optimizer.step() and monitor.step(loss) is not a new step."""
     model = Net()

@@ -256,6 +256,7 @@ class Monitor(Sentinel):
         self._optimizer = optimizer
         self._peers = None  # the ranks a skip is agreed with (peers.py)
         self._decided = 0  # updates whose skip was decided (with the peers, if any)
+        self._loop_skipped = False  # the step ending is one whose update the loop skipped
         self._departure = None  # closed: its last agreement with its peers, yet to come
         self._closing = False  # closed while peers still sum its norms (_stays_for_peers)
         self._said_closing = False

@@ -110,7 +110,11 @@ class StepPipeline(ModuleHooks):
         """End the step whose update the loop skipped, as the optimizer's step would have:
         it is judged as any step. The forward captured since is the new step's."""
         skipped = self._current.step
-        self._end_step(None)
+        self._loop_skipped = True  # its skip agreed, but no gradient dropped (hooks.py)
+        try:
+            self._end_step(None)
+        finally:
+            self._loop_skipped = False
         if self._gate is not None:  # its found_inf is for an update that never comes
             self._gate.after_update()
         last = self.capture.last if self.capture is not None else None
@@ -185,6 +189,9 @@ class StepPipeline(ModuleHooks):
             skip = agreed
         if not skip:
             return
+        if self._loop_skipped:  # never applied; the gradients now are the next step's
+            self._mark_step_skipped(step)
+            return
         if any(p._version != version for p, version in self._probe):
             announce(
                 f"step {step}: update not skipped: optimizer.step() ran before monitor.step(), "
@@ -194,10 +201,13 @@ class StepPipeline(ModuleHooks):
             return
         drop_update(self._optimizer, self.model)
         self.skipped_steps += 1
+        self._mark_step_skipped(step)
+        announce(f"step {step}: update skipped (gradients dropped before the optimizer step)")
+
+    def _mark_step_skipped(self, step: int) -> None:
         for anomaly in self.anomalies:
             if anomaly.step == step:
                 anomaly.skipped = True
-        announce(f"step {step}: update skipped (gradients dropped before the optimizer step)")
 
     def _leave_peers_later(self) -> None:
         """close() with peers that agree each update's skip with this rank: they make their

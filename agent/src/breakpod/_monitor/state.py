@@ -75,6 +75,7 @@ class MonitorState:
     _sharded: bool  # FSDP, whether or not the norms can be summed
     _peers: Peers | None  # the ranks a skip is agreed with (DDP, FSDP)
     _decided: int  # updates whose skip was decided (with the peers, if any)
+    _loop_skipped: bool  # the step ending is one whose update the loop skipped
     _closing: bool  # closed while its peers still sum its norms (monitor._stays_for_peers)
     _said_closing: bool
     _departure: Departure | None  # closed, without optimizer=: monitor.step() leaves its peers
