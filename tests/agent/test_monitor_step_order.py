@@ -124,11 +124,16 @@ def test_without_optimizer_a_step_after_the_update_never_claims_a_skip(capfd):
     assert "step 2: update not skipped: optimizer.step() ran before monitor.step()" in err
 
 
-def test_an_update_the_loop_skipped_itself_never_costs_the_next_step_its_update(capfd):
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_an_update_the_loop_skipped_itself_never_costs_the_next_step_its_update(
+    capfd, set_to_none
+):
     """The loop skips the update of a NaN step itself (as GradScaler does): the step ends
     at the next backward, where a ``skip`` rule dropped the gradients it found, which were
     the next step's. That update was lost, and the step it ended had no gradients, so the
-    sentinel took the job for an inference job and kept the detailed tier on for good."""
+    sentinel took the job for an inference job and kept the detailed tier on for good.
+    Gradients zeroed in place (``set_to_none=False``) hid the skipped step: the next
+    backward's norms replaced its NaN ones, and the NaN was never reported."""
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     rules = [{"name": "nan", "check": "nonfinite", "action": "skip"}]
@@ -139,7 +144,7 @@ def test_an_update_the_loop_skipped_itself_never_costs_the_next_step_its_update(
         if step == 2:
             x[0, 0] = float("nan")
         loss = F.cross_entropy(model(x), y)
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         loss.backward()
         before = [p.detach().clone() for p in model.parameters()]
         if torch.isfinite(loss):

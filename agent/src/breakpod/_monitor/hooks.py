@@ -395,16 +395,19 @@ class ModuleHooks(ShapeContracts):
         """With ``optimizer=``, did the loop skip the update of a step whose gradients were
         non-finite (a GradScaler that found an inf, a loop's own check)? Steps end at the
         optimizer's step, which never came. Told by the gradients: ``zero_grad()`` dropped
-        them since the last backward, which made new ones (accumulating keeps them), or a
-        GradScaler's ``update()`` ran since (``zero_grad(set_to_none=False)`` keeps them;
-        accumulation calls no update()); and the last backward's norms were non-finite (a
-        read, on this rare path only)."""
+        them since the last backward, which made new ones (accumulating keeps them), or
+        zeroed them in place (``zero_grad(set_to_none=False)``: written twice since, where
+        accumulating writes once), or a GradScaler's ``update()`` ran since (accumulation
+        calls none); and the last backward's norms were non-finite (a read, on this rare
+        path only)."""
         if self._optimizer is None or self._grad_seen is None:
             return False
-        param, seen = self._grad_seen
-        if param.grad is None:
+        param, seen, version = self._grad_seen
+        grad = param.grad
+        if grad is None:
             return False
-        if param.grad is seen() and self._scaling.updates() in (None, self._scale_seen):
+        kept = grad._version <= version + 1 and grad is seen()
+        if kept and self._scaling.updates() in (None, self._scale_seen):
             return False
         return not self._norms_finite()
 

@@ -148,7 +148,8 @@ class ParamPlanning(Reporting):
             self._probe = [(p, p._version) for p in itertools.islice(present, PROBED)]
         else:  # to tell, at the next backward, whether zero_grad() came between (hooks.py)
             first = next(present, None)
-            self._grad_seen = None if first is None else (first, weakref.ref(first.grad))
+            seen = None if first is None else (first, weakref.ref(first.grad), first.grad._version)
+            self._grad_seen = seen
             self._scale_seen = self._scaling.updates()
 
     def _add_state_checks(self, step: StepRecord) -> None:

@@ -86,7 +86,7 @@ class MonitorState:
     _grad_reads: int
     _on_meta: bool
     _probe: list[tuple[Any, int]]
-    _grad_seen: tuple[Any, weakref.ref[Any]] | None  # a parameter, its gradient at the backward
+    _grad_seen: tuple[Any, weakref.ref[Any], int] | None  # a parameter, its gradient, its version
     _scale_seen: int | None  # the GradScaler's update() count at the last backward
     # module hooks (hooks.py)
     _slots: list[Slot]
