@@ -125,9 +125,7 @@ def test_without_optimizer_a_step_after_the_update_never_claims_a_skip(capfd):
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
-def test_an_update_the_loop_skipped_itself_never_costs_the_next_step_its_update(
-    capfd, set_to_none
-):
+def test_an_update_the_loop_skipped_itself_never_costs_the_next_step_its_update(capfd, set_to_none):
     """The loop skips the update of a NaN step itself (as GradScaler does): the step ends
     at the next backward, where a ``skip`` rule dropped the gradients it found, which were
     the next step's. That update was lost, and the step it ended had no gradients, so the

@@ -182,15 +182,16 @@ class StepPipeline(ModuleHooks):
         Agreed with the peers (peers.py): if one rank drops it, every rank does."""
         skip = self._ctx.take_skip(step)
         self._decided += 1
+        if self._loop_skipped:  # the loop applied no update: nothing to drop, or agree on
+            if skip:  # (the gradients by now are the next step's)
+                self._mark_step_skipped(step)
+            return
         if self._peers is not None:
             agreed = self._peers.agree(skip, step)
             if agreed and not skip:
                 follow(step)
             skip = agreed
         if not skip:
-            return
-        if self._loop_skipped:  # never applied; the gradients now are the next step's
-            self._mark_step_skipped(step)
             return
         if any(p._version != version for p, version in self._probe):
             announce(
