@@ -12,18 +12,23 @@ Env:
 - MAX_NORM: a grad_norm skip rule's limit; PARK: the NaN parks; CHECK_EVERY;
 - WATCH_FIRST: watch() before wrapping; WATCH_RANK: the only rank that watches;
   WATCH_INNER: watch the module DDP wraps (as debug mode's zero-code watch does);
-- MICRO: FSDP2's backwards a step; NAN_LOSS_RANK: that rank's loss alone NaN (its
+- MICRO: backwards a step (FSDP2's, or DDP's under no_sync() but the last);
+  NAN_LOSS_RANK: that rank's loss alone NaN (its
   gradients finite); SPIKE_LOSS_RANK: that rank's loss alone x1000, LOSS_SKIP: a
   loss_spike rule skips; STEPS; COMPILE: the wrapped model compiled (aot_eager);
 - CLOSE_RANK (a rank, or "all") closes its monitor after step CLOSE_AT, and trains on;
 - REWATCH_EVERY: every rank closes its monitor and watches anew every that many steps (a
-  monitor an epoch; a loss_spike rule then needs 3 steps of history, not 10);
+  monitor an epoch; a loss_spike rule then needs 3 steps of history, not 10); LATE_RANK:
+  that rank closes 1 s after the others; CLOSE_WAIT: the seconds a sharded model's
+  monitor waits at close() for the other ranks' (breakpod's is 5);
 - FAIL_RANK: that rank's monitor fails from step FAIL_AT on (a fault injected into the
   agent), at each step's end and each backward's norms."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -97,6 +102,8 @@ def main() -> None:
         monitor = breakpod.watch(watched, rules, optimizer=opt, check_every=every)
     anomalies = []
     torch.manual_seed(1 + rank)
+    if "CLOSE_WAIT" in os.environ:
+        breakpod._monitor.monitor.CLOSE_WAIT = float(os.environ["CLOSE_WAIT"])
     if rank == int(os.environ.get("FAIL_RANK", "-1")):
         inject_faults(int(os.environ["FAIL_AT"]))
     for step in range(STEPS):
@@ -105,15 +112,14 @@ def main() -> None:
         tokens[0, 0] = TOKEN  # in every rank's batch: its row gets a gradient
         net.poison = step == BAD_AT
         opt.zero_grad()
-        for micro in range(MICRO):  # FSDP2 accumulating: no reduce-scatter but the last's
-            if MICRO > 1:
-                net.set_requires_gradient_sync(micro == MICRO - 1)
-            loss = model(tokens).pow(2).mean()
-            if rank == NAN_LOSS_RANK and step == BAD_AT:  # NaN, its gradients finite
-                loss = loss + torch.tensor(float("nan"))
-            if rank == SPIKE_LOSS_RANK and step == BAD_AT:  # an outlier batch on one rank
-                loss = loss * 1000
-            loss.backward()
+        for micro in range(MICRO):  # accumulating: no reduction but the last backward's
+            last = micro == MICRO - 1
+            if MICRO > 1 and FSDP != "ddp":
+                net.set_requires_gradient_sync(last)
+            with model.no_sync() if FSDP == "ddp" and not last else contextlib.nullcontext():
+                loss = model(tokens).pow(2).mean()
+                loss = loss_of(rank, step, loss)
+                loss.backward()
         if step == BAD_AT:
             say(rank, f"the embedding's gradient norm {full(net.emb.weight.grad).norm():.6e}")
         before = full(net.emb.weight)
@@ -126,6 +132,8 @@ def main() -> None:
             monitor.close()
             say(rank, f"closed its monitor after step {step}")
         if REWATCH_EVERY and (step + 1) % REWATCH_EVERY == 0:  # an epoch's end
+            if rank == int(os.environ.get("LATE_RANK", "-1")):
+                time.sleep(1.0)
             monitor.close()
             anomalies += monitor.anomalies
             monitor = breakpod.watch(watched, rules, optimizer=opt, check_every=every)
@@ -142,6 +150,14 @@ def main() -> None:
     # out without tearing gloo down: its teardown aborts now and then ("terminate called
     # without an active exception", after every rank is done; breakpod or not)
     os._exit(0)
+
+
+def loss_of(rank: int, step: int, loss: torch.Tensor) -> torch.Tensor:
+    if rank == NAN_LOSS_RANK and step == BAD_AT:  # NaN, its gradients finite
+        loss = loss + torch.tensor(float("nan"))
+    if rank == SPIKE_LOSS_RANK and step == BAD_AT:  # an outlier batch on one rank
+        loss = loss * 1000
+    return loss
 
 
 def inject_faults(start: int) -> None:

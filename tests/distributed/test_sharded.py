@@ -223,9 +223,10 @@ def test_a_sharded_model_whose_monitor_closes_on_some_ranks_trains_on(
         assert set(found) == {"0", "1"}, stderr
         assert all(line.startswith("step 8 backward emb: [nonfinite]") for line in found.values())
         assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
-    else:
+    else:  # both closed for good: their step hooks are gone (but the departures' own)
         assert "monitor: closed on this rank" not in stderr, stderr
         assert found == {}, stderr
+        assert said(stderr, "optimizer step pre-hooks left") == {"0": "1", "1": "1"}, stderr
     assert "failed (" not in stderr, stderr
 
 
@@ -265,4 +266,41 @@ def test_a_monitor_made_anew_each_epoch_on_every_rank_agrees_and_leaves_one_hook
     assert stderr.count("this rank's monitor closed: it left its peers' agreements") == 4
     assert "ranks closed their monitor" not in stderr  # all left at once: nobody stays
     assert said(stderr, "optimizer step pre-hooks left") == {"0": "1", "1": "1"}, stderr
+    assert "failed (" not in stderr, stderr
+
+
+@pytest.mark.timeout(120)
+def test_ddp_accumulating_under_no_sync_keeps_the_loops_steps(tmp_path: Path) -> None:
+    """Two backwards a step, the first under DDP's ``no_sync()``; both NaN at step 3. DDP's
+    synced backward writes each gradient twice (accumulated, then averaged), which once
+    read as gradients zeroed in place: the step ended a backward early, the NaN update was
+    applied, and the monitor's steps ran ahead of the loop's."""
+    stderr = run(tmp_path, "ddp", 14, POISON="nan", MICRO="2", STEPS="6")
+    found = said(stderr, "found")
+    assert set(found) == {"0", "1"}, stderr
+    for line in found.values():
+        assert re.match(r"step 3 backward module\.emb: \[nonfinite\]", line), stderr
+        assert "skipped=True" in line, stderr
+    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    assert "failed (" not in stderr, stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("wait", "offset"), [("5", 14), ("0", 15)])
+def test_a_sharded_model_watched_anew_each_epoch_agrees_when_a_rank_closes_late(
+    tmp_path: Path, wait: str, offset: int
+) -> None:
+    """FSDP2, a monitor an epoch, rank 1 closing 1 s after rank 0 each time. Rank 0's
+    monitor waits at close() for rank 1's; told not to wait, it goes on until rank 1's
+    close, and its last agreement came after its new monitor's: the two ranks' agreements
+    crossed, every rank went alone, and rank 1 skipped its spike alone (the sharded model
+    updated in part). The last agreements come first on every rank now."""
+    spike = {"SPIKE_LOSS_RANK": "1", "LOSS_SKIP": "1", "REWATCH_EVERY": "5", "LATE_RANK": "1"}
+    stderr = run(
+        tmp_path, "2", offset, POISON="1", BAD_AT="13", STEPS="15", CLOSE_WAIT=wait, **spike
+    )
+    assert re.search(r"^rank 1: found step 3 loss <model>: \[lspike\]", stderr, re.M), stderr
+    assert "[rank 0] step 3: another rank skips this update, so this rank does too" in stderr
+    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    assert "ranks closed their monitor" not in stderr, stderr  # nobody left alone
     assert "failed (" not in stderr, stderr

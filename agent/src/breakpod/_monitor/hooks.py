@@ -364,6 +364,10 @@ class ModuleHooks(ShapeContracts):
 
         Variable._execution_engine.queue_callback(self._backward_last)
         self._backward_queued = True
+        seen = self._grad_seen  # before this backward writes any: written since the last?
+        if seen is not None:
+            grad = seen[0].grad
+            self._zeroed = grad is not None and grad._version != seen[2]
 
     def _queue_last(self) -> None:
         """Queued again from the engine's final callbacks, so that it runs after all that
@@ -380,15 +384,17 @@ class ModuleHooks(ShapeContracts):
             if not self.enabled:
                 return
         self._updated = False  # a backward after the update: the next step has begun
-        sums = self._sharding.sums if self._sharding is not None else 0
+        sharding = self._sharding
+        sums = sharding.sums if sharding is not None else 0
         try:
             if self._current.grads_done and self._update_skipped():
                 self._end_skipped_step()
             self._current.grads_done = True
-            self._collect_grads()
+            self._collect_grads()  # (a re-plan may make a new sharding)
         finally:  # whatever failed: the other ranks wait in the norms' sum for this one's
-            if self._sharding is not None and self._sharding.sums == sums:
-                self._sharding.full([])
+            now = self._sharding
+            if now is not None and now.sums == (sums if now is sharding else 0):
+                now.full([])
         self._backward_done()
 
     def _update_skipped(self) -> bool:
@@ -396,17 +402,17 @@ class ModuleHooks(ShapeContracts):
         non-finite (a GradScaler that found an inf, a loop's own check)? Steps end at the
         optimizer's step, which never came. Told by the gradients: ``zero_grad()`` dropped
         them since the last backward, which made new ones (accumulating keeps them), or
-        zeroed them in place (``zero_grad(set_to_none=False)``: written twice since, where
-        accumulating writes once), or a GradScaler's ``update()`` ran since (accumulation
-        calls none); and the last backward's norms were non-finite (a read, on this rare
-        path only)."""
+        zeroed them in place (``zero_grad(set_to_none=False)``: written between the two
+        backwards, where accumulation writes only within one), or a GradScaler's
+        ``update()`` ran since (accumulation calls none); and the last backward's norms
+        were non-finite (a read, on this rare path only)."""
         if self._optimizer is None or self._grad_seen is None:
             return False
-        param, seen, version = self._grad_seen
+        param, seen, _ = self._grad_seen
         grad = param.grad
         if grad is None:
             return False
-        kept = grad._version <= version + 1 and grad is seen()
+        kept = not self._zeroed and grad is seen()
         if kept and self._scaling.updates() in (None, self._scale_seen):
             return False
         return not self._norms_finite()

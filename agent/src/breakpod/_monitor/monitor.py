@@ -53,6 +53,7 @@ from breakpod._monitor.compiled import apply_compile_policy, unwrap_compiled
 from breakpod._monitor.detect import Detector, Slot
 from breakpod._monitor.flight.recorder import FlightRecorder, flight_steps
 from breakpod._monitor.gate import gate_for
+from breakpod._monitor.peers import departures_in_job
 from breakpod._monitor.pipeline import JUDGE_LABEL
 from breakpod._monitor.root_hooks import RootHooks
 from breakpod._monitor.rules import Rule, load_rules, parse_rule, read_yaml, strict_bool
@@ -204,6 +205,9 @@ def _merge_rules(
     return merged
 
 
+CLOSE_WAIT = 5.0  # seconds close() waits for the other ranks' (a sharded model's monitor)
+
+
 class Monitor(Sentinel):
     """Hooks on one model: :meth:`step` once per step, then :attr:`anomalies`; :meth:`close`.
 
@@ -257,7 +261,7 @@ class Monitor(Sentinel):
         self._peers = None  # the ranks a skip is agreed with (peers.py)
         self._decided = 0  # updates whose skip was decided (with the peers, if any)
         self._loop_skipped = False  # the step ending is one whose update the loop skipped
-        self._departure = None  # closed: its last agreement with its peers, yet to come
+        self._departures = None  # where closed monitors make their last agreements
         self._closing = False  # closed while peers still sum its norms (_stays_for_peers)
         self._said_closing = False
         # a rule that must act before the update, or the sentinel at check_every=1: its one
@@ -270,6 +274,7 @@ class Monitor(Sentinel):
         self._updated = False
         self._probe: list[tuple[Any, int]] = []  # (parameter, its version) at the backward
         self._grad_seen = None
+        self._zeroed = False  # the gradient seen was written between two backwards
         self._scale_seen = None
         self.skipped_steps = 0
         self._module_checks = False  # some forward/backward hook records stats
@@ -331,6 +336,8 @@ class Monitor(Sentinel):
         params = [(info.name, p) for info, p in self._params]
         self.flight = FlightRecorder(self._slots, steps, params) if steps else None
         self._install_grad_hooks()
+        # closed monitors' last agreements with their peers come before this one's (peers.py)
+        self._departures = departures_in_job(optimizer or self.model, self._is_probe)
         if optimizer is not None:  # before the update, so a bad step can still be dropped
             hook = self._guarded("optimizer step hook", self._before_update)
             self._handles.append(optimizer.register_step_pre_hook(hook))
@@ -378,17 +385,18 @@ class Monitor(Sentinel):
     def _stays_for_peers(self) -> bool:
         """A sharded model's gradient norms are summed over the ranks at each backward: a
         rank that closed alone would leave the others waiting in that sum (a hang). So its
-        monitor goes on until every rank's has closed, as told in the job's store, and
-        closes at the end of the next backward after (hooks.py). Each backward runs FSDP's
-        own collectives before that end, so every rank sees the same count there."""
+        monitor waits a little for the others' close, as told in the job's store, and if
+        they do not come goes on until they have, closing at the end of the first backward
+        after (hooks.py). Each backward runs FSDP's own collectives before that end, and
+        the count is read after them, so every rank sees the same count there."""
         over = self._sharding.collectives if self.enabled and self._sharding else None
         if over is None or not over.live:
             return False
-        if over.leave(now=not self._closing):
+        if over.leave(now=not self._closing, wait=0.0 if self._closing else CLOSE_WAIT):
             over.disband()
             return False
-        if self._closing and not self._said_closing:  # a backward came, before all closed
-            self._said_closing = True  # (a rank that closes at the end says nothing)
+        if self._closing and not self._said_closing:
+            self._said_closing = True
             announce(
                 "monitor: closed on this rank while other ranks still watch the sharded "
                 "model, whose gradient norms are summed over the ranks at each backward: it "

@@ -73,34 +73,36 @@ class Peers:
 class Departure:
     """A closed monitor's last agreement with its peers, made where they make their next
     (the next update): it says that this rank leaves, and follows their skip of that
-    update (this rank's update alone applied would part the replicas)."""
+    update (this rank's update alone applied would part the replicas). It holds the
+    optimizer and the model weakly: one owed at the end of training frees them."""
 
     def __init__(self, peers: Peers, step: int, optimizer: Any, model: Any) -> None:
         peers.leaving = True
         self._peers: Peers | None = peers
         self._step = step
-        self._optimizer = optimizer
-        self._model = model
+        self._optimizer = None if optimizer is None else weakref.ref(optimizer)
+        self._model = weakref.ref(model)
 
-    def __call__(self, *_: Any) -> None:
+    def __call__(self) -> None:
         peers, self._peers = self._peers, None
         if peers is None:
             return
         try:
             if peers.agree(False, self._step):
                 follow(self._step)
-                drop_update(self._optimizer, self._model)
+                drop_update(self._optimizer and self._optimizer(), self._model())
         except Exception as e:  # the agent's failure, never the job's
             announce(f"monitor's last agreement failed ({type(e).__name__}: {e}); job continues")
             return
         announce(f"step {self._step}: this rank's monitor closed: it left its peers' agreements")
-        self._optimizer = self._model = None
 
 
 class Departures:
-    """The departures owed at an optimizer's next update: one step pre-hook an optimizer,
-    kept (a hook cannot be removed while the optimizer runs its hooks; an idle one costs a
-    call a step), so that a monitor closed each epoch adds none."""
+    """The departures owed where a step ends: at an optimizer's step, as its step
+    pre-hook, or in ``monitor.step()`` for the model. The hook is registered before the
+    first monitor's own, and kept (a hook cannot be removed while the optimizer runs its
+    hooks; an idle one costs a call a step): so every rank makes its departures before
+    its new monitor's agreement, and a monitor closed each epoch adds no hook."""
 
     def __init__(self) -> None:
         self.owed: list[Departure] = []
@@ -111,15 +113,26 @@ class Departures:
             departure()
 
 
+# an optimizer (its step pre-hook) or a model without one (monitor.step()) -> its departures
 _DEPARTURES: weakref.WeakKeyDictionary[Any, Departures] = weakref.WeakKeyDictionary()
 
 
-def leave_at_next_update(departure: Departure, optimizer: Any) -> None:
-    departures = _DEPARTURES.get(optimizer)
+def departures_at(where: Any) -> Departures:
+    """The departures made at ``where``'s step: an optimizer's, or a model's."""
+    departures = _DEPARTURES.get(where)
     if departures is None:
-        departures = _DEPARTURES[optimizer] = Departures()
-        optimizer.register_step_pre_hook(departures)
-    departures.owed.append(departure)
+        departures = _DEPARTURES[where] = Departures()
+        if hasattr(where, "register_step_pre_hook"):
+            where.register_step_pre_hook(departures)
+    return departures
+
+
+def departures_in_job(where: Any, probe: bool) -> Departures | None:
+    """The departures at ``where`` (see :func:`departures_at`) in a job of several ranks."""
+    dist = sys.modules.get("torch.distributed")
+    if probe or dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return departures_at(where) if dist.get_world_size() > 1 else None
 
 
 def follow(step: int) -> None:

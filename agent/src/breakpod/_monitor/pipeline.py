@@ -20,9 +20,9 @@ from breakpod._monitor.hooks import ModuleHooks
 from breakpod._monitor.peers import (
     Departure,
     Peers,
+    departures_at,
     drop_update,
     follow,
-    leave_at_next_update,
     peers_of,
 )
 from breakpod._monitor.stats import (
@@ -79,9 +79,9 @@ class StepPipeline(ModuleHooks):
         With ``optimizer=`` the optimizer's step ends steps; this then only
         records ``loss`` (for the step the optimizer ended, when called after it).
         """
+        if self._departures is not None and self._departures.owed and self._optimizer is None:
+            self._departures()  # closed monitors' last agreements first, as with an optimizer
         if not self.enabled:
-            if self._departure is not None:  # closed: its last agreement with its peers is due
-                self._departure()
             return
         frame = _user_frame(sys._getframe(1))
         with self._contained("step boundary"):
@@ -127,7 +127,7 @@ class StepPipeline(ModuleHooks):
             self._finish_step(loss, frame)
         finally:  # whatever failed: the step ends (numbered as on the other ranks), a
             # skip decided stands, and the peers wait for this rank's verdict
-            if self._current.step == step:
+            if self.step_count == step:
                 self._current, self.step_count = self._record(step + 1), step + 1
             if self._urgent and self._decided == decided:
                 self._apply_skip(step)
@@ -216,10 +216,9 @@ class StepPipeline(ModuleHooks):
         if self._peers is None or not self._peers.owed or self._peers.leaving:
             return
         departure = Departure(self._peers, self.step_count, self._optimizer, self.model)
-        if self._optimizer is None:  # monitor.step() makes it
-            self._departure = departure
-        else:
-            leave_at_next_update(departure, self._optimizer)
+        departures_at(self.model if self._optimizer is None else self._optimizer).owed.append(
+            departure
+        )
 
     def _can_skip(self) -> bool:
         """Can this monitor skip an update (a ``skip`` or ``break`` rule, judged before it)?"""

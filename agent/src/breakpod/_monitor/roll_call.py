@@ -61,11 +61,12 @@ class RollCall:
 
     def closed(self, now: bool) -> bool:
         """Have all the ranks closed their monitor (``now``: this one closes now)? Told in
-        the store too; without one, the ranks made no collective, and any rank may go."""
+        the store too. Not if the store fails: a rank that stays makes its part, and one
+        that went alone would leave the others waiting."""
         try:
             return bool(self._store.add(f"{self._key}/closed", int(now)) >= self.expected)
         except Exception:
-            return True
+            return False
 
 
 class Collectives:
@@ -101,7 +102,17 @@ class Collectives:
         """No more of this collective, on this rank: each rank does ``otherwise`` alone."""
         self._asked, self._groups = True, []
 
-    def leave(self, now: bool = True) -> bool:
-        """This rank's monitor closes (``now``; or did before): have every rank's? (Told in
-        the job's store: a rank may leave the collective once all do.)"""
-        return self._roll_call.closed(now)
+    def leave(self, now: bool, wait: float = 0.0) -> bool:
+        """This rank's monitor closes (``now``; or did before): have every rank's, within
+        ``wait`` seconds? Told in the job's store: a rank may leave the collective once
+        all do. Asked with this rank's collectives done: NCCL's run behind the host, and
+        what the store says must come after them (a rank that read it ahead of its last
+        collective could skip one that the others make)."""
+        if self.device is not None:
+            sys.modules["torch"].cuda.synchronize(self.device)
+        deadline = time.monotonic() + wait
+        left = self._roll_call.closed(now)
+        while not left and time.monotonic() < deadline:
+            time.sleep(0.01)
+            left = self._roll_call.closed(False)
+        return left

@@ -19,7 +19,7 @@ from breakpod._monitor.detect import Detector, ParamInfo, Slot
 from breakpod._monitor.flight.recorder import FlightRecorder
 from breakpod._monitor.gate import UpdateGate
 from breakpod._monitor.norms import NormPlan
-from breakpod._monitor.peers import Departure, Peers
+from breakpod._monitor.peers import Departures, Peers
 from breakpod._monitor.root_hooks import RootHooks
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.scaling import LossScaling
@@ -78,7 +78,7 @@ class MonitorState:
     _loop_skipped: bool  # the step ending is one whose update the loop skipped
     _closing: bool  # closed while its peers still sum its norms (monitor._stays_for_peers)
     _said_closing: bool
-    _departure: Departure | None  # closed, without optimizer=: monitor.step() leaves its peers
+    _departures: Departures | None  # where closed monitors make their last agreements
     _peers_unknown: bool  # a skipping monitor without peers yet: DDP may wrap the model
     _bn_slow: bool  # BatchNorm's statistics read once in SLOW_STEPS steps (the sentinel's rule)
     _bn_read: int
@@ -87,6 +87,7 @@ class MonitorState:
     _on_meta: bool
     _probe: list[tuple[Any, int]]
     _grad_seen: tuple[Any, weakref.ref[Any], int] | None  # a parameter, its gradient, its version
+    _zeroed: bool  # that gradient was written between two backwards (zeroed in place)
     _scale_seen: int | None  # the GradScaler's update() count at the last backward
     # module hooks (hooks.py)
     _slots: list[Slot]
