@@ -364,10 +364,7 @@ class ModuleHooks(ShapeContracts):
 
         Variable._execution_engine.queue_callback(self._backward_last)
         self._backward_queued = True
-        seen = self._grad_seen  # before this backward writes any: written since the last?
-        if seen is not None:
-            grad = seen[0].grad
-            self._zeroed = grad is not None and grad._version != seen[2]
+        self._note_backward_start()
 
     def _queue_last(self) -> None:
         """Queued again from the engine's final callbacks, so that it runs after all that
@@ -396,32 +393,6 @@ class ModuleHooks(ShapeContracts):
             if now is not None and now.sums == (sums if now is sharding else 0):
                 now.full([])
         self._backward_done()
-
-    def _update_skipped(self) -> bool:
-        """With ``optimizer=``, did the loop skip the update of a step whose gradients were
-        non-finite (a GradScaler that found an inf, a loop's own check)? Steps end at the
-        optimizer's step, which never came. Told by the gradients: ``zero_grad()`` dropped
-        them since the last backward, which made new ones (accumulating keeps them), or
-        zeroed them in place (``zero_grad(set_to_none=False)``: written between the two
-        backwards, where accumulation writes only within one), or a GradScaler's
-        ``update()`` ran since (accumulation calls none); and the last backward's norms
-        were non-finite (a read, on this rare path only)."""
-        if self._optimizer is None or self._grad_seen is None:
-            return False
-        param, seen, _ = self._grad_seen
-        grad = param.grad
-        if grad is None:
-            return False
-        kept = not self._zeroed and grad is seen()
-        if kept and self._scaling.updates() in (None, self._scale_seen):
-            return False
-        return not self._norms_finite()
-
-    def _norms_finite(self) -> bool:
-        """Are this step's gradient norms finite? One op a vector: a NaN/Inf is its max
-        (norms are >= 0). On a GPU, a host read."""
-        entries = self._current.entries
-        return all(math.isfinite(e.vec.max()) for e in entries if e.kind == "grads")
 
     def _end_skipped_step(self) -> None:
         """The step whose update the loop skipped ends here (pipeline.py)."""

@@ -5,6 +5,7 @@ when the model's parameters are replaced), and the state checks at each read."""
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -151,6 +152,40 @@ class ParamPlanning(Reporting):
             seen = None if first is None else (first, weakref.ref(first.grad), first.grad._version)
             self._grad_seen = seen
             self._scale_seen = self._scaling.updates()
+
+    def _note_backward_start(self) -> None:
+        """Before a backward writes any gradient: was the one seen written since the last
+        backward (zeroed in place)? See :meth:`_update_skipped`."""
+        seen = self._grad_seen
+        if seen is not None:
+            grad = seen[0].grad
+            self._zeroed = grad is not None and grad._version != seen[2]
+
+    def _update_skipped(self) -> bool:
+        """With ``optimizer=``, did the loop skip the update of a step whose gradients were
+        non-finite (a GradScaler that found an inf, a loop's own check)? Steps end at the
+        optimizer's step, which never came. Told by the gradients: ``zero_grad()`` dropped
+        them since the last backward, which made new ones (accumulating keeps them), or
+        zeroed them in place (``zero_grad(set_to_none=False)``: written between the two
+        backwards, where accumulation writes only within one), or a GradScaler's
+        ``update()`` ran since (accumulation calls none); and the last backward's norms
+        were non-finite (a read, on this rare path only)."""
+        if self._optimizer is None or self._grad_seen is None:
+            return False
+        param, seen, _ = self._grad_seen
+        grad = param.grad
+        if grad is None:
+            return False
+        kept = not self._zeroed and grad is seen()
+        if kept and self._scaling.updates() in (None, self._scale_seen):
+            return False
+        return not self._norms_finite()
+
+    def _norms_finite(self) -> bool:
+        """Are this step's gradient norms finite? One op a vector: a NaN/Inf is its max
+        (norms are >= 0). On a GPU, a host read."""
+        entries = self._current.entries
+        return all(math.isfinite(e.vec.max()) for e in entries if e.kind == "grads")
 
     def _add_state_checks(self, step: StepRecord) -> None:
         """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
