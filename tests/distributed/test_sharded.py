@@ -32,6 +32,13 @@ def run(tmp_path: Path, fsdp: str, offset: int, **env: str) -> str:
     return job.stderr
 
 
+def assert_both_skipped(stderr: str, follower: str, step: int) -> None:
+    """``follower`` skipped ``step``'s update for the other rank, and no rank updated."""
+    follows = f"[rank {follower}] step {step}: another rank skips this update, so this rank"
+    assert follows in stderr, stderr
+    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+
+
 def said(stderr: str, what: str) -> dict[str, str]:
     """Each rank's line of ``what`` (the job writes ``rank N: what ...``)."""
     return dict(re.findall(rf"^rank (\d): {what} ?(.*)$", stderr, re.MULTILINE))
@@ -173,8 +180,7 @@ def test_a_skip_one_rank_decides_alone_is_made_by_every_rank(
     stderr = run(tmp_path, fsdp, offset, POISON="1", BAD_AT="12", STEPS="15", **spike)
     assert re.search(r"^rank 1: found step 12 loss <model>: \[lspike\]", stderr, re.M), stderr
     assert not re.search(r"^rank 0: found step 12 loss", stderr, re.M)  # rank 0's loss: calm
-    assert "[rank 0] step 12: another rank skips this update, so this rank does too" in stderr
-    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    assert_both_skipped(stderr, follower="0", step=12)
     assert "failed (" not in stderr, stderr
 
 
@@ -190,9 +196,8 @@ def test_a_monitor_closed_on_one_replica_leaves_at_the_next_update_and_follows_i
     stderr = run(tmp_path, "ddp", 11, POISON="1", BAD_AT="12", STEPS="15", **spike)
     assert re.search(r"^rank 0: found step 12 loss <model>: \[lspike\]", stderr, re.M), stderr
     assert "[rank 0] step 12: 1 of the 2 ranks closed their monitor" in stderr, stderr
-    assert "[rank 1] step 12: another rank skips this update, so this rank does too" in stderr
     assert "[rank 1] step 12: this rank's monitor closed: it left its peers' agreements" in stderr
-    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    assert_both_skipped(stderr, follower="1", step=12)
     assert "rank 1: found" not in stderr  # its monitor closed before
     assert "failed (" not in stderr, stderr
 
@@ -243,8 +248,7 @@ def test_a_monitor_that_fails_on_one_rank_never_leaves_the_others_waiting(
     faults = {"FAIL_RANK": "1", "FAIL_AT": "10", "SPIKE_LOSS_RANK": "0", "LOSS_SKIP": "1"}
     stderr = run(tmp_path, fsdp, offset, POISON="1", BAD_AT="12", STEPS="15", **faults)
     assert re.search(r"^rank 0: found step 12 loss <model>: \[lspike\]", stderr, re.M), stderr
-    assert "[rank 1] step 12: another rank skips this update, so this rank does too" in stderr
-    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    assert_both_skipped(stderr, follower="1", step=12)
     failed = re.findall(r"\[rank (\d)\] monitor .* failed \(RuntimeError: a fault injected", stderr)
     assert set(failed) == {"1"}, stderr
 
@@ -261,8 +265,7 @@ def test_a_monitor_made_anew_each_epoch_on_every_rank_agrees_and_leaves_one_hook
     spike = {"SPIKE_LOSS_RANK": "1", "LOSS_SKIP": "1", "REWATCH_EVERY": "5"}
     stderr = run(tmp_path, "ddp", 13, POISON="1", BAD_AT="13", STEPS="15", **spike)
     assert re.search(r"^rank 1: found step 3 loss <model>: \[lspike\]", stderr, re.M), stderr
-    assert "[rank 0] step 3: another rank skips this update, so this rank does too" in stderr
-    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    assert_both_skipped(stderr, follower="0", step=3)
     assert stderr.count("this rank's monitor closed: it left its peers' agreements") == 4
     assert "ranks closed their monitor" not in stderr  # all left at once: nobody stays
     assert said(stderr, "optimizer step pre-hooks left") == {"0": "1", "1": "1"}, stderr
@@ -300,7 +303,6 @@ def test_a_sharded_model_watched_anew_each_epoch_agrees_when_a_rank_closes_late(
         tmp_path, "2", offset, POISON="1", BAD_AT="13", STEPS="15", CLOSE_WAIT=wait, **spike
     )
     assert re.search(r"^rank 1: found step 3 loss <model>: \[lspike\]", stderr, re.M), stderr
-    assert "[rank 0] step 3: another rank skips this update, so this rank does too" in stderr
-    assert said(stderr, "rows updated at the bad step") == {"0": "[]", "1": "[]"}, stderr
+    assert_both_skipped(stderr, follower="0", step=3)
     assert "ranks closed their monitor" not in stderr, stderr  # nobody left alone
     assert "failed (" not in stderr, stderr
