@@ -110,7 +110,7 @@ class StepPipeline(ModuleHooks):
         """End the step whose update the loop skipped, as the optimizer's step would have:
         it is judged as any step. The forward captured since is the new step's."""
         skipped = self._current.step
-        self._loop_skipped = True  # its skip agreed, but no gradient dropped (hooks.py)
+        self._loop_skipped = True  # no update to drop, or agree on (_apply_skip)
         try:
             self._end_step(None)
         finally:
