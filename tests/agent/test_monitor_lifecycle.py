@@ -32,6 +32,23 @@ def test_a_watched_model_is_freed_after_del_without_close():
     assert [r() for r in refs] == [None, None, None]
 
 
+def test_a_last_agreement_owed_at_the_end_of_training_frees_the_model_and_optimizer():
+    """A monitor closed in a job of several ranks owes its peers one last agreement at the
+    optimizer's next update (peers.py), which never comes once training is over. The
+    departure held the optimizer and the model, and its optimizer's entry held it: the
+    model and its optimizer state outlived every run of a sweep."""
+    from breakpod._monitor.peers import Departure, Peers, departures_at
+
+    model = Net()
+    optimizer = torch.optim.Adam(model.parameters())
+    peers = Peers([], [0, 1])  # two ranks' agreement, not yet made (no process group here)
+    departures_at(optimizer).owed.append(Departure(peers, 3, optimizer, model))
+    refs = [weakref.ref(model), weakref.ref(optimizer)]
+    del model, optimizer
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+
+
 def test_a_watched_model_saved_whole_loads_unwatched():
     """``torch.save(model)`` pickles the model's hooks with it: the root hooks' capture
     clock (a lambda) failed it. The loaded model's root hooks do nothing, and a deep
