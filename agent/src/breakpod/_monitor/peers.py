@@ -129,10 +129,15 @@ def departures_at(where: Any) -> Departures:
 
 def departures_in_job(where: Any, probe: bool) -> Departures | None:
     """The departures at ``where`` (see :func:`departures_at`) in a job of several ranks."""
+    return departures_at(where) if not probe and several_ranks() else None
+
+
+def several_ranks() -> bool:
+    """Is this process one rank of a job of several (torch.distributed initialized)?"""
     dist = sys.modules.get("torch.distributed")
-    if probe or dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    return departures_at(where) if dist.get_world_size() > 1 else None
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    return bool(dist.get_world_size() > 1)
 
 
 def follow(step: int) -> None:
@@ -152,10 +157,7 @@ def drop_update(optimizer: Any, model: Any) -> None:
 
 def peers_of(model: Any, params: Sequence[Any]) -> Peers | None:
     """The peers of a data-parallel ``model`` in a job of several ranks, else None."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    if dist.get_world_size() < 2:
+    if not several_ranks():
         return None
     if isinstance(model, sys.modules["torch.nn.parallel"].DistributedDataParallel):
         return replicas_of(model)
@@ -163,6 +165,7 @@ def peers_of(model: Any, params: Sequence[Any]) -> Peers | None:
     if mesh is not None:  # FSDP2: every dimension of its mesh, replicas and shards
         return Peers([mesh.get_group(d) for d in range(mesh.ndim)], mesh_ranks(mesh))
     if sharded(params):  # FSDP1: its units' process groups make up the world
+        dist = sys.modules["torch.distributed"]
         return Peers([dist.group.WORLD], list(range(dist.get_world_size())))
     return None
 
