@@ -7,9 +7,12 @@ or its socket, as the docker CLI finds it); otherwise one line says why not.
 
 The engine's ``oom`` and ``die`` events of containers are read in a thread (the
 SDK's stream blocks) and handed to the loop. A ``die`` names the exit code; an
-``oom`` just before it (or the container's ``State.OOMKilled``) makes it
-OOMKilled. The container is matched to its sessions by the 12-digit id the agent
-reports (``container``, or ``host``: a container's hostname is that id unless set).
+``oom`` near it (or the container's ``State.OOMKilled``) makes it OOMKilled. The
+engine reads a cgroup's oom apart from its process's exit, and under load the
+``die`` can come first: a SIGKILL's death waits up to ``OOM_GRACE`` for its oom,
+each death in its own task, so that a node's worth of deaths never queue. The
+container is matched to its sessions by the 12-digit id the agent reports
+(``container``, or ``host``: a container's hostname is that id unless set).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import threading
 import time
 from typing import Any
@@ -27,6 +31,9 @@ from breakpod_broker.context import Broker
 
 log = logging.getLogger(__name__)
 OOM_SECONDS = 30.0  # an oom event marks its container's next die this long
+OOM_GRACE = 3.0  # a SIGKILL's die waits this long for an oom that comes after it
+OOM_POLL = 0.25
+SIGKILLED = 128 + signal.SIGKILL  # the exit code of a process the OOM killer took
 
 
 class DockerWatchError(RuntimeError):
@@ -46,6 +53,7 @@ class DockerWatch:
         self.stream: Any = None
         self.thread = threading.Thread(target=self._read, name="docker-events", daemon=True)
         self.task: asyncio.Task[None] | None = None
+        self.handling: set[asyncio.Task[None]] = set()
 
     @classmethod
     async def start(cls, broker: Broker) -> DockerWatch | None:
@@ -82,10 +90,11 @@ class DockerWatch:
         if self.stream is not None:
             with contextlib.suppress(Exception):  # the SDK's stream closes its socket
                 await asyncio.to_thread(self.stream.close)
-        if self.task is not None:
-            self.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.task
+        for task in (self.task, *self.handling):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self.client is not None:
             with contextlib.suppress(Exception):
                 self.client.close()
@@ -99,11 +108,15 @@ class DockerWatch:
 
     async def _handle_all(self) -> None:
         while True:
-            event = await self.queue.get()
-            try:
-                await self.handle(event)
-            except Exception:  # one bad event or a Redis error never stops the watch
-                log.exception("docker watch: cannot record %s", event.get("id"))
+            task = asyncio.create_task(self._handle_one(await self.queue.get()))
+            self.handling.add(task)
+            task.add_done_callback(self.handling.discard)
+
+    async def _handle_one(self, event: dict[str, Any]) -> None:
+        try:
+            await self.handle(event)
+        except Exception:  # one bad event or a Redis error never stops the watch
+            log.exception("docker watch: cannot record %s", event.get("id"))
 
     async def handle(self, event: dict[str, Any]) -> None:
         action = event.get("Action") or event.get("status") or ""
@@ -116,8 +129,7 @@ class DockerWatch:
             return
         attributes = event.get("Actor", {}).get("Attributes", {})
         code = _int(attributes.get("exitCode"))
-        oom = container in self.oom or await asyncio.to_thread(self._oom_killed, container)
-        kind, fields = reasons.of_exit(code, oom=oom)
+        kind, fields = reasons.of_exit(code, oom=await self._oom_killed(container, code))
         fields.update(source=protocol.DOCKER, container=container)
         sessions = await reasons.sessions_where(
             self.broker, keys.SESSIONS, lambda f: _runs_in(f, container)
@@ -125,7 +137,19 @@ class DockerWatch:
         event_id = f"docker-{container}-{event.get('timeNano') or event.get('time')}"
         self.recorded += await reasons.record(self.broker, sessions, kind, fields, event_id)
 
-    def _oom_killed(self, container: str) -> bool:
+    async def _oom_killed(self, container: str, code: int | None) -> bool:
+        """An oom event came for the container, or it says so itself; a SIGKILL waits
+        up to OOM_GRACE for either, since its oom can come after its die."""
+        deadline = time.monotonic() + (OOM_GRACE if code == SIGKILLED else 0.0)
+        while container not in self.oom:
+            if await asyncio.to_thread(self._says_oom_killed, container):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(OOM_POLL)
+        return True
+
+    def _says_oom_killed(self, container: str) -> bool:
         """The container's own word (gone already when it ran with --rm: then no)."""
         try:
             return bool(self.client.containers.get(container).attrs["State"]["OOMKilled"])
