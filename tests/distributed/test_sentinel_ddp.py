@@ -20,21 +20,23 @@ NAN_JOB = Path(__file__).with_name("nan_job.py")
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize(("watched", "port"), [("ddp", 29176), ("inner", 29186)])
 def test_a_nan_batch_on_one_rank_is_named_there_and_the_others_say_where_it_came_from(
-    tmp_path: Path,
+    tmp_path: Path, watched: str, port: int
 ) -> None:
-    job = Job(tmp_path, 3, 29176, NAN_JOB, BAD_RANK="2", BAD_AT="3")
+    job = Job(tmp_path, 3, port, NAN_JOB, BAD_RANK="2", BAD_AT="3", WATCH=watched)
     try:
         assert job.wait(timeout=100) == 0, job.stderr
     finally:
         job.kill()
     found = dict(re.findall(r"^found on rank (\d): (.*)$", job.stderr, re.MULTILINE))
+    first = "module.0" if watched == "ddp" else "0"  # the wrapper's names, or its module's
     assert found["2"].startswith(
-        "step 3 input module.0: [nonfinite] input of module.0 (the batch) has non-finite values"
+        f"step 3 input {first}: [nonfinite] input of {first} (the batch) has non-finite values"
     ), job.stderr
     assert "how=replay | replayed in" in found["2"]
     for rank in ("0", "1"):
-        assert found[rank].startswith("step 3 backward module.0: [nonfinite] gradient of"), found
+        assert found[rank].startswith(f"step 3 backward {first}: [nonfinite] gradient of"), found
         assert "its own step replayed finite" in found[rank]
         assert "from another rank" in found[rank]
     assert "the detailed tier is on" not in job.stderr

@@ -66,3 +66,31 @@ def test_a_breakpoint_on_one_rank_holds_the_job_past_its_timeout_and_c_resumes_i
     assert "\n2\n" in dialogue, dialogue
     assert job.wait(timeout=90) == 0, job.stderr
     assert job.stderr.count("finished rank") == 2 and "stall:" not in job.stderr, job.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_nan_on_one_rank_under_hf_trainer_is_skipped_by_both_and_the_other_says_whence(
+    torchrun: Any,
+) -> None:
+    """No breakpod line: debug mode finds the module DDP holds (accelerate wraps it). Rank
+    1's block turns NaN at its 4th forward; DDP's all-reduce brings it to rank 0, whose own
+    step replays finite: it says the NaN came from another rank, and keeps its detailed
+    tier off (rank 1's replay cannot reproduce a fault that counts forwards: it says so)."""
+    job = torchrun(
+        "hf_trainer",
+        NAN_AT="4",
+        NAN_RANK="1",
+        BREAKPOD_PORT=str(free_ports(2)),
+        BREAKPOD_HOLD_SECONDS="0.5",
+        BREAKPOD_ON_EXPIRE="skip",
+    )
+    assert job.wait(timeout=180) == 0, job.stderr
+    err = job.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] step 4: update skipped" in err, err
+        assert f"finished rank {rank} finite=True" in err, err
+    whence = r"\[rank 0\] monitor: step 4's non-finite value was not localized on this rank: "
+    assert re.search(whence + r"its own step replayed finite, .*from another rank", err), err
+    assert re.search(r"\[rank 1\] monitor: step 4's .*the detailed tier is on", err), err
+    assert not re.search(r"\[rank 0\] .*the detailed tier is on", err), err

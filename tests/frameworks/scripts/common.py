@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 NAN_AT = int(os.environ.get("NAN_AT", "-1"))  # the training forward whose module turns NaN
+NAN_RANK = int(os.environ.get("NAN_RANK", "-1"))  # ... on this rank alone (-1: on every rank)
 HANG_RANK = int(os.environ.get("HANG_RANK", "-1"))  # this rank hangs in its step ...
 HANG_AT = int(os.environ.get("HANG_AT", "3"))  # ... at this step
 BREAK_RANK = int(os.environ.get("BREAK_RANK", "-1"))  # breakpoint() on this rank ...
@@ -33,6 +34,8 @@ class Net(nn.Module):
 def poison(module: nn.Module) -> None:
     """The NAN_AT-th training forward of ``module`` returns NaN (user code, no breakpod)."""
     calls = [0]
+    if NAN_RANK not in (-1, rank()):
+        return
 
     def hook(mod: nn.Module, inputs: object, output: torch.Tensor) -> torch.Tensor | None:
         if not torch.is_grad_enabled():

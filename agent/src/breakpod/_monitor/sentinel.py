@@ -45,8 +45,8 @@ Found = tuple[Anomaly, Rule]
 BEFORE_LOSS = ("input", "forward")  # a probe's sites that come before the loss in a step
 FROM_ANOTHER_RANK = (
     "not localized on this rank: its own step replayed finite, so the NaN/Inf most likely "
-    "reached its gradients through DDP's all-reduce, from another rank (whose report names "
-    "the module)"
+    "reached its gradients through DDP's all-reduce, from another rank (whose own report "
+    "says where)"
 )
 
 NOT_REPLAYED_SHARDED = (
@@ -149,7 +149,8 @@ class Sentinel(StepPipeline):
             probe.close()
         seconds = time.perf_counter() - started
         self.replay_seconds.append(seconds)
-        if not found and report.first is None and _averaged(self.model):
+        if not found and report.first is None and _averaged(self.model, capture.last):
+            announce(f"monitor: step {step}'s non-finite value was {FROM_ANOTHER_RANK}")
             return {}, FROM_ANOTHER_RANK  # that rank's own replay names the module
         why_not = _not_reproduced(report, found, capture.last)
         if why_not:
@@ -286,11 +287,12 @@ class Sentinel(StepPipeline):
             announce(f"monitor: the detailed tier is off again after step {self.step_count - 1}")
 
 
-def _averaged(model: Any) -> bool:
-    """Are the model's gradients averaged over ranks (DDP in a job of several)?"""
+def _averaged(model: Any, captured: Any) -> bool:
+    """Were the step's gradients averaged over ranks (DDP in a job of several)? The model
+    is DDP, or the module DDP holds (the capture saw its forward run inside DDP's)."""
     import torch
 
-    ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    ddp = captured.averaged or isinstance(model, torch.nn.parallel.DistributedDataParallel)
     return ddp and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 

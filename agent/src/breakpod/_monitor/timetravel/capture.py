@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -96,6 +97,9 @@ class StepInputs:
     # replay's outputs are finite, to tell a step that did not reproduce (a fault that
     # depends on state outside the capture) from a NaN the loss function made
     finite: list[Any] = dataclasses.field(default_factory=list)
+    # the forward ran inside DDP's, whose backward averages the gradients over the ranks
+    # (the watched model may be the module DDP holds, as debug mode and HF's callbacks see it)
+    averaged: bool = False
 
 
 class Capture:
@@ -134,6 +138,7 @@ class Capture:
                 self._running_stats(),
                 forwards=forwards,
                 autocast=autocast_state(),
+                averaged=in_synced_ddp_forward(),
             )
         except Exception as e:  # never into training
             self._failed(e)
@@ -196,6 +201,15 @@ class Capture:
             self._root.pre.remove(self._before)
             self._root.post.remove(self._after)
         self.last = None
+
+
+def in_synced_ddp_forward() -> bool:
+    """Does this forward run inside DDP's, with its gradients to be averaged? DDP marks
+    its class while the module it holds runs (``_active_ddp_module``, for dynamo); its
+    Python reducer does not, and the watched model being DDP tells that one apart."""
+    ddp = sys.modules.get("torch.nn.parallel.distributed")
+    active = getattr(getattr(ddp, "DistributedDataParallel", None), "_active_ddp_module", None)
+    return active is not None and bool(getattr(active, "require_backward_grad_sync", True))
 
 
 def rng_states() -> tuple[Any, list[Any]]:
