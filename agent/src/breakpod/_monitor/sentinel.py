@@ -233,6 +233,12 @@ class Sentinel(StepPipeline):
         if self.tier != SENTINEL or self._is_probe or self.capture is None:
             return ""
         grads = any(e.kind == "grads" for e in done.entries)
+        if grads and self.capture.redirected:
+            return (
+                "the watched model's forward ran another of its methods in the step, patched "
+                "onto it for that call (Lightning's DDP runs training_step so), which a replay "
+                "cannot call again"
+            )
         if grads and self.capture.last is None and not self._root.give_a_step():
             return (  # (compiled, its hooks leave the graph: it is captured from its next step)
                 "the watched model's own forward was not seen in a training step (its modules "

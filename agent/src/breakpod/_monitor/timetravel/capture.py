@@ -121,12 +121,18 @@ class Capture:
         self._kept: dict[str, Any] = {}  # the last copies of the running statistics
         self._kept_to: list[Any] = []  # the same, in order
         self._kept_from: list[Any] = []  # the buffers they copy
+        # A forward patched onto the instance for one call only (Lightning's DDP runs
+        # training_step through forward so, and unpatches it inside): not the model's own,
+        # and no replay can call it again. Seen once, no step is captured.
+        self._forward: Any = None  # the instance's forward when the call began
+        self.redirected = False
         root.pre.append(self._before)
         root.post.append(self._after)
 
     def _before(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if replaying():
+        if replaying() or self.redirected:
             return
+        self._forward = module.__dict__.get("forward")
         try:
             step = self._clock()
             forwards = self.last.forwards + 1 if self.last and self.last.step == step else 1
@@ -180,6 +186,9 @@ class Capture:
 
     def _after(self, module: Any, args: Any, output: Any) -> None:
         if replaying() or self.last is None:
+            return
+        if module.__dict__.get("forward") is not self._forward:
+            self.redirected, self.last = True, None
             return
         outs = grad_outputs(output)
         self.last.output_grads = [None] * len(outs)
