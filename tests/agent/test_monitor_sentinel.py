@@ -170,6 +170,40 @@ def test_a_replay_that_does_not_reproduce_says_so_and_turns_the_detailed_tier_on
     monitor.close()
 
 
+def test_a_nan_from_an_earlier_forward_of_the_step_says_so_and_turns_the_detailed_tier_on(
+    capfd,
+):
+    """Two forwards before one backward (a siamese or contrastive loss): the capture holds
+    the last, whose replay is finite. The NaN came from the first: said so, and the next
+    one is localized live. (Before, the finding went out with no module, no escalation.)"""
+    torch.manual_seed(0)
+    model = Net()
+    monitor = breakpod.watch(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(6):
+        (x1, y1), (x2, y2) = batch(2 * step), batch(2 * step + 1)
+        model.poison.mode = "forward" if step in (2, 4) else None
+        first = nn.functional.cross_entropy(model(x1), y1)
+        model.poison.mode = None
+        loss = first + nn.functional.cross_entropy(model(x2), y2)
+        optimizer.zero_grad()
+        loss.backward()
+        monitor.step(loss)
+        if all(bool(p.grad.isfinite().all()) for p in model.parameters()):
+            optimizer.step()
+    monitor.flush()
+    early, later = nonfinite(monitor)[:2]
+    assert early.step == 2 and early.how == "live", early
+    assert (
+        "the step ran 2 forwards (only the last is captured): the NaN/Inf came from an "
+        "earlier one" in early.details["localized"]
+    ), early.details
+    assert "another rank" not in early.details["localized"]
+    assert (later.step, later.module, later.phase, later.how) == (4, "poison", "forward", "live")
+    assert "the detailed tier is on for the next 100 steps" in capfd.readouterr().err
+    monitor.close()
+
+
 def test_the_detailed_tier_turned_on_mid_outbreak_does_not_report_it_again():
     """A NaN weight from step 2 on: one outbreak. Its step's replay cannot be compared
     (the loop never zeroes the gradients, so they accumulate), so the detailed tier

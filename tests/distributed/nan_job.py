@@ -1,6 +1,7 @@
 """A DDP job (gloo, CPU) watched by the sentinel tier; one rank's batch holds a NaN.
 
-Env: BAD_RANK (whose batch), BAD_AT (at which step), STEPS, WATCH (``ddp``: the wrapper;
+Env: BAD_RANK (whose batch), BAD_AT (at which step), STEPS, FORWARDS (a step's forwards
+before its backward; the NaN is in the first), WATCH (``ddp``: the wrapper;
 ``inner``: the module it holds, as debug mode and a framework's callback see it)."""
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import breakpod
 BAD_RANK, BAD_AT = int(os.environ["BAD_RANK"]), int(os.environ["BAD_AT"])
 STEPS = int(os.environ.get("STEPS", "6"))
 WATCH = os.environ.get("WATCH", "ddp")
+FORWARDS = int(os.environ.get("FORWARDS", "1"))
 
 
 def main() -> None:
@@ -28,10 +30,10 @@ def main() -> None:
     monitor = breakpod.watch(model if WATCH == "ddp" else net, optimizer=opt)
     torch.manual_seed(1 + rank)  # each rank its own batches
     for step in range(STEPS):
-        x = torch.randn(16, 4)
+        xs = [torch.randn(16, 4) for _ in range(FORWARDS)]
         if rank == BAD_RANK and step == BAD_AT:
-            x[0, 0] = float("nan")
-        loss = model(x).pow(2).mean()
+            xs[0][0, 0] = float("nan")
+        loss = sum(model(x).pow(2).mean() for x in xs)
         opt.zero_grad()
         loss.backward()
         opt.step()

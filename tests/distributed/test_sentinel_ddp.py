@@ -41,3 +41,26 @@ def test_a_nan_batch_on_one_rank_is_named_there_and_the_others_say_where_it_came
         assert "from another rank" in found[rank]
     assert "the detailed tier is on" not in job.stderr
     assert "replay failed" not in job.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_nan_from_an_earlier_forward_of_the_step_is_never_blamed_on_another_rank(
+    tmp_path: Path,
+) -> None:
+    """Two forwards before one backward; rank 2's first holds the NaN. Every rank's
+    capture holds the last forward, which replays finite: the NaN may come from the
+    earlier one or from another rank, and each rank says both (rank 2 was told it came
+    from another rank, which was false)."""
+    job = Job(tmp_path, 3, 29196, NAN_JOB, BAD_RANK="2", BAD_AT="3", FORWARDS="2")
+    try:
+        assert job.wait(timeout=100) == 0, job.stderr
+    finally:
+        job.kill()
+    found = dict(re.findall(r"^found on rank (\d): (.*)$", job.stderr, re.MULTILINE))
+    for rank in ("0", "1", "2"):
+        assert found[rank].startswith("step 3 backward module.0: [nonfinite]"), found
+        assert (
+            "came from an earlier one, or through DDP's all-reduce from another rank"
+            in (found[rank])
+        ), found
+        assert "its own step replayed finite" not in found[rank], found

@@ -149,10 +149,16 @@ class Sentinel(StepPipeline):
             probe.close()
         seconds = time.perf_counter() - started
         self.replay_seconds.append(seconds)
-        if not found and report.first is None and _averaged(self.model, capture.last):
+        last = capture.last
+        averaged = _averaged(self.model, last)
+        if not found and report.first is None and last.forwards > 1:
+            why = _earlier_forward(last.forwards, averaged)  # only the last one is captured
+            self._escalate(step, why)
+            return {}, f"not localized: {why}"
+        if not found and report.first is None and averaged:
             announce(f"monitor: step {step}'s non-finite value was {FROM_ANOTHER_RANK}")
             return {}, FROM_ANOTHER_RANK  # that rank's own replay names the module
-        why_not = _not_reproduced(report, found, capture.last)
+        why_not = _not_reproduced(report, found, last)
         if why_not:
             self._escalate(step, f"its replay did not reproduce it ({why_not})")
             return {}, f"not localized: the replay did not reproduce the step ({why_not})"
@@ -300,6 +306,14 @@ def _averaged(model: Any, captured: Any) -> bool:
 
     ddp = captured.averaged or isinstance(model, torch.nn.parallel.DistributedDataParallel)
     return ddp and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+
+
+def _earlier_forward(forwards: int, averaged: bool) -> str:
+    another = ", or through DDP's all-reduce from another rank" if averaged else ""
+    return (
+        f"its last forward replayed finite, and the step ran {forwards} forwards (only the "
+        f"last is captured): the NaN/Inf came from an earlier one{another}"
+    )
 
 
 def _verdict(report: Any) -> str:
