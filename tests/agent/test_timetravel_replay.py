@@ -165,3 +165,56 @@ def test_flight_at_the_park_names_the_module_and_step_and_shows_its_steps(spawn,
     assert rows[-1][1:] == ["nan", "nan", "nan"] and "nan" not in rows[0], out
     assert "no watched module 'nope'" in client.command("flight nope")
     finish(child, client)
+
+
+UNUSED_OUTPUT_UNDER_DDP = """
+import sys
+import torch
+import torch.distributed as dist
+import breakpod
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.a, self.b = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.a(h), self.b(h)
+
+
+torch.manual_seed(0)
+model = TwoHeads()
+ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+monitor = breakpod.watch(model, optimizer=opt)  # the module DDP holds, as debug mode sees it
+for step in range(6):
+    x = torch.randn(8, 4)
+    if step == 4:
+        x[0, 0] = float("nan")
+    a, _unused = ddp(x)
+    opt.zero_grad()
+    a.pow(2).mean().backward()
+    opt.step()
+monitor.close()
+for found in monitor.anomalies:
+    print("found", found, "| how", found.how)
+print("errors", monitor.errors)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_output_no_loss_uses_under_ddp_never_breaks_the_backward(spawn, tmp_path):
+    """DDP hands the hook on an output that no loss used a None gradient: the capture's
+    hook read it (``'NoneType' object has no attribute 'detach'``) inside autograd, and
+    the training job died in its first backward. The step still replays."""
+    child = spawn(UNUSED_OUTPUT_UNDER_DDP, args=[str(tmp_path / "store")])
+    assert child.wait(timeout=100) == 0, child.stderr
+    out = child.stdout()
+    assert "errors 0" in out, (out, child.stderr)
+    found = re.search(r"^found step 4 input trunk: \[nonfinite\] .* \| how replay$", out, re.M)
+    assert found, (out, child.stderr)

@@ -11,6 +11,7 @@ from torch import nn
 
 NAN_AT = int(os.environ.get("NAN_AT", "-1"))  # the training forward whose module turns NaN
 NAN_RANK = int(os.environ.get("NAN_RANK", "-1"))  # ... on this rank alone (-1: on every rank)
+REPLAYABLE = os.environ.get("REPLAYABLE") == "1"  # ... and on that same input again
 HANG_RANK = int(os.environ.get("HANG_RANK", "-1"))  # this rank hangs in its step ...
 HANG_AT = int(os.environ.get("HANG_AT", "3"))  # ... at this step
 BREAK_RANK = int(os.environ.get("BREAK_RANK", "-1"))  # breakpoint() on this rank ...
@@ -34,14 +35,20 @@ class Net(nn.Module):
 def poison(module: nn.Module) -> None:
     """The NAN_AT-th training forward of ``module`` returns NaN (user code, no breakpod)."""
     calls = [0]
+    bad: list[torch.Tensor] = []  # REPLAYABLE: the input it turned NaN on, which again does
     if NAN_RANK not in (-1, rank()):
         return
 
-    def hook(mod: nn.Module, inputs: object, output: torch.Tensor) -> torch.Tensor | None:
+    def hook(mod: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
         if not torch.is_grad_enabled():
             return None
         calls[0] += 1
-        return output * float("nan") if calls[0] - 1 == NAN_AT else None
+        if REPLAYABLE and bad and torch.equal(inputs[0], bad[0]):
+            return output * float("nan")  # a fault of the data: the step's replay makes it too
+        if calls[0] - 1 != NAN_AT:
+            return None
+        bad.append(inputs[0].detach().clone())
+        return output * float("nan")
 
     module.register_forward_hook(hook)
 

@@ -40,6 +40,7 @@ args = TrainingArguments(
     save_strategy="no",
     logging_steps=1,
     use_cpu=True,
+    bf16=common.os.environ.get("BF16") == "1",  # CPU autocast
     dataloader_num_workers=0,
     disable_tqdm=True,
 )

@@ -190,15 +190,24 @@ class Capture:
         if module.__dict__.get("forward") is not self._forward:
             self.redirected, self.last = True, None
             return
-        outs = grad_outputs(output)
-        self.last.output_grads = [None] * len(outs)
-        self.last.finite = [all_finite(out.detach()) for out in outs]
-        for i, out in enumerate(outs):
-            out.register_hook(functools.partial(self._on_grad, self.last, i))
+        try:
+            outs = grad_outputs(output)
+            self.last.output_grads = [None] * len(outs)
+            self.last.finite = [all_finite(out.detach()) for out in outs]
+            for i, out in enumerate(outs):
+                out.register_hook(functools.partial(self._on_grad, self.last, i))
+        except Exception as e:  # never into training
+            self._failed(e)
 
     def _on_grad(self, captured: StepInputs, index: int, grad: Any) -> None:
-        if not replaying():
+        """An output's gradient; None for one no loss used, which autograd may still hand
+        (DDP's sink returns None for the outputs it passes through unused)."""
+        if replaying() or grad is None:
+            return
+        try:
             captured.output_grads[index] = grad.detach()
+        except Exception as e:  # in autograd's backward: never into training
+            self._failed(e)
 
     def _failed(self, error: Exception) -> None:
         self.errors += 1
