@@ -182,6 +182,19 @@ def test_a_max_norm_skip_needs_no_baseline_and_no_read_before_it():
     monitor.close()
 
 
+def test_an_inf_update_that_a_skip_rule_also_drops_is_skipped_once_not_applied():
+    """A loss scaled by 1e38: the gradient norm overflows to Inf, which trips both
+    verdicts, NaN/Inf and the rule's max_norm. The fused
+    kernels skip an update only where found_inf is 1.0: the two were added into 2.0,
+    and the Inf update went through, while the monitor said it was skipped."""
+    optimizer, monitor, seen = spiky("fused", {2: 1e38}, {**SPIKES, "max_norm": 50.0})
+    assert seen[2] == (True, 0), seen[:4]  # untouched, and nothing read to decide it
+    assert [same for same, _ in seen] == [i == 2 for i in range(20)]
+    assert all(bool(torch.isfinite(p).all()) for g in optimizer.param_groups for p in g["params"])
+    assert monitor.skipped_steps == 1
+    monitor.close()
+
+
 def test_without_a_fused_optimizer_the_skip_rule_reads_every_step_as_before():
     _, monitor, seen = spiky("foreach", {12: 1000.0}, SPIKES)
     assert seen[12] == (True, 1)  # read before the update, the gradients dropped on the host

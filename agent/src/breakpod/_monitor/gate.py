@@ -89,10 +89,12 @@ class UpdateGate:
                 flags.append(leaves.float())
         if not flags:
             return
+        # found_inf is 1.0 or 0.0: the fused kernels skip an update where it equals 1.0 and
+        # apply it for any other value, so two verdicts are never added (2.0 would apply it)
         verdicts = torch.stack(flags) if len(flags) > 1 else flags[0].reshape(1)
-        found = verdicts.sum() if len(flags) > 1 else flags[0]
+        found = verdicts.amax() if len(flags) > 1 else flags[0]
         if scaler is not None:
-            found = scaler + found.to(scaler.device, scaler.dtype)
+            found = torch.maximum(scaler, found.to(scaler.device, scaler.dtype))
         self.optimizer.found_inf = self._mine = found
         self._under = scaler
         self._deciding = record.step
@@ -182,5 +184,5 @@ def _nonfinite_flag(grads: list[Entry]) -> Any:
     flag = torch.logical_not(torch.isfinite(norms[0]).all()).float()
     for vec in norms[1:]:
         bad = torch.logical_not(torch.isfinite(vec).all()).float()
-        flag = flag + bad.to(flag.device, non_blocking=True)
+        flag = torch.maximum(flag, bad.to(flag.device, non_blocking=True))
     return flag
