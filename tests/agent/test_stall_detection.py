@@ -181,3 +181,46 @@ def test_a_collective_in_a_fullgraph_compiled_region_runs_with_the_counters_inst
     out = child.stdout()
     assert "out [2.0, 2.0, 2.0]" in out, child.stderr
     assert "counted 1" in out, out
+
+
+DDP_IN_A_GROUP = """
+import sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def rank_main(rank, store):
+    from breakpod._job import collectives
+
+    collectives.install()  # as stall detection does in a job of several ranks
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    groups = [dist.new_group([0]), dist.new_group([1])]  # a data-parallel group per stage
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=groups[rank])
+    ddp(torch.full((1, 2), float(rank + 1))).sum().backward()
+    print(f"rank {rank} grad {model.weight.grad.tolist()}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_ddp_over_its_own_group_averages_over_that_group_with_the_counters_installed(
+    spawn, tmp_path
+):
+    """DDP's buckets are counted by a comm hook; its state was None, which averages each
+    bucket over the whole world: two stages' groups of one rank each got each other's
+    gradients ([1.5, 1.5] on both, where DDP alone gives [1, 1] and [2, 2])."""
+    child = spawn(DDP_IN_A_GROUP, args=[str(tmp_path / "store")])
+    assert child.wait(timeout=100) == 0, child.stderr
+    out = child.stdout()
+    assert "rank 0 grad [[1.0, 1.0]]" in out and "rank 1 grad [[2.0, 2.0]]" in out, (
+        out,
+        child.stderr,
+    )

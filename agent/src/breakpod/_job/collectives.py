@@ -152,7 +152,8 @@ def _register_counting_hook(model: Any) -> None:
             "bucket": dist.GradBucket,  # type: ignore[attr-defined]
             "return": torch.futures.Future[torch.Tensor],
         }
-        model.register_comm_hook(None, _counting_allreduce)
+        # its state is DDP's own group: None would average every bucket over the world
+        model.register_comm_hook(model.process_group, _counting_allreduce)
     except Exception:  # an older DDP or a hook registered another way: count nothing
         return
 
