@@ -73,3 +73,22 @@ def test_a_debug_flag_that_is_no_yes_or_no_is_off_everywhere():
     found = probe(ENABLE_REMOTE_DEBUG="2")
     assert (found["wrapped"], found["timeout"], found["threads"]) == (False, 15.0, [])
     assert "ENABLE_REMOTE_DEBUG='2' is not a boolean" in str(found["stderr"])
+
+
+BAD_TIMEOUT = """
+import json
+import torch.distributed as dist
+try:
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=15)  # seconds, not a timedelta
+except Exception as e:
+    print(json.dumps({"error": type(e).__name__, "said": str(e)}))
+"""
+
+
+def test_a_timeout_torch_refuses_is_refused_in_torchs_words_not_breakpods():
+    """The wrapper read ``timeout.total_seconds()`` first: an int gave the user an
+    AttributeError from inside breakpod instead of torch's own message."""
+    plain = probe(BAD_TIMEOUT)
+    debug = probe(BAD_TIMEOUT, ENABLE_REMOTE_DEBUG="1")
+    assert plain["error"] != "AttributeError", plain
+    assert (debug["error"], debug["said"]) == (plain["error"], plain["said"]), (debug, plain)

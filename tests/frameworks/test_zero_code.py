@@ -224,3 +224,31 @@ def test_a_lightning_module_compiled_is_found_and_parks_on_a_nan(spawn: Any) -> 
     assert "anomaly: step 6 loss <model>: [nonfinite] loss is nan: waiting up to" in err, err
     assert "step 6: update skipped" in err, err
     assert "finite True" in child.stdout(), err
+
+
+UNHASHABLE_OPTIMIZER = """
+import torch
+
+
+class Sgd(torch.optim.SGD):
+    def __eq__(self, other):  # __eq__ without __hash__: its instances cannot be hashed
+        return self is other
+
+
+model = torch.nn.Linear(2, 1)
+opt = Sgd(model.parameters(), lr=0.1)
+for step in range(4):
+    model(torch.randn(3, 2)).sum().backward()
+    opt.step()
+print("trained", step)
+"""
+
+
+@pytest.mark.timeout(100)
+def test_an_optimizer_that_cannot_be_hashed_trains_on_in_debug_mode(spawn: Any) -> None:
+    """Debug mode's step post-hook looked the optimizer up in a set before its guard:
+    ``TypeError: unhashable type`` came out of the job's own ``opt.step()``."""
+    child = spawn(UNHASHABLE_OPTIMIZER, env={"ENABLE_REMOTE_DEBUG": "1"}, stdin="closed")
+    assert child.wait(timeout=90) == 0, child.stderr
+    assert "trained 3" in child.stdout(), child.stderr
+    assert "unhashable" in child.stderr  # said once, as every failure inside debug mode

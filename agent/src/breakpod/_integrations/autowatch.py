@@ -142,9 +142,9 @@ def _before_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) 
 def _after_step(optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Global step post-hook: a new optimizer's models are found once its first step is
     done, and watched once its second is (unless the program marked steps in between)."""
-    if optimizer in _adopted:
-        return
     try:
+        if optimizer in _adopted:
+            return
         found = _found.get(optimizer)
         if found is None:
             _find(optimizer)

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
+from breakpod._core.announce import announce
 from breakpod._core.config import ENV, Settings, env_flag
 
 ATTACHED_MARGIN = 1800.0  # an attached session may last this long past the hold time
@@ -91,14 +92,21 @@ def _wrap(module: ModuleType) -> None:
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
         global user_timeout
-        bound = signature.bind(*args, **kwargs)
-        asked = bound.arguments.get("timeout")
-        user = asked or _default_timeout(module, bound.arguments.get("backend"))
-        user_timeout = user.total_seconds()
-        bound.arguments["timeout"] = datetime.timedelta(seconds=parked_timeout(user_timeout))
-        result = original(*bound.args, **bound.kwargs)
+        try:
+            bound = signature.bind(*args, **kwargs)
+            asked = bound.arguments.get("timeout")
+            user = asked or _default_timeout(module, bound.arguments.get("backend"))
+            user_timeout = user.total_seconds()
+            bound.arguments["timeout"] = datetime.timedelta(seconds=parked_timeout(user_timeout))
+            args, kwargs = bound.args, bound.kwargs
+        except Exception:  # arguments torch itself will refuse, in its own words
+            pass
+        result = original(*args, **kwargs)
         if _on_init is not None:
-            _on_init()
+            try:
+                _on_init()
+            except Exception as e:  # the group is made: the job goes on without it
+                announce(f"stall detection could not start with the process group ({e})")
         return result
 
     init_process_group.__breakpod_original__ = original  # type: ignore[attr-defined]
