@@ -19,19 +19,62 @@ def test_placement_names_the_first_module_with_a_wrong_dtype() -> None:
     with pytest.raises(RuntimeError) as plain:  # torch's own error names no module
         model(torch.randn(2, 8, dtype=torch.float64))
     assert "fc1" not in str(plain.value)
-    check = placement(model)
+    check = placement(model, strict=True)
     with pytest.raises(PlacementError, match=r"module 'fc1' \(Linear\).*float32.*fix: "):
         model(torch.randn(2, 8, dtype=torch.float64))
     check.remove()
 
 
+def test_by_default_placement_names_the_module_right_before_torchs_own_error(capfd) -> None:
+    model = Net()
+    placement(model)
+    for _ in range(2):
+        with pytest.raises(RuntimeError) as torch_error:
+            model(torch.randn(2, 8, dtype=torch.float64))
+        assert not isinstance(torch_error.value, PlacementError)
+    said = [line for line in capfd.readouterr().err.splitlines() if "module 'fc1'" in line]
+    assert len(said) == 1 and "float32" in said[0] and "fix: " in said[0], said  # once
+
+
 def test_placement_names_a_module_on_another_device() -> None:
     model = Net()
     model.fc2.to("meta")
-    check = placement(model)
+    check = placement(model, strict=True)
     with pytest.raises(PlacementError, match=r"module 'fc2'.*on meta but an input on cpu.*fix"):
         model(torch.randn(2, 8))
     check.remove()
+
+
+class CastsItsInput(nn.Module):
+    """As many HF modules do: ``x.to(self.weight.dtype)`` inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x.to(self.weight.dtype) @ self.weight * scale
+
+
+def test_a_module_that_casts_its_own_input_runs_on_and_a_cpu_scalar_goes_anywhere(capfd):
+    """Placement raised where torch runs fine: a module casting its input, so the check
+    broke a job that worked. Now it says so once, and the call goes on."""
+    module = CastsItsInput()
+    placement(module)
+    for _ in range(3):
+        out = module(torch.randn(2, 4), torch.tensor(2.0))
+    assert out.dtype == torch.float64
+    said = [line for line in capfd.readouterr().err.splitlines() if "CastsItsInput" in line]
+    assert len(said) == 1 and "float32" in said[0], said
+    meta = nn.Linear(2, 2).to("meta")
+    assert mismatch_of(meta, torch.tensor(1.0)) is None  # 0-dim on the CPU: a scalar
+    assert mismatch_of(meta, torch.ones(1)) is not None
+
+
+def mismatch_of(module: nn.Module, x: torch.Tensor) -> str | None:
+    from breakpod.health._placement import mismatch
+
+    return mismatch(next(module.parameters()), x)
 
 
 def test_placement_lets_good_inputs_and_autocast_through() -> None:
