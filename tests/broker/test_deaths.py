@@ -52,17 +52,19 @@ def test_each_death_is_pushed_once_by_one_of_three_replicas(start_broker):
 def test_a_session_that_beats_again_is_alive_and_its_next_silence_is_another_death(
     start_broker,
 ):
-    broker = start_broker(BREAKPOD_HEARTBEAT_TTL_SECONDS=TTL)
+    # a TTL of 4 s: a beat every 0.5 s stays alive even when a loaded machine holds this
+    # test back for 3 s (with 2 s, a 2 s stall once read as a death: CI with 3 workers)
+    broker = start_broker(BREAKPOD_HEARTBEAT_TTL_SECONDS="4")
     register(broker, "s1")
-    for _ in range(6):  # beating: no death for 3 s, twice the TTL
+    for _ in range(12):  # beating: no death for 6 s, one and a half TTLs
         time.sleep(0.5)
         beat(broker, "s1")
     assert lost_events(broker) == []
-    wait_until(lambda: len(lost_events(broker)) == 1, timeout=6)
+    wait_until(lambda: len(lost_events(broker)) == 1, timeout=10)
     beat(broker, "s1")  # back (a network partition healed)
     with broker.client(VIEWER) as c:
         assert c.get("/v1/sessions/s1").json()["state"] == "running"
-    wait_until(lambda: len(lost_events(broker)) == 2, timeout=6)
+    wait_until(lambda: len(lost_events(broker)) == 2, timeout=10)
 
 
 @pytest.mark.timeout(60)
