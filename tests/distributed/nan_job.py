@@ -1,8 +1,7 @@
 """A DDP job (gloo, CPU) watched by the sentinel tier; one rank's batch holds a NaN.
 
 Env: BAD_RANK (whose batch), BAD_AT (at which step), STEPS, FORWARDS (a step's forwards
-before its backward; the NaN is in the first), WATCH (``ddp``: the wrapper;
-``inner``: the module it holds, as debug mode and a framework's callback see it)."""
+before its backward; the NaN is in the first)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ import breakpod
 
 BAD_RANK, BAD_AT = int(os.environ["BAD_RANK"]), int(os.environ["BAD_AT"])
 STEPS = int(os.environ.get("STEPS", "6"))
-WATCH = os.environ.get("WATCH", "ddp")
 FORWARDS = int(os.environ.get("FORWARDS", "1"))
 
 
@@ -27,7 +25,7 @@ def main() -> None:
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     model = DistributedDataParallel(net)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    monitor = breakpod.watch(model if WATCH == "ddp" else net, optimizer=opt)
+    monitor = breakpod.watch(model, optimizer=opt)
     torch.manual_seed(1 + rank)  # each rank its own batches
     for step in range(STEPS):
         xs = [torch.randn(16, 4) for _ in range(FORWARDS)]

@@ -17,13 +17,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from breakpod._core.announce import announce
 from breakpod._core.config import ENV, env_flag
 from breakpod._monitor.checks import all_finite
+from breakpod._monitor.peers import running_ddp
 from breakpod._monitor.root_hooks import RootHooks
 
 REPLAY_ENV = "BREAKPOD_REPLAY"
@@ -222,11 +222,9 @@ class Capture:
 
 
 def in_synced_ddp_forward() -> bool:
-    """Does this forward run inside DDP's, with its gradients to be averaged? DDP marks
-    its class while the module it holds runs (``_active_ddp_module``, for dynamo); its
-    Python reducer does not, and the watched model being DDP tells that one apart."""
-    ddp = sys.modules.get("torch.nn.parallel.distributed")
-    active = getattr(getattr(ddp, "DistributedDataParallel", None), "_active_ddp_module", None)
+    """Does this forward run inside DDP's, with its gradients to be averaged? (DDP's
+    Python reducer marks nothing: the watched model being DDP tells that one apart.)"""
+    active = running_ddp()
     return active is not None and bool(getattr(active, "require_backward_grad_sync", True))
 
 
