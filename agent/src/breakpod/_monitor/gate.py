@@ -64,7 +64,7 @@ class UpdateGate:
         self.rules = {lim.rule.name for lim in self.limits}
         self.verdicts: dict[int, dict[str, float]] = {}  # judged before the update: decided?
         self._mine: Any = None  # the found_inf the gate set, until its update
-        self._under: Any = None  # GradScaler's, which the rules' verdicts were added to
+        self._under: Any = None  # GradScaler's, which the rules' verdicts joined
         self._deciding: int | None = None  # a step judged before its update: a park may decide
 
     def close(self, record: StepRecord) -> None:
@@ -72,7 +72,7 @@ class UpdateGate:
         kernel will skip the update if one of them is NaN/Inf, or a rule's norm leaves its
         range. The verdicts join the step's statistics, read with them. Under GradScaler,
         which set ``found_inf`` for this update, the scaler's NaN/Inf verdict stands and the
-        rules' are added to it (its backoff still follows its own overflows only)."""
+        rules' join it (its backoff still follows its own overflows only)."""
         scaler = vars(self.optimizer).get("found_inf")
         if scaler is self._mine:
             scaler = None  # ours still, from an update that raised before its post-hook
