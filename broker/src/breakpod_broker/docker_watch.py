@@ -138,16 +138,13 @@ class DockerWatch:
         self.recorded += await reasons.record(self.broker, sessions, kind, fields, event_id)
 
     async def _oom_killed(self, container: str, code: int | None) -> bool:
-        """An oom event came for the container, or it says so itself; a SIGKILL waits
-        up to OOM_GRACE for either, since its oom can come after its die."""
+        """An oom event came for the container, or it says so itself. A SIGKILL waits up
+        to OOM_GRACE for the event, since it can come after the die; the engine is asked
+        once, at the end (it sets State.OOMKilled as it sends the event)."""
         deadline = time.monotonic() + (OOM_GRACE if code == SIGKILLED else 0.0)
-        while container not in self.oom:
-            if await asyncio.to_thread(self._says_oom_killed, container):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(OOM_POLL)
-        return True
+        while container not in self.oom and time.monotonic() < deadline:
+            await asyncio.sleep(OOM_POLL)  # a look at this dict: the engine is not asked
+        return container in self.oom or await asyncio.to_thread(self._says_oom_killed, container)
 
     def _says_oom_killed(self, container: str) -> bool:
         """The container's own word (gone already when it ran with --rm: then no)."""
