@@ -36,6 +36,7 @@ from typing import Any
 
 from breakpod._core.announce import announce
 from breakpod._monitor.anomaly import Anomaly
+from breakpod._monitor.peers import several_ranks
 from breakpod._monitor.pipeline import StepPipeline
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.stats import StepRecord
@@ -150,14 +151,15 @@ class Sentinel(StepPipeline):
         seconds = time.perf_counter() - started
         self.replay_seconds.append(seconds)
         last = capture.last
-        averaged = _averaged(self.model, last)
-        if not found and report.first is None and last.forwards > 1:
-            why = _earlier_forward(last.forwards, averaged)  # only the last one is captured
-            self._escalate(step, why)
-            return {}, f"not localized: {why}"
-        if not found and report.first is None and averaged:
-            announce(f"monitor: step {step}'s non-finite value was {FROM_ANOTHER_RANK}")
-            return {}, FROM_ANOTHER_RANK  # that rank's own replay names the module
+        if not found and report.first is None:  # the replayed forward was finite
+            averaged = _averaged(self.model, last)
+            if last.forwards > 1:  # only the last one is captured
+                why = _earlier_forward(last.forwards, averaged)
+                self._escalate(step, why)
+                return {}, f"not localized: {why}"
+            if averaged:
+                announce(f"monitor: step {step}'s non-finite value was {FROM_ANOTHER_RANK}")
+                return {}, FROM_ANOTHER_RANK  # that rank's own replay names the module
         why_not = _not_reproduced(report, found, last)
         if why_not:
             self._escalate(step, f"its replay did not reproduce it ({why_not})")
@@ -305,7 +307,7 @@ def _averaged(model: Any, captured: Any) -> bool:
     import torch
 
     ddp = captured.averaged or isinstance(model, torch.nn.parallel.DistributedDataParallel)
-    return ddp and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    return ddp and several_ranks()
 
 
 def _earlier_forward(forwards: int, averaged: bool) -> str:
