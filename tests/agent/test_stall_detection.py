@@ -224,3 +224,55 @@ def test_ddp_over_its_own_group_averages_over_that_group_with_the_counters_insta
         out,
         child.stderr,
     )
+
+
+A_HOOK_AFTER_THE_FIRST_FORWARD = """
+import sys
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def summed(state, bucket):  # the job's own hook: a sum where DDP would average
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
+
+
+def rank_main(rank, store):
+    from breakpod._job import collectives
+
+    collectives.install()
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    out = ddp(torch.full((1, 2), float(rank + 1)))  # a warm-up forward: the counting hook
+    ddp.register_comm_hook(None, summed)
+    before = collectives.progress.completed
+    out.sum().backward()
+    counted = collectives.progress.completed - before
+    print(f"rank {rank} grad {model.weight.grad.tolist()} counted {counted}", flush=True)
+    try:
+        ddp.register_comm_hook(None, summed)
+    except RuntimeError as refused:
+        print(f"rank {rank} again: {refused}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_comm_hook_the_job_registers_after_the_first_forward_runs_and_is_counted(spawn, tmp_path):
+    """DDP takes one comm hook, and the counting one is registered at DDP's first forward:
+    a job that registered its own after a warm-up forward died in DDP's "can only be
+    called once". Its hook now runs inside the counting one; a second is refused as DDP
+    refuses it."""
+    child = spawn(A_HOOK_AFTER_THE_FIRST_FORWARD, args=[str(tmp_path / "store")])
+    assert child.wait(timeout=100) == 0, child.stderr
+    out = child.stdout()
+    for rank in (0, 1):  # summed, not averaged (1 + 2); the bucket and the hook's all_reduce
+        assert f"rank {rank} grad [[3.0, 3.0]] counted 2" in out, (out, child.stderr)
+        assert f"rank {rank} again: " in out and "only be called once" in out, out

@@ -3,10 +3,10 @@
 Installed only while stall detection runs (``install()``), never at import:
 the public ``torch.distributed`` collectives are wrapped, and a DDP model gets
 a counting all-reduce comm hook at its next forward (unless it has its own
-hook). Counting is host-side bookkeeping, no device sync. A rank whose
-``entered`` is behind the collective its peers wait in is the one they wait for.
-A collective inside a ``torch.compile`` trace is not counted: the counter's lock would
-break the graph.
+hook; one the job registers later runs inside the counting one). Counting is
+host-side bookkeeping, no device sync. A rank whose ``entered`` is behind the
+collective its peers wait in is the one they wait for. A collective inside a
+``torch.compile`` trace is not counted: the counter's lock would break the graph.
 """
 
 from __future__ import annotations
@@ -146,29 +146,61 @@ def _register_counting_hook(model: Any) -> None:
         import torch
         import torch.distributed as dist
 
+        later: list[tuple[Callable[..., Any], Any]] = []  # the job's hook, registered after
+        counting = _counting_hook(later)
         # DDP checks the hook's annotations as objects, not the strings this module has.
-        _counting_allreduce.__annotations__ = {
+        counting.__annotations__ = {
             "state": object,
             "bucket": dist.GradBucket,  # type: ignore[attr-defined]
             "return": torch.futures.Future[torch.Tensor],
         }
+        register = model.register_comm_hook
         # its state is DDP's own group: None would average every bucket over the world
-        model.register_comm_hook(model.process_group, _counting_allreduce)
+        register(model.process_group, counting)
+        model.register_comm_hook = _chaining(model, register, later)
     except Exception:  # an older DDP or a hook registered another way: count nothing
         return
 
 
-def _counting_allreduce(state: Any, bucket: Any) -> Any:
-    """DDP's default all-reduce hook (average the bucket), counted once per bucket."""
+def _chaining(model: Any, register: Callable[..., Any], later: list[Any]) -> Callable[..., Any]:
+    """DDP takes one comm hook, and the counting one came first: a hook the job registers
+    afterwards runs inside it, where DDP would have refused it ("can only be called once")."""
+
+    def register_comm_hook(state: Any, hook: Callable[..., Any]) -> None:
+        if later:  # the job's second hook: DDP's own refusal
+            register(state, hook)
+            return
+        model._check_comm_hook(hook)  # DDP's checks of the hook, in its words
+        model._comm_hooks.append((hook, state))
+        later.append((hook, state))
+
+    return register_comm_hook
+
+
+def _counting_hook(later: list[Any]) -> Callable[..., Any]:
+    def counting_allreduce(state: Any, bucket: Any) -> Any:
+        """The job's own hook if it registered one later, else DDP's default (average the
+        bucket over DDP's group): counted once per bucket."""
+        progress.enter("DDP all_reduce")
+        try:
+            future = later[0][0](later[0][1], bucket) if later else _average(state, bucket)
+        except BaseException:
+            progress.leave()
+            raise
+
+        def completed(done: Any) -> Any:
+            progress.leave()
+            value = done.value()
+            return value[0] if isinstance(value, list) else value  # all_reduce's is a list
+
+        return future.then(completed)
+
+    return counting_allreduce
+
+
+def _average(group: Any, bucket: Any) -> Any:
     import torch.distributed as dist
 
-    progress.enter("DDP all_reduce")
-    tensor = bucket.buffer().div_(dist.get_world_size(state))
+    tensor = bucket.buffer().div_(dist.get_world_size(group))
     all_reduce = _originals.get("all_reduce", dist.all_reduce)  # not counted twice
-    future = all_reduce(tensor, group=state, async_op=True).get_future()  # type: ignore[no-untyped-call]
-
-    def completed(done: Any) -> Any:
-        progress.leave()
-        return done.value()[0]
-
-    return future.then(completed)
+    return all_reduce(tensor, group=group, async_op=True).get_future()  # type: ignore[no-untyped-call]
