@@ -86,14 +86,17 @@ NAN_ON_ONE_RANK = {
     ),
     # Lightning's DDP runs training_step through the LightningModule's forward, patched
     # for that call: no replay can call it again, so the detailed tier is on from the
-    # start, and rank 1 names the module live (a replay once failed in the missing forward)
+    # start, and rank 1 names the module live (a replay once failed in the missing forward);
+    # rank 0 names the first averaged gradient, and says it came from another rank
     "lightning_fit": (
         {},
         [
             r"\[rank 0\] monitor: the watched model's forward ran another of its methods",
             r"\[rank 1\] anomaly: step 4 forward net\.block: \[nonfinite\] output of net\.block",
+            r"\[rank 0\] anomaly: step 4 backward .*: \[nonfinite\] gradient of .*; this rank's "
+            r"forward, loss and backward ran finite, .*from another rank",
         ],
-        [r"replay failed"],
+        [r"replay failed", r"\[rank 1\] .*from another rank"],
     ),
 }
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from breakpod._monitor.anomaly import Anomaly
 from breakpod._monitor.baselines import EXPLODING, VANISHING, NormBaselines
+from breakpod._monitor.peers import several_ranks
 from breakpod._monitor.rules import Rule
 
 FLIGHT_COLUMNS = 3  # L2 norm, min, max
@@ -119,9 +120,14 @@ class StepData:
     # (ran slots, host values, kept tensors, units) per device, until expanded into samples
     slot_groups: list[tuple[Any, Any, Any, Any]] = dataclasses.field(default_factory=list)
     gate: dict[str, float] | None = None  # what the update gate decided on the device (gate.py)
+    averaged: bool = False  # its gradients averaged over ranks by DDP (StepRecord.averaged)
 
 
 Found = tuple[Anomaly, Rule]
+THROUGH_ALL_REDUCE = (
+    "; this rank's forward, loss and backward ran finite, so it most likely reached the "
+    "gradients through DDP's all-reduce, from another rank (whose own report says where)"
+)
 OVERFLOW = "overflow"  # details["kind"]: finite values whose L2 norm or sum exceeds float32
 # (phase "param" or "backward", step, parameter index) -> the tensor whose norm that was, or
 # None once it is gone (a gradient read after its step)
@@ -184,6 +190,9 @@ class Detector:
             return  # a late finite loss says nothing about the step's other tensors
         if self._fires((rule.name,), first is not None, rule) and first is not None:
             self._add_params(first, data)
+            if _through_all_reduce(rule, first, data):
+                first.summary += THROUGH_ALL_REDUCE
+                first.details["another_rank"] = True
             yield first, rule
 
     def _first_site(self, rule: Rule, data: StepData) -> Anomaly | None:
@@ -374,6 +383,16 @@ def _norm_summary(what: str, norm: float, kind: dict[str, Any]) -> str:
     if not kind:  # read after its step: the values are gone
         return f"{what}: L2 norm {norm} (NaN/Inf values or an overflow; read too late to tell)"
     return f"{what} has non-finite values (L2 norm {norm})"
+
+
+def _through_all_reduce(rule: Rule, first: Anomaly, data: StepData) -> bool:
+    """Is a parameter's non-finite gradient the step's first site on this rank, with its
+    forward, loss and backward checked and finite, and its gradients averaged by DDP?
+    Then it came from another rank's. (The sentinel's replay says so too: sentinel.py.)"""
+    where = rule["where"]
+    checked = data.stats and all(w in where for w in ("activation", "loss"))
+    grad_of_param = first.phase == "backward" and "param" in first.details
+    return data.averaged and checked and grad_of_param and several_ranks()
 
 
 def _nonfinite_sample(rule: Rule, step: int, s: Sample) -> Anomaly | None:

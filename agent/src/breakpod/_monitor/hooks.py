@@ -15,6 +15,7 @@ from breakpod._core.errors import AnomalyError
 from breakpod._monitor import checks, staging
 from breakpod._monitor.contracts import ShapeContracts, _shapes
 from breakpod._monitor.detect import Slot
+from breakpod._monitor.peers import in_synced_ddp_forward
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.state import Shapes
 from breakpod._monitor.stats import StepRecord
@@ -123,6 +124,8 @@ class ModuleHooks(ShapeContracts):
         self._aside = _in_transform()  # the module hooks do nothing in this pass
         if self._aside:
             return
+        if self._grad_enabled() and in_synced_ddp_forward():
+            self._current.averaged = True  # its gradients come back averaged (detect.py)
         self._sort_pass(self._current)
         slot = self._input_slot
         # the first tensor only: a later argument may hold -inf by design (an attention mask)

@@ -177,6 +177,13 @@ def running_ddp() -> Any:
     return getattr(ddp, "_active_ddp_module", None)
 
 
+def in_synced_ddp_forward() -> bool:
+    """Does this forward run inside DDP's, with its gradients to be averaged? (DDP's
+    Python reducer marks nothing: the watched model being DDP tells that one apart.)"""
+    active = running_ddp()
+    return active is not None and bool(getattr(active, "require_backward_grad_sync", True))
+
+
 def ddp_in(modules: Iterable[Any]) -> Any:
     """The ``DistributedDataParallel`` among ``modules``, if any."""
     ddp = sys.modules["torch.nn.parallel"].DistributedDataParallel

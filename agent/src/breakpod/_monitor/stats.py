@@ -55,6 +55,7 @@ class StepRecord:
     units: dict[Any, dict[int, int]] = dataclasses.field(default_factory=dict)
     kept: dict[int, Any] = dataclasses.field(default_factory=dict)  # for break/snapshot rules
     read_now: bool = False  # the sentinel saw a non-finite gradient: read at its end
+    averaged: bool = False  # a training forward ran inside DDP's (detailed tier only)
 
 
 class SlotTable:
@@ -322,7 +323,7 @@ def decode(step: StepRecord, values: dict[Any, list[float]], hosts: dict[Any, An
     ``values`` are the host copies as floats, ``hosts`` the same as tensors
     (the slot columns are judged there, as vectors).
     """
-    data = StepData(step.step, partial=step.partial, stats=step.stats)
+    data = StepData(step.step, partial=step.partial, stats=step.stats, averaged=step.averaged)
     for e in step.entries:
         device, offset, n = e.vec
         if e.kind == "slots":

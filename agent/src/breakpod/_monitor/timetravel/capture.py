@@ -23,7 +23,7 @@ from typing import Any
 from breakpod._core.announce import announce
 from breakpod._core.config import ENV, env_flag
 from breakpod._monitor.checks import all_finite
-from breakpod._monitor.peers import running_ddp
+from breakpod._monitor.peers import in_synced_ddp_forward
 from breakpod._monitor.root_hooks import RootHooks
 
 REPLAY_ENV = "BREAKPOD_REPLAY"
@@ -219,13 +219,6 @@ class Capture:
             self._root.pre.remove(self._before)
             self._root.post.remove(self._after)
         self.last = None
-
-
-def in_synced_ddp_forward() -> bool:
-    """Does this forward run inside DDP's, with its gradients to be averaged? (DDP's
-    Python reducer marks nothing: the watched model being DDP tells that one apart.)"""
-    active = running_ddp()
-    return active is not None and bool(getattr(active, "require_backward_grad_sync", True))
 
 
 def rng_states() -> tuple[Any, list[Any]]:
