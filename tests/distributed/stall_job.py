@@ -39,6 +39,8 @@ PARKS = set(filter(None, os.environ.get("PARKS", "").split(",")))
 BREAK_AT = int(os.environ.get("BREAK_AT", "-1"))  # rank 0 asks for a job-wide break here
 # this rank numbers its steps STEP_MULT times faster (ranks at different step counts)
 FAST_RANK = int(os.environ.get("FAST_RANK", "-1"))
+CRASH_RANK = int(os.environ.get("CRASH_RANK", "-1"))  # this rank raises at step CRASH_AT
+CRASH_AT = int(os.environ.get("CRASH_AT", "3"))
 STEP_MULT = int(os.environ.get("STEP_MULT", "2"))
 LATE_SECONDS = 60.0  # at most
 
@@ -106,6 +108,8 @@ def main():
         loss = model(batch).sum()
         opt.zero_grad()
         loss.backward()
+        if RANK == CRASH_RANK and step == CRASH_AT:
+            raise RuntimeError(f"rank {RANK} crashes at step {step}")
         if COLLECTIVE == "all_reduce":
             dist.all_reduce(loss.detach())
         opt.step()

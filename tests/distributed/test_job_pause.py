@@ -133,3 +133,21 @@ def test_a_hang_before_the_first_step_fails_within_the_process_group_timeout(tmp
         job.kill()
     assert rc != 0 and failed < 10 + 25, (failed, job.stderr)
     assert "past the process group's timeout (10s), and no rank is parked" in job.stderr
+
+
+@pytest.mark.slow  # about 15 s
+@pytest.mark.timeout(180)
+def test_a_crash_held_in_post_mortem_is_named_where_it_raised(tmp_path: Path):
+    """A post-mortem holds the process in the excepthook, whose stack no longer holds the
+    frame that raised: its peers read "rank 1 parked at events.py:106 in _contained"."""
+    base = free_ports(2)
+    env = debug_env(base, CRASH_RANK="1", CRASH_AT="3", STEPS="8", STEP_SLEEP="0.1")
+    env.update(BREAKPOD_POST_MORTEM="1", BREAKPOD_HOLD_SECONDS="3")
+    job = Job(tmp_path, 2, 29496, **env)
+    try:
+        said, _ = job.wait_for(r"^breakpod: \[rank 0\] rank 1 parked at (.*)$", timeout=90)
+        assert re.match(r"stall_job\.py:\d+ in main \(uncaught RuntimeError\); this", said[1])
+        assert job.wait(timeout=90) != 0  # nobody attached: rank 1 exits, as it would have
+    finally:
+        job.kill()
+    assert "[rank 1] uncaught RuntimeError at " in job.stderr, job.stderr

@@ -7,12 +7,15 @@ debugpy wait) report here, and the stall watchdog, a layer above, reads
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 _lock = threading.Lock()
 _count = 0
 _on_release: list[Callable[[], None]] = []
+_stopped_at: FrameType | None = None  # see stopped_at()
 
 
 def hold() -> None:
@@ -37,3 +40,20 @@ def is_held() -> bool:
 def on_release(callback: Callable[[], None]) -> None:
     if callback not in _on_release:
         _on_release.append(callback)
+
+
+@contextlib.contextmanager
+def stopped_at(frame: FrameType) -> Iterator[None]:
+    """A post-mortem holds the process in the excepthook, whose stack no longer holds the
+    frame that raised: while it lasts, that frame is where the process stopped (what its
+    peers and the stall report name)."""
+    global _stopped_at
+    previous, _stopped_at = _stopped_at, frame
+    try:
+        yield
+    finally:
+        _stopped_at = previous
+
+
+def stopped_frame() -> FrameType | None:
+    return _stopped_at

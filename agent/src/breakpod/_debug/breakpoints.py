@@ -35,6 +35,7 @@ import sys
 from collections.abc import Callable
 from types import FrameType, TracebackType
 
+from breakpod._core import holding
 from breakpod._core.announce import announce
 from breakpod._core.config import ENV, Settings
 from breakpod._core.errors import AnomalyError
@@ -240,17 +241,19 @@ def post_mortem(
     settings = settings_from_env()
     hold = settings.hold_seconds if hold_seconds is None else hold_seconds
     tb = user_traceback(tb)
-    reason = reason or f"post-mortem at {where(innermost(tb).tb_frame)}"
-    if debugger.debugpy_endpoint() is not None:
-        _post_mortem_debugpy(exc, tb, reason, hold)
-    elif use_local_pdb(settings):
-        local = LocalPdb()
-        local.reset()
-        local.interaction(None, tb)
-    else:
-        parked = park.open_pdb(settings, reason, hold, then)
-        if parked is not None:
-            remote_pdb.post_mortem(parked, tb, quit_mode=settings.quit_mode)
+    raised_in = innermost(tb).tb_frame
+    reason = reason or f"post-mortem at {where(raised_in)}"
+    with holding.stopped_at(raised_in):
+        if debugger.debugpy_endpoint() is not None:
+            _post_mortem_debugpy(exc, tb, reason, hold)
+        elif use_local_pdb(settings):
+            local = LocalPdb()
+            local.reset()
+            local.interaction(None, tb)
+        else:
+            parked = park.open_pdb(settings, reason, hold, then)
+            if parked is not None:
+                remote_pdb.post_mortem(parked, tb, quit_mode=settings.quit_mode)
 
 
 def _exc_and_tb(
