@@ -4,6 +4,7 @@ step (real torchrun, gloo, CPU, debug mode); a real hang still fails fast."""
 from __future__ import annotations
 
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -151,3 +152,21 @@ def test_a_crash_held_in_post_mortem_is_named_where_it_raised(tmp_path: Path):
     finally:
         job.kill()
     assert "[rank 1] uncaught RuntimeError at " in job.stderr, job.stderr
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_told_to_stop_stops_without_a_post_mortem(tmp_path: Path):
+    """SIGTERM (a pod's deletion) makes torchrun's agent raise SignalException, uncaught:
+    with post-mortem on, the launcher parked for the hold time before it exited."""
+    base = free_ports(2)
+    env = debug_env(base, STEPS="100000", STEP_SLEEP="0.1")
+    env.update(BREAKPOD_POST_MORTEM="1", BREAKPOD_HOLD_SECONDS="60")
+    job = Job(tmp_path, 2, 29498, **env)
+    try:
+        job.wait_for(r"\[rank 1\] debug mode: ", timeout=90)
+        job.proc.send_signal(signal.SIGTERM)  # torchrun itself, as the kubelet does
+        assert job.wait(timeout=30) != 0, job.stderr
+    finally:
+        job.kill()
+    assert "SignalException: the process was told to stop; no post-mortem" in job.stderr
+    assert "waiting up to 60s" not in job.stderr, job.stderr

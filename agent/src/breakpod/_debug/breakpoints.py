@@ -291,6 +291,9 @@ def install_excepthook() -> None:
         previous(exc_type, exc, tb)
         if tb is None or issubclass(exc_type, KeyboardInterrupt):
             return
+        if _told_to_stop(exc):
+            announce(f"uncaught {exc_type.__name__}: the process was told to stop; no post-mortem")
+            return
         if _already_held(exc):
             announce("the anomaly was already held in a debugger; exiting with status 1")
             return
@@ -305,6 +308,13 @@ def install_excepthook() -> None:
 
     hook.__breakpod__ = True  # type: ignore[attr-defined]
     sys.excepthook = hook
+
+
+def _told_to_stop(exc: BaseException) -> bool:
+    """An exception a signal handler raised to stop the process (torchrun's agent raises
+    SignalException on SIGTERM, as a pod's deletion sends): a request to stop, which a
+    park would hold up to the hold time, not a crash."""
+    return type(exc).__name__ == "SignalException" and hasattr(exc, "sigval")
 
 
 def _already_held(exc: BaseException) -> bool:
