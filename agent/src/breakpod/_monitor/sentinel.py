@@ -151,7 +151,9 @@ class Sentinel(StepPipeline):
         seconds = time.perf_counter() - started
         self.replay_seconds.append(seconds)
         last = capture.last
-        if not found and report.first is None:  # the replayed forward was finite
+        if not found and report.first is None and _outputs_were_finite(last):
+            # the replayed forward was finite, and so was the step's own: the NaN/Inf came
+            # from elsewhere (a step whose outputs were not finite did not reproduce: below)
             averaged = _averaged(self.model, last)
             if last.forwards > 1:  # only the last one is captured
                 why = _earlier_forward(last.forwards, averaged)
@@ -200,6 +202,8 @@ class Sentinel(StepPipeline):
         at its end, not ``check_every`` steps later."""
         if self.capture is None or self._is_probe or self._live is not None:
             return  # (with the detailed tier live, it sees the step as it runs)
+        if self.tier != SENTINEL:
+            return  # the detailed tier's own hooks localize it (a replay would say more)
         norms = [e.vec for e in self._current.entries if e.kind == "grads"]
         if not norms or any(v.device.type != "cpu" for v in norms):
             return
@@ -243,9 +247,8 @@ class Sentinel(StepPipeline):
         grads = any(e.kind == "grads" for e in done.entries)
         if grads and self.capture.redirected:
             return (
-                "the watched model's forward ran another of its methods in the step, patched "
-                "onto it for that call (Lightning's DDP runs training_step so), which a replay "
-                "cannot call again"
+                "the watched model's forward was patched during its own call in the step, which "
+                "leaves a replay nothing to call"
             )
         if grads and self.capture.last is None and not self._root.give_a_step():
             return (  # (compiled, its hooks leave the graph: it is captured from its next step)
@@ -310,6 +313,12 @@ def _averaged(model: Any, captured: Any) -> bool:
     return ddp and several_ranks()
 
 
+def _outputs_were_finite(captured: Any) -> bool:
+    """Were the captured forward's outputs finite in the step itself? (A host read of its
+    0-d flags: at an anomaly only.)"""
+    return all(bool(f) for f in captured.finite)
+
+
 def _earlier_forward(forwards: int, averaged: bool) -> str:
     another = ", or through DDP's all-reduce from another rank" if averaged else ""
     return (
@@ -334,6 +343,6 @@ def _not_reproduced(report: Any, found: list[Found], captured: Any) -> str:
         return str(report.why_not)
     # the probe's sites before the loss (a non-finite parameter makes the outputs so too)
     forward_bad = any(a.phase in (*BEFORE_LOSS, "param") for a, _ in found)
-    if not forward_bad and any(not bool(f) for f in captured.finite):
+    if not forward_bad and not _outputs_were_finite(captured):
         return "the model's outputs were non-finite in the step and finite in its replay"
     return ""

@@ -100,6 +100,10 @@ class StepInputs:
     # the forward ran inside DDP's, whose backward averages the gradients over the ranks
     # (the watched model may be the module DDP holds, as debug mode and HF's callbacks see it)
     averaged: bool = False
+    # the function the call ran in place of the model's forward: patched onto the instance
+    # for that call, which removed it (Lightning's DDP runs training_step so); the replay
+    # runs it again. None: the model's own forward
+    method: Any = None
 
 
 class Capture:
@@ -121,9 +125,10 @@ class Capture:
         self._kept: dict[str, Any] = {}  # the last copies of the running statistics
         self._kept_to: list[Any] = []  # the same, in order
         self._kept_from: list[Any] = []  # the buffers they copy
-        # A forward patched onto the instance for one call only (Lightning's DDP runs
-        # training_step through forward so, and unpatches it inside): not the model's own,
-        # and no replay can call it again. Seen once, no step is captured.
+        # The instance's forward at a call's start. A patch for one call only (Lightning's
+        # DDP runs training_step through forward so, and unpatches it inside) is kept for
+        # the replay (StepInputs.method); one made during the call leaves nothing a replay
+        # can call: seen once, no step is captured (``redirected``).
         self._forward: Any = None  # the instance's forward when the call began
         self.redirected = False
         root.pre.append(self._before)
@@ -188,8 +193,10 @@ class Capture:
         if replaying() or self.last is None:
             return
         if module.__dict__.get("forward") is not self._forward:
-            self.redirected, self.last = True, None
-            return
+            if self._forward is None:  # patched during the call: nothing a replay can call
+                self.redirected, self.last = True, None
+                return
+            self.last.method = self._forward  # the one-call patch, gone now
         try:
             outs = grad_outputs(output)
             self.last.output_grads = [None] * len(outs)

@@ -183,7 +183,7 @@ def _instrumented_run(model: Any, inputs: StepInputs) -> OpWatch:
     functions, ops = modes(watch)
     hooks = module_tracking(watch)
     try:
-        with functions, ops, autocast_as(inputs.autocast), _locally(model):
+        with functions, ops, autocast_as(inputs.autocast), _forward_as(model, inputs):
             result = model(*inputs.args, **inputs.kwargs)
         watch.reached(result)
         watch.outputs = [summary(t) for t in floats(result)[:OUTPUTS_SHOWN]]
@@ -201,19 +201,22 @@ def _instrumented_run(model: Any, inputs: StepInputs) -> OpWatch:
 
 
 @contextlib.contextmanager
-def _locally(model: Any) -> Iterator[None]:
-    """A data-parallel wrapper's call runs the module it holds, its own hooks included
-    (the monitors' batch check is one): DDP's forward would prepare its reducer for an
-    all-reduce (and broadcast buffers) that the other ranks, not replaying, never join;
-    ``DataParallel``'s would scatter over the devices again."""
+def _forward_as(model: Any, inputs: StepInputs) -> Iterator[None]:
+    """The model's call runs what the step's ran, its own hooks included (the monitors'
+    batch check is one). A function patched onto it for that call runs again (Lightning's
+    DDP runs training_step so). A data-parallel wrapper's runs the module it holds: DDP's
+    forward would prepare its reducer for an all-reduce (and broadcast buffers) that the
+    other ranks, not replaying, never join; ``DataParallel``'s would scatter over the
+    devices again."""
     import torch
 
     wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)
-    if not isinstance(model, wrappers):
+    forward = inputs.method or (model.module if isinstance(model, wrappers) else None)
+    if forward is None:
         yield
         return
     own = model.__dict__.get("forward")
-    model.__dict__["forward"] = model.module  # Module.__call__ reads self.forward
+    model.__dict__["forward"] = forward  # Module.__call__ reads self.forward
     try:
         yield
     finally:
@@ -286,6 +289,12 @@ def save_bundle(path: str | Path, model: Any, capture: Capture | None) -> Path:
     import torch
 
     inputs = _captured(capture)
+    if inputs.method is not None:
+        raise ReplayError(
+            f"step {inputs.step} ran {_name(inputs.method)} through the model's forward, patched "
+            "for that call (Lightning's DDP does so): a bundle replayed on the model alone "
+            "would run its forward instead; 'replay' in the process runs the step as it ran"
+        )
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     bundle = {
@@ -298,6 +307,15 @@ def save_bundle(path: str | Path, model: Any, capture: Capture | None) -> Path:
     }
     torch.save(bundle, target)
     return target
+
+
+def _name(method: Any) -> str:
+    """What a one-call patch of forward runs: Lightning's names it in its closure."""
+    code, cells = getattr(method, "__code__", None), getattr(method, "__closure__", None) or ()
+    names = dict(zip(getattr(code, "co_freevars", ()), cells, strict=False))
+    named = names.get("method_name")
+    value = named.cell_contents if named is not None else None
+    return f"{value}()" if isinstance(value, str) else "another function"
 
 
 def replay_bundle(path: str | Path, model: Any, *, trusted: bool = False) -> ReplayReport:
