@@ -84,6 +84,19 @@ NAN_ON_ONE_RANK = {
         ],
         [r"the detailed tier is on", r"replay failed"],
     ),
+    # two microbatches a step, the NaN in the first (forward 8: step 4), on rank 1: its
+    # backward's end is read on a CPU, and rank 1 replays it there. Rank 0's first backward
+    # ended finite, so its NaN came in through the all-reduce of the second (it said "from
+    # an earlier forward, or ...", and turned its detailed tier on)
+    "hf_trainer accumulating": (
+        {"REPLAYABLE": "1", "ACCUMULATE": "2", "NAN_AT": "8"},
+        [
+            r"\[rank 1\] anomaly: step 4 forward transformer\.h\.1\.mlp: \[nonfinite\] output",
+            r"\[rank 0\] monitor: step 4's non-finite value was not localized on this rank: "
+            r"its own step replayed finite, .*from another rank",
+        ],
+        [r"the detailed tier is on", r"replay failed", r"earlier"],
+    ),
     # Lightning's DDP runs training_step through the LightningModule's forward, patched
     # for that call: the replay runs that patch again (a replay once failed in the missing
     # forward; then no step was replayed, and the detailed tier was on from the start)
@@ -132,9 +145,7 @@ def test_a_nan_on_one_rank_is_skipped_by_both_and_each_rank_says_what_it_knows(
     env, said, unsaid = NAN_ON_ONE_RANK[name]
     job = torchrun(
         name.split()[0],
-        NAN_AT="4",
-        NAN_RANK="1",
-        **env,
+        **{"NAN_AT": "4", "NAN_RANK": "1", **env},
         BREAKPOD_PORT=str(free_ports(2)),
         BREAKPOD_HOLD_SECONDS="0.5",
         BREAKPOD_ON_EXPIRE="skip",

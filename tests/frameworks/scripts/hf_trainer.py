@@ -41,6 +41,7 @@ args = TrainingArguments(
     logging_steps=1,
     use_cpu=True,
     bf16=common.os.environ.get("BF16") == "1",  # CPU autocast
+    gradient_accumulation_steps=int(common.os.environ.get("ACCUMULATE", "1")),
     dataloader_num_workers=0,
     disable_tqdm=True,
 )

@@ -65,6 +65,8 @@ class Sentinel(StepPipeline):
         # a step localized at the end of its backward (CPU): step -> its findings, and how
         self._early: dict[int, tuple[dict[str, Found], str]] = {}
         self._bad_step = -2  # the last step whose gradients were seen non-finite (CPU)
+        # (step, forwards): its gradients were finite at the end of that forward's backward
+        self._finite_through = (-1, 0)
         self._live: Any = None  # a probe: the detailed tier, live after a failed replay
         self._live_until = 0
         self.replay_seconds: list[float] = []  # each localizing replay's time (the bench reads it)
@@ -155,7 +157,8 @@ class Sentinel(StepPipeline):
             # the replayed forward was finite, and so was the step's own: the NaN/Inf came
             # from elsewhere (a step whose outputs were not finite did not reproduce: below)
             averaged = _averaged(self.model, last)
-            if last.forwards > 1:  # only the last one is captured
+            earlier_finite = self._finite_through == (step, last.forwards - 1)  # read on a CPU
+            if last.forwards > 1 and not earlier_finite:  # only the last one is captured
                 why = _earlier_forward(last.forwards, averaged)
                 self._escalate(step, why)
                 return {}, f"not localized: {why}"
@@ -203,19 +206,20 @@ class Sentinel(StepPipeline):
         if self.capture is None or self._is_probe or self._live is not None:
             return  # (with the detailed tier live, it sees the step as it runs)
         if self.tier != SENTINEL:
-            return  # the detailed tier's own hooks localize it (a replay would say more)
+            return  # the detailed tier's own hooks localize it as it runs: no replay
         norms = [e.vec for e in self._current.entries if e.kind == "grads"]
         if not norms or any(v.device.type != "cpu" for v in norms):
             return
+        step, last = self._current.step, self.capture.last
         if self._norms_finite():
+            if last is not None and last.step == step:
+                self._finite_through = (step, last.forwards)
             return
-        step = self._current.step
         ongoing = self._bad_step in (step - 1, step)  # an outbreak reported already
         self._bad_step = step
         if ongoing or self._overflow(step):
             return
         self._current.read_now = True
-        last = self.capture.last
         if step not in self._early and last is not None and last.step == step:
             self._early = {step: self._replayed(step)}  # the latest step only
 
