@@ -124,8 +124,10 @@ class ModuleHooks(ShapeContracts):
         self._aside = _in_transform()  # the module hooks do nothing in this pass
         if self._aside:
             return
-        if self._grad_enabled() and in_synced_ddp_forward():
-            self._current.averaged = True  # its gradients come back averaged (detect.py)
+        if self.tier == DETAILED and self._grad_enabled() and in_synced_ddp_forward():
+            # its gradients come back averaged (detect.py; the detailed tier's hooks check
+            # every module, so a finite forward on this rank is known)
+            self._current.averaged = True
         self._sort_pass(self._current)
         slot = self._input_slot
         # the first tensor only: a later argument may hold -inf by design (an attention mask)
