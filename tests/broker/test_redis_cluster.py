@@ -8,6 +8,7 @@ keys land on more than one node, so the multi-slot paths really run."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import threading
 import time
@@ -24,12 +25,29 @@ from tests.brokerkit import ADMIN, AGENT, VIEWER, BrokerProcess, Follower, wait_
 NODES = 3
 
 
-MAX_CLUSTER_PORT = 55535  # a node's bus listens on port + 10000
+BUS_OFFSET = 10000  # a node's cluster bus listens on its port + this
+MAX_CLUSTER_PORT = 65535 - BUS_OFFSET
+TRIES = 3  # a node whose port or bus port was taken between the check and its bind
 
 
 def cluster_port() -> int:
-    """A free port low enough for the node's cluster bus port to exist too."""
-    return wait_until(lambda: (port := free_port()) <= MAX_CLUSTER_PORT and port, timeout=5)
+    """A free port whose cluster bus port is free too (a bus port taken by another test's
+    socket made a node abort: "Could not create server TCP listening socket")."""
+
+    def both_free() -> int:
+        port = free_port()
+        return port if port <= MAX_CLUSTER_PORT and _bindable(port + BUS_OFFSET) else 0
+
+    return wait_until(both_free, timeout=5)
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class RedisClusterNodes:
@@ -49,16 +67,8 @@ class RedisClusterNodes:
         cli = Path(server).with_name("redis-cli")
         if not cli.is_file():
             pytest.skip(f"no redis-cli next to {server} to assign the cluster's slots")
-        for port in self.ports:
-            folder = self.root / str(port)
-            folder.mkdir()
-            argv = [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)]
-            argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
-            argv += ["--cluster-node-timeout", "5000", "--save", "", "--appendonly", "no"]
-            argv += ["--logfile", str(folder / "redis.log")]
-            self.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
-        for port in self.ports:
-            wait_until(lambda port=port: _pings(port), timeout=20)
+        for i in range(NODES):
+            self.procs.append(self._node(i, server))
         nodes = [f"127.0.0.1:{p}" for p in self.ports]
         subprocess.run(
             [str(cli), "--cluster", "create", *nodes, "--cluster-replicas", "0", "--cluster-yes"],
@@ -69,6 +79,26 @@ class RedisClusterNodes:
         )
         wait_until(self._ready, timeout=30, interval=0.2)
         return self
+
+    def _node(self, i: int, server: str) -> subprocess.Popen[bytes]:
+        """Node ``i`` up and answering; on a port taken meanwhile, again on another."""
+        for _ in range(TRIES):
+            port = self.ports[i]
+            folder = self.root / str(port)
+            folder.mkdir()
+            argv = [server, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder)]
+            argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+            argv += ["--cluster-node-timeout", "5000", "--save", "", "--appendonly", "no"]
+            argv += ["--logfile", str(folder / "redis.log")]
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+            wait_until(lambda p=proc, n=port: p.poll() is not None or _pings(n), timeout=20)
+            if proc.poll() is None:
+                return proc
+            self.ports[i] = cluster_port()
+        log = (folder / "redis.log").read_text(errors="replace")[-800:]
+        raise AssertionError(
+            f"no redis cluster node started in {TRIES} tries; the last said:\n{log}"
+        )
 
     def _ready(self) -> bool:
         for port in self.ports:
