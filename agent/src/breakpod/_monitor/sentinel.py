@@ -29,6 +29,7 @@ later, or after its update, may not reproduce, and the detailed tier takes over.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from types import FrameType
@@ -65,8 +66,9 @@ class Sentinel(StepPipeline):
         # a step localized at the end of its backward (CPU): step -> its findings, and how
         self._early: dict[int, tuple[dict[str, Found], str]] = {}
         self._bad_step = -2  # the last step whose gradients were seen non-finite (CPU)
-        # (step, forwards): its gradients were finite at the end of that forward's backward
-        self._finite_through = (-1, 0)
+        # (step, forwards) -> the gradient norms at the end of that forward's backward (the
+        # last two kept, no copy): read at a trigger only, a host read there on a GPU
+        self._backward_norms: dict[tuple[int, int], list[Any]] = {}
         self._live: Any = None  # a probe: the detailed tier, live after a failed replay
         self._live_until = 0
         self.replay_seconds: list[float] = []  # each localizing replay's time (the bench reads it)
@@ -157,7 +159,7 @@ class Sentinel(StepPipeline):
             # the replayed forward was finite, and so was the step's own: the NaN/Inf came
             # from elsewhere (a step whose outputs were not finite did not reproduce: below)
             averaged = _averaged(self.model, last)
-            earlier_finite = self._finite_through == (step, last.forwards - 1)  # read on a CPU
+            earlier_finite = self._finite_before(step, last.forwards)
             if last.forwards > 1 and not earlier_finite:  # only the last one is captured
                 why = _earlier_forward(last.forwards, averaged)
                 self._escalate(step, why)
@@ -208,12 +210,15 @@ class Sentinel(StepPipeline):
         if self.tier != SENTINEL:
             return  # the detailed tier's own hooks localize it as it runs: no replay
         norms = [e.vec for e in self._current.entries if e.kind == "grads"]
+        step, last = self._current.step, self.capture.last
+        if norms and last is not None and last.step == step:
+            kept = self._backward_norms.get((step, last.forwards - 1))
+            self._backward_norms = {(step, last.forwards): norms}
+            if kept is not None:
+                self._backward_norms[(step, last.forwards - 1)] = kept
         if not norms or any(v.device.type != "cpu" for v in norms):
             return
-        step, last = self._current.step, self.capture.last
         if self._norms_finite():
-            if last is not None and last.step == step:
-                self._finite_through = (step, last.forwards)
             return
         ongoing = self._bad_step in (step - 1, step)  # an outbreak reported already
         self._bad_step = step
@@ -222,6 +227,12 @@ class Sentinel(StepPipeline):
         self._current.read_now = True
         if step not in self._early and last is not None and last.step == step:
             self._early = {step: self._replayed(step)}  # the latest step only
+
+    def _finite_before(self, step: int, forwards: int) -> bool:
+        """Were the step's gradients finite at the end of its next-to-last forward's
+        backward? Then an earlier forward did not make the NaN (gradient accumulation)."""
+        earlier = self._backward_norms.get((step, forwards - 1))
+        return earlier is not None and all(math.isfinite(v.max()) for v in earlier)
 
     def _overflow(self, step: int) -> bool:
         """Most likely a GradScaler's overflow, which the judgement holds (scaling.py): the
