@@ -182,10 +182,12 @@ class ParamPlanning(Reporting):
         return not self._norms_finite()
 
     def _norms_finite(self) -> bool:
-        """Are this step's gradient norms finite? One op a vector: a NaN/Inf is its max
-        (norms are >= 0). On a GPU, a host read."""
-        entries = self._current.entries
-        return all(math.isfinite(e.vec.max()) for e in entries if e.kind == "grads")
+        """Are this step's gradient norms finite? On a GPU, a host read."""
+        return norms_finite(self._grad_vectors())
+
+    def _grad_vectors(self) -> list[Any]:
+        """This step's gradient norms as collected: a vector per device and group."""
+        return [e.vec for e in self._current.entries if e.kind == "grads"]
 
     def _add_state_checks(self, step: StepRecord) -> None:
         """Parameters and BatchNorm buffers persist, so they are checked only at reads."""
@@ -242,6 +244,11 @@ class ParamPlanning(Reporting):
         if ddp is not None:
             self._peers_unknown = False
             self._peers = replicas_of(ddp, self.model)
+
+
+def norms_finite(vectors: list[Any]) -> bool:
+    """One op a vector: a NaN/Inf is its max (norms are >= 0). On a GPU, a host read."""
+    return all(math.isfinite(v.max()) for v in vectors)
 
 
 def _nonfinite_applies(rule: Rule, where: str, module: Any) -> bool:

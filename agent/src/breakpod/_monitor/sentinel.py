@@ -29,7 +29,6 @@ later, or after its update, may not reproduce, and the detailed tier takes over.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from types import FrameType
@@ -37,7 +36,8 @@ from typing import Any
 
 from breakpod._core.announce import announce
 from breakpod._monitor.anomaly import Anomaly
-from breakpod._monitor.peers import several_ranks
+from breakpod._monitor.params import norms_finite
+from breakpod._monitor.peers import VIA_ALL_REDUCE, several_ranks
 from breakpod._monitor.pipeline import StepPipeline
 from breakpod._monitor.rules import Rule
 from breakpod._monitor.stats import StepRecord
@@ -45,11 +45,7 @@ from breakpod._monitor.tiers import DETAILED, SENTINEL, detailed_steps
 
 Found = tuple[Anomaly, Rule]
 BEFORE_LOSS = ("input", "forward")  # a probe's sites that come before the loss in a step
-FROM_ANOTHER_RANK = (
-    "not localized on this rank: its own step replayed finite, so the NaN/Inf most likely "
-    "reached its gradients through DDP's all-reduce, from another rank (whose own report "
-    "says where)"
-)
+FROM_ANOTHER_RANK = f"not localized on this rank: its own step replayed finite, so {VIA_ALL_REDUCE}"
 
 NOT_REPLAYED_SHARDED = (
     "the model is under FSDP, so its step is not replayed: its forward gathers parameters "
@@ -66,9 +62,9 @@ class Sentinel(StepPipeline):
         # a step localized at the end of its backward (CPU): step -> its findings, and how
         self._early: dict[int, tuple[dict[str, Found], str]] = {}
         self._bad_step = -2  # the last step whose gradients were seen non-finite (CPU)
-        # (step, forwards) -> the gradient norms at the end of that forward's backward (the
-        # last two kept, no copy): read at a trigger only, a host read there on a GPU
-        self._backward_norms: dict[tuple[int, int], list[Any]] = {}
+        # ((step, forwards), gradient norms) at the end of the last two backwards: no copy,
+        # read at a trigger only (a host read there on a GPU), for gradient accumulation
+        self._backward_norms: list[tuple[tuple[int, int], list[Any]]] = []
         self._live: Any = None  # a probe: the detailed tier, live after a failed replay
         self._live_until = 0
         self.replay_seconds: list[float] = []  # each localizing replay's time (the bench reads it)
@@ -159,8 +155,7 @@ class Sentinel(StepPipeline):
             # the replayed forward was finite, and so was the step's own: the NaN/Inf came
             # from elsewhere (a step whose outputs were not finite did not reproduce: below)
             averaged = _averaged(self.model, last)
-            earlier_finite = self._finite_before(step, last.forwards)
-            if last.forwards > 1 and not earlier_finite:  # only the last one is captured
+            if last.forwards > 1 and not self._finite_before(step, last.forwards):
                 why = _earlier_forward(last.forwards, averaged)
                 self._escalate(step, why)
                 return {}, f"not localized: {why}"
@@ -209,16 +204,13 @@ class Sentinel(StepPipeline):
             return  # (with the detailed tier live, it sees the step as it runs)
         if self.tier != SENTINEL:
             return  # the detailed tier's own hooks localize it as it runs: no replay
-        norms = [e.vec for e in self._current.entries if e.kind == "grads"]
+        norms = self._grad_vectors()
         step, last = self._current.step, self.capture.last
         if norms and last is not None and last.step == step:
-            kept = self._backward_norms.get((step, last.forwards - 1))
-            self._backward_norms = {(step, last.forwards): norms}
-            if kept is not None:
-                self._backward_norms[(step, last.forwards - 1)] = kept
+            self._backward_norms = [*self._backward_norms[-1:], ((step, last.forwards), norms)]
         if not norms or any(v.device.type != "cpu" for v in norms):
             return
-        if self._norms_finite():
+        if norms_finite(norms):
             return
         ongoing = self._bad_step in (step - 1, step)  # an outbreak reported already
         self._bad_step = step
@@ -231,8 +223,8 @@ class Sentinel(StepPipeline):
     def _finite_before(self, step: int, forwards: int) -> bool:
         """Were the step's gradients finite at the end of its next-to-last forward's
         backward? Then an earlier forward did not make the NaN (gradient accumulation)."""
-        earlier = self._backward_norms.get((step, forwards - 1))
-        return earlier is not None and all(math.isfinite(v.max()) for v in earlier)
+        earlier = [norms for key, norms in self._backward_norms if key == (step, forwards - 1)]
+        return bool(earlier) and norms_finite(earlier[0])
 
     def _overflow(self, step: int) -> bool:
         """Most likely a GradScaler's overflow, which the judgement holds (scaling.py): the
