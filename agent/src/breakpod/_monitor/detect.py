@@ -19,7 +19,7 @@ from typing import Any
 
 from breakpod._monitor.anomaly import Anomaly
 from breakpod._monitor.baselines import EXPLODING, VANISHING, NormBaselines
-from breakpod._monitor.peers import several_ranks
+from breakpod._monitor.peers import VIA_ALL_REDUCE, several_ranks
 from breakpod._monitor.rules import Rule
 
 FLIGHT_COLUMNS = 3  # L2 norm, min, max
@@ -124,10 +124,7 @@ class StepData:
 
 
 Found = tuple[Anomaly, Rule]
-THROUGH_ALL_REDUCE = (
-    "; this rank's forward, loss and backward ran finite, so it most likely reached the "
-    "gradients through DDP's all-reduce, from another rank (whose own report says where)"
-)
+THROUGH_ALL_REDUCE = f"; this rank's forward, loss and backward ran finite, so {VIA_ALL_REDUCE}"
 OVERFLOW = "overflow"  # details["kind"]: finite values whose L2 norm or sum exceeds float32
 # (phase "param" or "backward", step, parameter index) -> the tensor whose norm that was, or
 # None once it is gone (a gradient read after its step)
@@ -389,10 +386,11 @@ def _through_all_reduce(rule: Rule, first: Anomaly, data: StepData) -> bool:
     """Is a parameter's non-finite gradient the step's first site on this rank, with its
     forward, loss and backward checked and finite, and its gradients averaged by DDP?
     Then it came from another rank's. (The sentinel's replay says so too: sentinel.py.)"""
-    where = rule["where"]
-    checked = data.stats and all(w in where for w in ("activation", "loss"))
+    if not data.averaged or not data.stats:
+        return False
+    checked = all(w in rule["where"] for w in ("activation", "loss"))
     grad_of_param = first.phase == "backward" and "param" in first.details
-    return data.averaged and checked and grad_of_param and several_ranks()
+    return checked and grad_of_param and several_ranks()
 
 
 def _nonfinite_sample(rule: Rule, step: int, s: Sample) -> Anomaly | None:

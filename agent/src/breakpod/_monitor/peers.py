@@ -177,6 +177,13 @@ def running_ddp() -> Any:
     return getattr(ddp, "_active_ddp_module", None)
 
 
+# what a rank says of a NaN/Inf its own step did not make (sentinel.py, detect.py)
+VIA_ALL_REDUCE = (
+    "the NaN/Inf most likely reached its gradients through DDP's all-reduce, from another "
+    "rank (whose own report says where)"
+)
+
+
 def in_synced_ddp_forward() -> bool:
     """Does this forward run inside DDP's, with its gradients to be averaged? (DDP's
     Python reducer marks nothing: the watched model being DDP tells that one apart.)"""
