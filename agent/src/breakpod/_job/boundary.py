@@ -215,7 +215,7 @@ def note_park(reason: str, frame: FrameType | None) -> None:
     place = _active.place if _active is not None else job.Place.from_env()
     if not place.distributed:
         return
-    where = stall_report.where(stall_report.user_frame(holding.stopped_frame() or frame))
+    where = stall_report.stopped_where(frame)
     if _active is not None and _active.pause is not None:
         _active.pause.park_note = job_pause.note_for(reason, where)
         if _active.board is None and _active.job_view_missing is None:  # not tried yet

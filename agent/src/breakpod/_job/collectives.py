@@ -183,7 +183,11 @@ def _counting_hook(later: list[Any]) -> Callable[..., Any]:
         bucket over DDP's group): counted once per bucket."""
         progress.enter("DDP all_reduce")
         try:
-            future = later[0][0](later[0][1], bucket) if later else _average(state, bucket)
+            if later:
+                hook, own_state = later[0]
+                future = hook(own_state, bucket)
+            else:
+                future = _average(state, bucket)
         except BaseException:
             progress.leave()
             raise

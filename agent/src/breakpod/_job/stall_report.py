@@ -16,6 +16,7 @@ from types import FrameType
 from typing import Any
 
 from breakpod import protocol
+from breakpod._core import holding
 
 Record = Mapping[str, Any]
 _LIBRARY_DIRS = tuple(
@@ -31,6 +32,12 @@ def user_frame(frame: FrameType | None) -> FrameType | None:
     while frame is not None and _library(frame):
         frame = frame.f_back
     return frame or innermost
+
+
+def stopped_where(frame: FrameType | None) -> str:
+    """Where the process stands, from ``frame`` of its thread: the user's frame, or the
+    frame a post-mortem holds, which an excepthook's stack no longer holds."""
+    return where(user_frame(holding.stopped_frame() or frame))
 
 
 def where(frame: FrameType | None) -> str:

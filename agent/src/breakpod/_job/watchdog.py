@@ -304,7 +304,7 @@ class Watchdog:
             "completed": progress.completed,
             "op": progress.op,
             "state": state,
-            "frame": stall_report.where(stall_report.user_frame(holding.stopped_frame() or main)),
+            "frame": stall_report.stopped_where(main),
             "stalled": self._stalled,
             "silent": round(silent, 1),
             "time": time.time(),

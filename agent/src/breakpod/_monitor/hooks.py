@@ -117,14 +117,15 @@ class ModuleHooks(ShapeContracts):
 
     def _on_model_input(self, module: Any, inputs: tuple[Any, ...], kwargs: Any) -> None:
         self._pass += 1  # a claim holds for one pass: a module may return one tensor each step
-        if self._grad_enabled():
+        training = self._grad_enabled()
+        if training:
             self._updated = False  # a training pass: the next step has begun (see record_loss)
         if not self._module_checks:
             return
         self._aside = _in_transform()  # the module hooks do nothing in this pass
         if self._aside:
             return
-        if self.tier == DETAILED and self._grad_enabled() and in_synced_ddp_forward():
+        if training and self.tier == DETAILED and in_synced_ddp_forward():
             # its gradients come back averaged (detect.py; the detailed tier's hooks check
             # every module, so a finite forward on this rank is known)
             self._current.averaged = True
