@@ -183,24 +183,25 @@ def test_a_collective_in_a_fullgraph_compiled_region_runs_with_the_counters_inst
     assert "counted 1" in out, out
 
 
-DDP_IN_A_GROUP = """
+def two_ranks(run: str) -> str:
+    """A job of two processes over gloo with the collectives counted, as stall detection
+    counts them; ``run`` defines ``run(rank)``, each rank's part between the two."""
+    return (
+        """
 import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
+from breakpod._job import collectives
+"""
+        + run
+        + """
 
 def rank_main(rank, store):
-    from breakpod._job import collectives
-
     collectives.install()  # as stall detection does in a job of several ranks
     dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
-    groups = [dist.new_group([0]), dist.new_group([1])]  # a data-parallel group per stage
     torch.manual_seed(0)
-    model = torch.nn.Linear(2, 1)
-    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=groups[rank])
-    ddp(torch.full((1, 2), float(rank + 1))).sum().backward()
-    print(f"rank {rank} grad {model.weight.grad.tolist()}", flush=True)
+    run(rank)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -208,6 +209,17 @@ def rank_main(rank, store):
 if __name__ == "__main__":
     mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
 """
+    )
+
+
+DDP_IN_A_GROUP = two_ranks("""
+def run(rank):
+    groups = [dist.new_group([0]), dist.new_group([1])]  # a data-parallel group per stage
+    model = torch.nn.Linear(2, 1)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=groups[rank])
+    ddp(torch.full((1, 2), float(rank + 1))).sum().backward()
+    print(f"rank {rank} grad {model.weight.grad.tolist()}", flush=True)
+""")
 
 
 @pytest.mark.timeout(120)
@@ -226,23 +238,12 @@ def test_ddp_over_its_own_group_averages_over_that_group_with_the_counters_insta
     )
 
 
-A_HOOK_AFTER_THE_FIRST_FORWARD = """
-import sys
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
+A_HOOK_AFTER_THE_FIRST_FORWARD = two_ranks("""
 def summed(state, bucket):  # the job's own hook: a sum where DDP would average
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda f: f.value()[0])
 
 
-def rank_main(rank, store):
-    from breakpod._job import collectives
-
-    collectives.install()
-    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
-    torch.manual_seed(0)
+def run(rank):
     model = torch.nn.Linear(2, 1)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     out = ddp(torch.full((1, 2), float(rank + 1)))  # a warm-up forward: the counting hook
@@ -255,13 +256,7 @@ def rank_main(rank, store):
         ddp.register_comm_hook(None, summed)
     except RuntimeError as refused:
         print(f"rank {rank} again: {refused}", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
-"""
+""")
 
 
 @pytest.mark.timeout(120)
